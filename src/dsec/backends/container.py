@@ -1,0 +1,422 @@
+"""The container backend: crun over an overlayfs of composed layers.
+
+Lifecycle of one sandbox (all host resources carry the prefix ``dsec``)::
+
+    create:  tmpfs "dsec-<id>" on <run>/sandboxes/<id>/up      (upper + work; size = disk quota)
+             overlay "dsec-<id>" on <run>/sandboxes/<id>/rootfs (layers as lowerdirs, top first)
+             config.json, then `crun run -d` with the shim control socketpair at fds 3-4
+             -> PID 1 is dsec-shim; ready when it answers a ping
+    spawn:   one datagram to the shim with stdio fds + an exec cgroup fd (see dsec-shim.c)
+    adopt:   after an edge restart: pidfd_open(shim) + pidfd_getfd(shim, 4) gives the control
+             socket back; messages sent while the edge was away are still queued in it
+    destroy: SIGKILL the shim (the pid namespace dies with it), crun delete, unmount, rm
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dsec.errors import CapacityExhausted, InternalError, InvalidRequest
+from dsec.isolation import linux
+from dsec.isolation.cgroups import CgroupHost
+from dsec.isolation.spec import ID_RANGE, Limits, build_config
+
+_HDR = struct.Struct("<IiiHHB")
+_REPLY = struct.Struct("<Ii")
+MAX_OVERLAY_OPTS = 4000
+
+
+class ShimChannel:
+    """The edge's end of a sandbox's control socket."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._next = random.randrange(1 << 30, 1 << 31)
+        self._started: dict[int, asyncio.Future[int]] = {}
+        self._exited: dict[int, asyncio.Future[int]] = {}
+        self._pongs: dict[int, asyncio.Future[None]] = {}
+        self.closed = False
+        self._loop.add_reader(sock.fileno(), self._on_readable)
+
+    def _new_id(self) -> int:
+        self._next = (self._next + 1) & 0x7FFFFFFF
+        return self._next
+
+    def _on_readable(self) -> None:
+        while True:
+            try:
+                msg = self.sock.recv(64)
+            except BlockingIOError:
+                return
+            except OSError:
+                msg = b""
+            if not msg:
+                self.close()
+                return
+            kind = msg[:1]
+            ident, value = _REPLY.unpack_from(msg, 1)
+            if kind == b"R":
+                fut = self._started.pop(ident, None)
+                if fut and not fut.done():
+                    fut.set_result(value)
+            elif kind == b"F":
+                fut = self._started.pop(ident, None)
+                self._exited.pop(ident, None)
+                if fut and not fut.done():
+                    fut.set_exception(OSError(value, os.strerror(value)))
+            elif kind == b"X":
+                fut = self._exited.pop(ident, None)
+                if fut and not fut.done():
+                    fut.set_result(value)
+            elif kind == b"p":
+                pong = self._pongs.pop(ident, None)
+                if pong and not pong.done():
+                    pong.set_result(None)
+
+    def _send(self, data: bytes, fds: Sequence[int] = ()) -> None:
+        if self.closed:
+            raise InternalError("the sandbox's control channel is closed")
+        try:
+            if fds:
+                socket.send_fds(self.sock, [data], list(fds))
+            else:
+                self.sock.send(data)
+        except BlockingIOError as e:
+            raise CapacityExhausted("the sandbox's control channel is congested; retry") from e
+
+    async def ping(self, timeout: float = 5.0) -> None:
+        ident = self._new_id()
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._pongs[ident] = fut
+        self._send(b"P" + struct.pack("<I", ident))
+        try:
+            await asyncio.wait_for(fut, timeout)
+        finally:
+            self._pongs.pop(ident, None)
+
+    async def spawn(
+        self,
+        argv: Sequence[str],
+        env: dict[str, str],
+        *,
+        cwd: str,
+        uid: int,
+        gid: int,
+        stdio: tuple[int, int, int],
+        cgroup_fds: Sequence[int] = (),
+    ) -> tuple[int, int, asyncio.Future[int]]:
+        """Start a process; returns (message id, pid inside, future of its wait status)."""
+        env_items = [f"{k}={v}" for k, v in env.items()]
+        ident = self._new_id()
+        strings = [cwd, *argv, *env_items]
+        if any("\0" in s for s in strings):
+            raise InvalidRequest("arguments, environment and cwd must not contain NUL bytes")
+        payload = b"S" + _HDR.pack(ident, uid, gid, len(argv), len(env_items), len(cgroup_fds))
+        payload += b"".join(s.encode() + b"\0" for s in strings)
+        if len(payload) > 262_000:
+            raise InvalidRequest(
+                "command line and environment exceed 256 KiB; pass large data through stdin or a file"
+            )
+        started: asyncio.Future[int] = self._loop.create_future()
+        exited: asyncio.Future[int] = self._loop.create_future()
+        self._started[ident] = started
+        self._exited[ident] = exited
+        try:
+            self._send(payload, [*stdio, *cgroup_fds])
+            pid = await started
+        except BaseException:
+            self._started.pop(ident, None)
+            self._exited.pop(ident, None)
+            raise
+        return ident, pid, exited
+
+    def signal(self, ident: int, sig: int) -> None:
+        with contextlib.suppress(InternalError, OSError):
+            self._send(b"K" + struct.pack("<Ii", ident, sig))
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(Exception):
+            self._loop.remove_reader(self.sock.fileno())
+        self.sock.close()
+        err = InternalError("the sandbox stopped")
+        for futs in (self._started, self._exited, self._pongs):
+            for f in futs.values():
+                if not f.done():
+                    f.set_exception(err)
+                    f.exception()  # mark retrieved: nobody may be waiting any more
+            futs.clear()
+
+
+@dataclass
+class Container:
+    id: str
+    pid: int
+    start_time: int
+    dir: Path
+    pidfd: int
+    channel: ShimChannel
+    exited: asyncio.Future[None]
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def rootfs(self) -> Path:
+        return self.dir / "rootfs"
+
+    def alive(self) -> bool:
+        return not self.exited.done()
+
+
+@dataclass(frozen=True)
+class ContainerPlan:
+    id: str
+    lowerdirs: list[Path]
+    limits: Limits
+    disk_mb: int
+    env: dict[str, str]
+
+
+class ContainerBackend:
+    """Creates, adopts and destroys container sandboxes on this node."""
+
+    name = "container"
+
+    def __init__(
+        self, *, run_dir: Path, shim: Path, runtime: str, uid_offset: int, cgroups: CgroupHost
+    ) -> None:
+        self.run_dir = run_dir
+        self.sandboxes_dir = run_dir / "sandboxes"
+        self.runtime_root = run_dir / "runtime"
+        self.shim = shim
+        self.runtime = shutil.which(runtime) or runtime
+        self.uid_offset = uid_offset
+        self.cgroups = cgroups
+        self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
+        self.runtime_root.mkdir(parents=True, exist_ok=True)
+
+    # --- create ---------------------------------------------------------------
+
+    async def create(self, plan: ContainerPlan) -> Container:
+        t0 = time.perf_counter()
+        d = self.sandboxes_dir / plan.id
+        try:
+            self._prepare_rootfs(d, plan)
+            t1 = time.perf_counter()
+            pid = await self._start_runtime(d, plan)
+            t2 = time.perf_counter()
+            container = self._attach(plan.id, d, pid, None)
+            await container.channel.ping()
+            t3 = time.perf_counter()
+        except BaseException:
+            await self._teardown(plan.id, d)
+            raise
+        container.timings_ms = {
+            "layer_preparation": (t1 - t0) * 1000,
+            "runtime_start": (t2 - t1) * 1000,
+            "ready": (t3 - t2) * 1000,
+        }
+        return container
+
+    def _prepare_rootfs(self, d: Path, plan: ContainerPlan) -> None:
+        up, rootfs = d / "up", d / "rootfs"
+        d.mkdir(mode=0o711)  # the userns root must traverse it to reach rootfs
+        d.chmod(0o711)
+        up.mkdir()
+        rootfs.mkdir()
+        host_root = self.uid_offset
+        linux.mount(
+            f"dsec-{plan.id}",
+            str(up),
+            "tmpfs",
+            linux.MS_NOSUID | linux.MS_NODEV,
+            f"size={plan.disk_mb}m,mode=0755,uid={host_root},gid={host_root}",
+        )
+        for sub in ("upper", "work"):
+            (up / sub).mkdir()
+            os.chown(up / sub, host_root, host_root)
+        lower = ":".join(str(p) for p in plan.lowerdirs)
+        opts = f"lowerdir={lower},upperdir={up / 'upper'},workdir={up / 'work'}"
+        if len(opts) > MAX_OVERLAY_OPTS:
+            raise InvalidRequest(
+                f"image has too many layers ({len(plan.lowerdirs)}) to stack; merge some layers"
+            )
+        linux.mount(f"dsec-{plan.id}", str(rootfs), "overlay", 0, opts)
+        config = build_config(
+            hostname=plan.id,
+            args=["/.dsec/shim", "init"],
+            cgroups_path=self.cgroups.sandbox_path(plan.id),
+            limits=plan.limits,
+            uid_offset=self.uid_offset,
+            id_range=ID_RANGE,
+            env=plan.env,
+        )
+        (d / "config.json").write_text(json.dumps(config))
+
+    async def _start_runtime(self, d: Path, plan: ContainerPlan) -> int:
+        edge_end, shim_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # The shim keeps a copy of the edge end (fd 4): see adopt().
+        with edge_end, shim_end, open(d / "runtime.log", "wb") as log:
+            argv = [
+                str(self.shim),
+                "crun-wrap",
+                str(shim_end.fileno()),
+                str(edge_end.fileno()),
+                "1" if self.cgroups.hybrid else "0",
+                "--",
+                self.runtime,
+                "--root",
+                str(self.runtime_root),
+                "run",
+                "--detach",
+                "--preserve-fds",
+                "2",
+                "--pid-file",
+                str(d / "pid"),
+                "--bundle",
+                str(d),
+                plan.id,
+            ]
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                pass_fds=(shim_end.fileno(), edge_end.fileno()),
+            )
+            rc = await proc.wait()
+        if rc != 0:
+            msg = (d / "runtime.log").read_text(errors="replace").strip()[-2000:]
+            raise InternalError(f"the OCI runtime failed to start the sandbox: {msg or f'exit code {rc}'}")
+        return int((d / "pid").read_text())
+
+    def _attach(self, sandbox_id: str, d: Path, pid: int, start_time: int | None) -> Container:
+        pidfd = os.pidfd_open(pid)
+        try:
+            actual = linux.proc_start_time(pid)
+            if actual is None or (start_time is not None and actual != start_time):
+                raise ProcessLookupError(pid)
+            sock = socket.socket(fileno=linux.pidfd_getfd(pidfd, 4))
+        except BaseException:
+            os.close(pidfd)
+            raise
+        loop = asyncio.get_running_loop()
+        exited: asyncio.Future[None] = loop.create_future()
+
+        def on_exit() -> None:
+            loop.remove_reader(pidfd)
+            if not exited.done():
+                exited.set_result(None)
+
+        loop.add_reader(pidfd, on_exit)
+        return Container(sandbox_id, pid, actual, d, pidfd, ShimChannel(sock), exited)
+
+    # --- adopt / destroy --------------------------------------------------------
+
+    async def adopt(self, sandbox_id: str, pid: int, start_time: int) -> Container | None:
+        """Re-attach to a sandbox a previous edge process started, if it still runs."""
+        d = self.sandboxes_dir / sandbox_id
+        if not (d / "rootfs").is_dir():
+            return None
+        try:
+            container = self._attach(sandbox_id, d, pid, start_time)
+        except (ProcessLookupError, OSError):
+            return None
+        try:
+            await container.channel.ping(timeout=2.0)
+        except (TimeoutError, InternalError, OSError):
+            await self.destroy(container)
+            return None
+        return container
+
+    async def destroy(self, container: Container) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(container.pidfd, signal.SIGKILL)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(container.exited), 5.0)
+        container.channel.close()
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().remove_reader(container.pidfd)
+        os.close(container.pidfd)
+        await self._teardown(container.id, container.dir)
+
+    async def _teardown(self, sandbox_id: str, d: Path) -> None:
+        """Remove every host resource of a sandbox; safe to call on partial state."""
+        if (self.runtime_root / sandbox_id).exists():
+            proc = await asyncio.create_subprocess_exec(
+                self.runtime,
+                "--root",
+                str(self.runtime_root),
+                "delete",
+                "--force",
+                sandbox_id,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL,
+            )
+            await proc.wait()
+            shutil.rmtree(self.runtime_root / sandbox_id, ignore_errors=True)
+        self.cgroups.remove_sandbox(sandbox_id)
+        for m in (d / "rootfs", d / "up"):
+            unmount_all(m)
+        shutil.rmtree(d, ignore_errors=True)
+
+    def runtime_ids(self) -> set[str]:
+        with contextlib.suppress(FileNotFoundError):
+            return {p.name for p in self.runtime_root.iterdir() if p.is_dir()}
+        return set()
+
+    def sandbox_dirs(self) -> set[str]:
+        with contextlib.suppress(FileNotFoundError):
+            return {p.name for p in self.sandboxes_dir.iterdir() if p.is_dir()}
+        return set()
+
+    async def remove_orphan(self, sandbox_id: str) -> None:
+        """Kill and remove whatever is left of a sandbox no record claims."""
+        pid_file = self.sandboxes_dir / sandbox_id / "pid"
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(pid_file.read_text())
+            # Only a process that is still in this sandbox's cgroup is ours to kill.
+            if pid in self.cgroups.procs(sandbox_id):
+                os.kill(pid, signal.SIGKILL)
+        await self._teardown(sandbox_id, self.sandboxes_dir / sandbox_id)
+
+
+def mounts_under(prefix: Path) -> list[str]:
+    out = []
+    p = str(prefix).rstrip("/") + "/"
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            target = line.split()[1].replace("\\040", " ")
+            if target.startswith(p):
+                out.append(target)
+    return out
+
+
+def unmount_all(target: Path) -> None:
+    """Unmount `target` (stacked mounts included); ignore it if nothing is mounted."""
+    for _ in range(8):
+        try:
+            linux.umount(str(target))
+        except OSError as e:
+            if e.errno in (22, 2):  # EINVAL: not a mount point; ENOENT
+                return
+            if e.errno == 16:  # EBUSY: still referenced somewhere; detach lazily
+                linux.umount(str(target), detach=True)
+            else:
+                raise

@@ -1,0 +1,62 @@
+"""Settings of each process: one object per process, every host path a field."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from pydantic import field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def _default_cpu_capacity() -> float:
+    # Sandboxes mostly idle (about 90% use <5% of what they ask): overcommit CPU.
+    return float((os.cpu_count() or 1) * 16)
+
+
+def _default_memory_capacity_mb() -> int:
+    try:
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        pages = 8 << 30
+    # Limits are ceilings, not reservations: allow 4x the RAM in limits.
+    return int(pages // (1024 * 1024)) * 4
+
+
+class EdgeSettings(BaseSettings):
+    """The node agent. Environment: DSEC_EDGE_<FIELD>."""
+
+    model_config = SettingsConfigDict(env_prefix="DSEC_EDGE_")
+
+    name: str = "n0"
+    data_dir: Path = Path("/var/lib/dsec")
+    run_dir: Path = Path("/run/dsec")
+    layers_dir: Path | None = None
+    runtime: str = "crun"
+    uid_offset: int = 100000
+    max_sandboxes: int = 4000
+    capacity_cpu: float = _default_cpu_capacity()
+    capacity_memory_mb: int = _default_memory_capacity_mb()
+    reconcile_interval_s: float = 60.0
+    reaper_interval_s: float = 1.0
+    default_image: str = "python"
+
+    @field_validator("name")
+    @classmethod
+    def _short_name(cls, v: str) -> str:
+        if not re.fullmatch(r"[a-z0-9]{1,12}", v):
+            raise ValueError("edge name must be 1-12 lowercase letters or digits (it is part of sandbox ids)")
+        return v
+
+    @property
+    def layer_root(self) -> Path:
+        return self.layers_dir or self.data_dir / "layers"
+
+    @property
+    def edge_run_dir(self) -> Path:
+        return self.run_dir / self.name
+
+    @property
+    def db_path(self) -> Path:
+        return self.data_dir / f"edge-{self.name}.db"

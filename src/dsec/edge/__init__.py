@@ -1,0 +1,5 @@
+"""The node agent."""
+
+from dsec.edge.edge import Edge, Sandbox
+
+__all__ = ["Edge", "Sandbox"]

@@ -1,0 +1,579 @@
+"""The edge: the per-node agent. It admits, creates, runs, reaps and re-adopts sandboxes.
+
+Call order: ``await Edge.start()`` (reconcile, re-adopt, start the reaper), then
+any operation, then ``await Edge.close()``. The edge is the source of truth for
+its sandboxes; its durable record is :class:`EdgeStore`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import io
+import itertools
+import logging
+import os
+import secrets
+import shutil
+import tarfile
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dsec import errors
+from dsec.backends.container import Container, ContainerBackend, ContainerPlan, mounts_under, unmount_all
+from dsec.config import EdgeSettings
+from dsec.edge.files import SandboxFiles
+from dsec.edge.process import PipeReader, run_process, spawn
+from dsec.edge.sessions import Session, session_argv
+from dsec.edge.store import EdgeStore, Record
+from dsec.isolation.cgroups import CgroupHost
+from dsec.isolation.spec import DEFAULT_PATH, Limits
+from dsec.layers import LayerStore, import_dir_layer
+from dsec.layers.store import Image
+from dsec.models import (
+    EdgeStatus,
+    ExecRequest,
+    ExecResult,
+    FileStat,
+    SandboxInfo,
+    SandboxSpec,
+    SandboxState,
+    SessionCreate,
+    SessionInfo,
+    SessionResult,
+    SessionRun,
+)
+from dsec.native import ensure_shim
+
+log = logging.getLogger("dsec.edge")
+_ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
+
+
+@dataclass
+class Sandbox:
+    """A live sandbox as the edge holds it in memory."""
+
+    record: Record
+    container: Container
+    root_fd: int
+    files: SandboxFiles
+    uid: int
+    gid: int
+    home: str
+    sessions: dict[str, Session] = field(default_factory=dict)
+    counter: itertools.count[int] = field(default_factory=itertools.count)
+    stopping: bool = False
+
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+    def info(self, edge: str) -> SandboxInfo:
+        return SandboxInfo(
+            id=self.id,
+            state=self.record.state,
+            spec=self.record.spec,
+            edge=edge,
+            created_at=self.record.created_at,
+            last_active=self.record.last_active,
+            reason=self.record.reason,
+            timings_ms=self.container.timings_ms,
+        )
+
+
+class Edge:
+    def __init__(self, settings: EdgeSettings) -> None:
+        self.settings = settings
+        self.name = settings.name
+        self.layers = LayerStore(settings.layer_root, settings.uid_offset)
+        self.cgroups = CgroupHost.detect()
+        self.store: EdgeStore | None = None
+        self.backend: ContainerBackend | None = None
+        self.sandboxes: dict[str, Sandbox] = {}
+        self._creating: dict[str, SandboxSpec] = {}
+        self._toolkit: list[str] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._dirty_active: dict[str, float] = {}
+
+    # --- lifecycle of the edge itself ------------------------------------------
+
+    async def start(self) -> None:
+        s = self.settings
+        s.data_dir.mkdir(parents=True, exist_ok=True)
+        shim = ensure_shim(s.data_dir / "bin")
+        self._toolkit = [self._shim_layer(shim)]
+        self.backend = ContainerBackend(
+            run_dir=s.edge_run_dir,
+            shim=shim,
+            runtime=s.runtime,
+            uid_offset=s.uid_offset,
+            cgroups=self.cgroups,
+        )
+        self.store = EdgeStore(s.db_path)
+        await self._readopt()
+        await self.reconcile()
+        self._tasks.append(asyncio.create_task(self._reaper(), name="dsec-reaper"))
+        self._tasks.append(asyncio.create_task(self._reconciler(), name="dsec-reconciler"))
+
+    async def close(self, *, stop_sandboxes: bool = True) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks.clear()
+        if stop_sandboxes:
+            await asyncio.gather(*(self.stop(sid) for sid in list(self.sandboxes)), return_exceptions=True)
+        else:
+            for sb in self.sandboxes.values():
+                self._detach(sb)
+            self.sandboxes.clear()
+        if self.store is not None:
+            self.store.touch_many(self._dirty_active)
+            self.store.close()
+            self.store = None
+        self.cgroups.remove_parent_if_empty()
+
+    def _shim_layer(self, shim_path: os.PathLike[str]) -> str:
+        """The toolkit layer every sandbox gets on top: /.dsec/shim."""
+        version = os.path.basename(shim_path).removeprefix("dsec-shim-")
+        ref = f"dsec-shim@{version}"
+        if not self.layers.has_layer(ref):
+            with tempfile.TemporaryDirectory(prefix="dsec-shim-") as tmp:
+                os.mkdir(os.path.join(tmp, ".dsec"), 0o755)
+                shutil.copy2(shim_path, os.path.join(tmp, ".dsec", "shim"))
+                import_dir_layer(self.layers, "dsec-shim", version, Path(tmp))
+        return ref
+
+    # --- create -------------------------------------------------------------------
+
+    def _new_id(self) -> str:
+        return f"{self.name}-" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(12))
+
+    def _admit(self, spec: SandboxSpec) -> None:
+        live = [sb.record.spec for sb in self.sandboxes.values()] + list(self._creating.values())
+        if len(live) >= self.settings.max_sandboxes:
+            raise errors.CapacityExhausted(
+                f"edge {self.name} is full ({len(live)} sandboxes); try another edge"
+            )
+        cpu = sum(s.cpu for s in live) + spec.cpu
+        mem = sum(s.memory_mb for s in live) + spec.memory_mb
+        if cpu > self.settings.capacity_cpu or mem > self.settings.capacity_memory_mb:
+            raise errors.CapacityExhausted(
+                f"edge {self.name} has no room for cpu={spec.cpu} memory_mb={spec.memory_mb}; try another edge"
+            )
+
+    def _image(self, name: str) -> Image:
+        return self.layers.get_image(name)
+
+    async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None) -> SandboxInfo:
+        assert self.backend is not None and self.store is not None
+        t0 = time.perf_counter()
+        image = self._image(spec.image)
+        self._admit(spec)
+        sid = sandbox_id or self._new_id()
+        self._creating[sid] = spec
+        try:
+            lowers = [self.layers.layer_path(r) for r in self._toolkit] + self.layers.lowerdirs(image)
+            env = {"PATH": DEFAULT_PATH, "HOSTNAME": sid, **spec.env}
+            plan = ContainerPlan(sid, lowers, Limits(spec.cpu, spec.memory_mb, spec.pids), spec.disk_mb, env)
+            container = await self.backend.create(plan)
+            ts = time.time()
+            record = Record(sid, spec, SandboxState.RUNNING, container.pid, container.start_time, ts, ts)
+            try:
+                sb = self._open_sandbox(record, container)
+                sb.files._mkdirs(spec.workdir)
+                self.store.put(record)
+            except BaseException:
+                await self.backend.destroy(container)
+                raise
+        finally:
+            self._creating.pop(sid, None)
+        self.sandboxes[sid] = sb
+        container.timings_ms["total"] = (time.perf_counter() - t0) * 1000
+        self._watch_exit(sb)
+        return sb.info(self.name)
+
+    def _open_sandbox(self, record: Record, container: Container) -> Sandbox:
+        root_fd = os.open(container.rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            files = SandboxFiles(
+                root_fd, self.settings.uid_offset, self.settings.uid_offset, self.settings.uid_offset
+            )
+            uid, gid, home = self._resolve_user(files, record.spec.user)
+            files.uid, files.gid = uid + self.settings.uid_offset, gid + self.settings.uid_offset
+        except BaseException:
+            os.close(root_fd)
+            raise
+        return Sandbox(record, container, root_fd, files, uid, gid, home)
+
+    @staticmethod
+    def _resolve_user(files: SandboxFiles, user: str) -> tuple[int, int, str]:
+        """`root`, a name from the image's /etc/passwd, `uid` or `uid:gid`."""
+        if user == "root":
+            return 0, 0, "/root"
+        name, _, group = user.partition(":")
+        if name.isdigit() and (not group or group.isdigit()):
+            uid = int(name)
+            gid = int(group) if group else uid
+            if not (0 <= uid < 65536 and 0 <= gid < 65536):
+                raise errors.InvalidRequest(f"user {user!r}: ids must be below 65536")
+            return uid, gid, "/"
+        with contextlib.suppress(errors.DsecError):
+            for line in files.read("/etc/passwd", 1 << 20).decode(errors="replace").splitlines():
+                f = line.split(":")
+                if len(f) >= 6 and f[0] == name:
+                    return int(f[2]), int(f[3]), f[5] or "/"
+        raise errors.InvalidRequest(f"user {user!r} does not exist in the image; use root, a uid, or uid:gid")
+
+    def _watch_exit(self, sb: Sandbox) -> None:
+        def on_exit(_: asyncio.Future[None]) -> None:
+            if not sb.stopping and sb.id in self.sandboxes:
+                log.warning("sandbox %s exited unexpectedly", sb.id)
+                sb.record.reason = "sandbox init exited"
+                asyncio.ensure_future(self.stop(sb.id))
+
+        sb.container.exited.add_done_callback(on_exit)
+
+    # --- lookup --------------------------------------------------------------------
+
+    def _get(self, sandbox_id: str) -> Sandbox:
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is None or sb.stopping:
+            raise errors.SandboxNotFound(
+                f"sandbox {sandbox_id} does not exist on edge {self.name} (stopped or never created)"
+            )
+        now = time.time()
+        sb.record.last_active = now
+        self._dirty_active[sandbox_id] = now
+        return sb
+
+    def get(self, sandbox_id: str) -> SandboxInfo:
+        return self._get(sandbox_id).info(self.name)
+
+    def list(self, labels: dict[str, str] | None = None, project: str | None = None) -> list[SandboxInfo]:
+        out = []
+        for sb in self.sandboxes.values():
+            spec = sb.record.spec
+            if project is not None and spec.project != project:
+                continue
+            if labels and any(spec.labels.get(k) != v for k, v in labels.items()):
+                continue
+            out.append(sb.info(self.name))
+        return out
+
+    # --- stop ----------------------------------------------------------------------
+
+    async def stop(self, sandbox_id: str) -> None:
+        assert self.backend is not None
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is None:
+            raise errors.SandboxNotFound(f"sandbox {sandbox_id} does not exist on edge {self.name}")
+        if sb.stopping:
+            return
+        sb.stopping = True
+        try:
+            for s in list(sb.sessions.values()):
+                with contextlib.suppress(Exception):
+                    s.close()
+            sb.sessions.clear()
+            os.close(sb.root_fd)
+            await self.backend.destroy(sb.container)
+        finally:
+            self.sandboxes.pop(sandbox_id, None)
+            self._dirty_active.pop(sandbox_id, None)
+            if self.store is not None:
+                self.store.delete(sandbox_id)
+
+    def _detach(self, sb: Sandbox) -> None:
+        """Forget a sandbox in this process but leave it running (for a later adopt)."""
+        for s in sb.sessions.values():
+            with contextlib.suppress(Exception):
+                s.close()
+        sb.container.channel.close()
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().remove_reader(sb.container.pidfd)
+        os.close(sb.container.pidfd)
+        os.close(sb.root_fd)
+
+    # --- exec ----------------------------------------------------------------------
+
+    def _env(self, sb: Sandbox, extra: dict[str, str]) -> dict[str, str]:
+        return {
+            "PATH": DEFAULT_PATH,
+            "HOME": sb.home,
+            "LANG": "C.UTF-8",
+            "HOSTNAME": sb.id,
+            **sb.record.spec.env,
+            **extra,
+        }
+
+    def _user(self, sb: Sandbox, user: str | None) -> tuple[int, int]:
+        if user is None:
+            return sb.uid, sb.gid
+        uid, gid, _ = self._resolve_user(sb.files, user)
+        return uid, gid
+
+    async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        sb = self._get(sandbox_id)
+        argv = ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) else list(req.cmd)
+        uid, gid = self._user(sb, req.user)
+        res = await run_process(
+            sb.container,
+            self.cgroups,
+            f"dsec-x{next(sb.counter)}",
+            argv,
+            self._env(sb, req.env),
+            cwd=req.cwd or sb.record.spec.workdir,
+            uid=uid,
+            gid=gid,
+            stdin=req.stdin.encode() if req.stdin is not None else None,
+            timeout=req.timeout,
+            cap=req.max_output_bytes,
+        )
+        return res.to_exec_result()
+
+    # --- sessions ------------------------------------------------------------------
+
+    async def session_create(self, sandbox_id: str, req: SessionCreate) -> SessionInfo:
+        sb = self._get(sandbox_id)
+        if len(sb.sessions) >= 64:
+            raise errors.QuotaExceeded("a sandbox holds at most 64 sessions; close one first")
+        uid, gid = self._user(sb, req.user)
+        in_r, in_w = os.pipe2(os.O_CLOEXEC)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC) if req.kind == "python" else (-1, -1)
+        stdio = (in_r, out_w, err_w if err_w >= 0 else out_w)
+        sid = f"s{next(sb.counter)}"
+        try:
+            proc = await spawn(
+                sb.container,
+                self.cgroups,
+                f"dsec-{sid}",
+                session_argv(req.kind),
+                self._env(sb, req.env),
+                cwd=req.cwd or sb.record.spec.workdir,
+                uid=uid,
+                gid=gid,
+                stdio=stdio,
+            )
+        except BaseException:
+            for fd in (in_w, out_r, err_r):
+                if fd >= 0:
+                    os.close(fd)
+            raise
+        procs = proc.group.procs()
+        os.set_blocking(in_w, False)
+        session = Session(
+            id=sid,
+            kind=req.kind,
+            proc=proc,
+            root_pid=procs[0] if procs else -1,
+            stdin_fd=in_w,
+            out=PipeReader(out_r, 1 << 20),
+            err=PipeReader(err_r, 1 << 20) if err_r >= 0 else None,
+            channel=sb.container.channel,
+        )
+        sb.sessions[sid] = session
+        return SessionInfo(id=sid, kind=req.kind, created_at=session.created_at)
+
+    def _session(self, sb: Sandbox, session_id: str) -> Session:
+        s = sb.sessions.get(session_id)
+        if s is None:
+            raise errors.SessionNotFound(
+                f"session {session_id} does not exist in sandbox {sb.id}; create one first"
+            )
+        return s
+
+    async def session_run(self, sandbox_id: str, session_id: str, req: SessionRun) -> SessionResult:
+        sb = self._get(sandbox_id)
+        s = self._session(sb, session_id)
+        try:
+            return await s.run(req.code, req.timeout, req.max_output_bytes)
+        except errors.SessionNotFound:
+            sb.sessions.pop(session_id, None)
+            s.close()
+            raise
+
+    def session_list(self, sandbox_id: str) -> list[SessionInfo]:
+        sb = self._get(sandbox_id)
+        return [SessionInfo(id=s.id, kind=s.kind, created_at=s.created_at) for s in sb.sessions.values()]
+
+    async def session_close(self, sandbox_id: str, session_id: str) -> None:
+        sb = self._get(sandbox_id)
+        s = self._session(sb, session_id)
+        sb.sessions.pop(session_id, None)
+        await asyncio.get_running_loop().run_in_executor(None, s.close)
+
+    # --- files ---------------------------------------------------------------------
+
+    def read_file(self, sandbox_id: str, path: str) -> bytes:
+        return self._get(sandbox_id).files.read(path)
+
+    def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
+        self._get(sandbox_id).files.write(path, data, mode)
+
+    def edit_file(self, sandbox_id: str, path: str, old: str, new: str) -> int:
+        return self._get(sandbox_id).files.edit(path, old, new)
+
+    def stat_file(self, sandbox_id: str, path: str) -> FileStat:
+        return self._get(sandbox_id).files.stat(path)
+
+    def list_dir(self, sandbox_id: str, path: str) -> list[FileStat]:
+        return self._get(sandbox_id).files.list(path)
+
+    def delete_file(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+        self._get(sandbox_id).files.delete(path, recursive)
+
+    async def upload_tar(self, sandbox_id: str, path: str, data: bytes) -> None:
+        """Unpack a tar into `path` with the sandbox's own tar, under its own isolation."""
+        sb = self._get(sandbox_id)
+        try:
+            with tarfile.open(fileobj=io.BytesIO(data)) as tf:
+                tf.getmembers()
+        except (tarfile.TarError, EOFError) as e:
+            raise errors.InvalidRequest(f"upload is not a readable tar archive: {e}") from e
+        sb.files._mkdirs(path)
+        res = await run_process(
+            sb.container,
+            self.cgroups,
+            f"dsec-x{next(sb.counter)}",
+            ["tar", "-x", "-C", path, "-f", "-"],
+            self._env(sb, {}),
+            cwd="/",
+            uid=sb.uid,
+            gid=sb.gid,
+            stdin=data,
+            timeout=600,
+            cap=65536,
+        )
+        if res.exit_code != 0:
+            msg = res.stderr.decode(errors="replace").strip()[-500:]
+            raise errors.InvalidRequest(f"unpacking the tar into {path} failed: {msg}")
+
+    async def download_tar(self, sandbox_id: str, path: str) -> bytes:
+        sb = self._get(sandbox_id)
+        st = sb.files.stat(path)
+        parent, name = (
+            (path.rsplit("/", 1)[0] or "/", path.rsplit("/", 1)[1]) if st.type != "dir" else (path, ".")
+        )
+        res = await run_process(
+            sb.container,
+            self.cgroups,
+            f"dsec-x{next(sb.counter)}",
+            ["tar", "-c", "-C", parent, "-f", "-", name],
+            self._env(sb, {}),
+            cwd="/",
+            uid=sb.uid,
+            gid=sb.gid,
+            stdin=None,
+            timeout=600,
+            cap=1 << 30,
+        )
+        if res.exit_code != 0 or res.truncated:
+            msg = res.stderr.decode(errors="replace").strip()[-500:]
+            raise errors.InternalError(f"packing {path} failed: {msg or 'more than 1 GiB'}")
+        return res.stdout
+
+    # --- reaping, re-adoption, reconciliation ----------------------------------------
+
+    async def _reaper(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.reaper_interval_s)
+            try:
+                await self.reap_idle()
+                if self.store is not None and self._dirty_active:
+                    dirty, self._dirty_active = self._dirty_active, {}
+                    self.store.touch_many(dirty)
+            except Exception:  # keep reaping whatever one failure was
+                log.exception("idle reaper failed")
+
+    async def reap_idle(self) -> list[str]:
+        now = time.time()
+        idle = [
+            sid
+            for sid, sb in self.sandboxes.items()
+            if sb.record.spec.ttl_idle_s is not None
+            and now - sb.record.last_active > sb.record.spec.ttl_idle_s
+            and not any(s.lock.locked() for s in sb.sessions.values())
+        ]
+        await asyncio.gather(*(self.stop(sid) for sid in idle), return_exceptions=True)
+        return idle
+
+    async def _reconciler(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.reconcile_interval_s)
+            try:
+                await self.reconcile()
+            except Exception:
+                log.exception("reconciler failed")
+
+    async def _readopt(self) -> None:
+        assert self.backend is not None and self.store is not None
+        for rec in self.store.all():
+            container = None
+            if rec.pid is not None and rec.start_time is not None:
+                container = await self.backend.adopt(rec.id, rec.pid, rec.start_time)
+            if container is None:
+                log.info("reaping sandbox %s: it did not survive the edge restart", rec.id)
+                self.store.delete(rec.id)
+                continue
+            try:
+                sb = self._open_sandbox(rec, container)
+            except Exception:
+                await self.backend.destroy(container)
+                self.store.delete(rec.id)
+                continue
+            self.sandboxes[rec.id] = sb
+            self._watch_exit(sb)
+
+    async def reconcile(self) -> dict[str, int]:
+        """Remove host resources of this edge that no live sandbox claims."""
+        assert self.backend is not None
+        known = set(self.sandboxes) | set(self._creating)
+        mine = f"{self.name}-"
+        orphans = (self.backend.runtime_ids() | self.backend.sandbox_dirs()) - known
+        orphans |= {c for c in self.cgroups.listed_sandboxes() if c.startswith(mine)} - known
+        for sid in orphans:
+            log.info("reconciler: removing orphan %s", sid)
+            await self.backend.remove_orphan(sid)
+        stray = [m for m in mounts_under(self.backend.sandboxes_dir) if m.split("/")[-2] not in known]
+        for m in sorted(stray, key=len, reverse=True):
+            unmount_all(Path(m))
+        return {"sandboxes": len(orphans), "mounts": len(stray)}
+
+    # --- status ----------------------------------------------------------------------
+
+    def status(self) -> EdgeStatus:
+        specs = [sb.record.spec for sb in self.sandboxes.values()]
+        return EdgeStatus(
+            name=self.name,
+            healthy=True,
+            backends=["container"],
+            capacity={
+                "sandboxes": self.settings.max_sandboxes,
+                "cpu": self.settings.capacity_cpu,
+                "memory_mb": self.settings.capacity_memory_mb,
+            },
+            used={
+                "sandboxes": len(specs) + len(self._creating),
+                "cpu": sum(s.cpu for s in specs),
+                "memory_mb": sum(s.memory_mb for s in specs),
+            },
+            sandboxes=len(specs),
+            by_image=dict(Counter(s.image for s in specs)),
+            by_project=dict(Counter(s.project for s in specs)),
+            layers=[str(layer.ref) for layer in self.layers.list_layers()],
+            images=[i.name for i in self.layers.list_images()],
+        )
+
+
+def encode_content(data: bytes) -> tuple[str, str]:
+    try:
+        return data.decode(), "utf-8"
+    except UnicodeDecodeError:
+        return base64.b64encode(data).decode(), "base64"

@@ -1,0 +1,258 @@
+"""Running one process in a sandbox: pipes, caps, timeouts, process-tree kill."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dsec.backends.container import Container
+from dsec.errors import InternalError, InvalidRequest
+from dsec.isolation.cgroups import CgroupHost, ExecGroup
+from dsec.models import ExecResult
+
+
+class PipeReader:
+    """Collects a non-blocking pipe into a buffer capped at `cap` bytes."""
+
+    def __init__(self, fd: int, cap: int, on_cap: asyncio.Event | None = None) -> None:
+        os.set_blocking(fd, False)
+        self.fd = fd
+        self.cap = cap
+        self.buf = bytearray()
+        self.truncated = False
+        self.total = 0
+        self.eof = asyncio.get_running_loop().create_future()
+        self.changed = asyncio.Event()
+        self._on_cap = on_cap
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(fd, self._read)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self.fd, 65536)
+            except BlockingIOError:
+                break
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self.close()
+                break
+            self.total += len(chunk)
+            room = self.cap - len(self.buf)
+            if len(chunk) > room:
+                self.buf += chunk[: max(room, 0)]
+                if not self.truncated:
+                    self.truncated = True
+                    if self._on_cap is not None:
+                        self._on_cap.set()
+            else:
+                self.buf += chunk
+        self.changed.set()
+
+    def drain(self) -> None:
+        if self.fd >= 0:
+            self._read()
+
+    def close(self) -> None:
+        if self.fd < 0:
+            return
+        self._loop.remove_reader(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+        if not self.eof.done():
+            self.eof.set_result(None)
+        self.changed.set()
+
+
+def exit_code(status: int) -> int:
+    """A shell-style exit code: the exit status, or 128 + the signal number."""
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
+
+
+@dataclass
+class RawResult:
+    stdout: bytes
+    stderr: bytes
+    exit_code: int
+    duration: float
+    truncated: bool
+    timed_out: bool
+
+    def to_exec_result(self) -> ExecResult:
+        return ExecResult(
+            stdout=self.stdout.decode(errors="replace"),
+            stderr=self.stderr.decode(errors="replace"),
+            exit_code=self.exit_code,
+            duration=self.duration,
+            truncated=self.truncated,
+            timed_out=self.timed_out,
+        )
+
+
+@dataclass
+class Spawned:
+    ident: int
+    pid: int
+    exited: asyncio.Future[int]
+    group: ExecGroup
+
+
+async def spawn(
+    container: Container,
+    cgroups: CgroupHost,
+    group_name: str,
+    argv: Sequence[str],
+    env: dict[str, str],
+    *,
+    cwd: str,
+    uid: int,
+    gid: int,
+    stdio: tuple[int, int, int],
+) -> Spawned:
+    """Start `argv` in its own cgroup under the sandbox's; closes the stdio fds given."""
+    try:
+        group = cgroups.open_exec_group(container.id, group_name)
+    except OSError as e:
+        for fd in set(stdio):
+            os.close(fd)
+        raise InternalError(f"cannot create an exec cgroup: {e}") from e
+    try:
+        ident, pid, exited = await container.channel.spawn(
+            argv, env, cwd=cwd, uid=uid, gid=gid, stdio=stdio, cgroup_fds=[group.procs_fd]
+        )
+    except OSError as e:
+        group.remove()
+        if e.errno == errno.ENOENT:
+            raise InvalidRequest(
+                f"cannot run {argv[0]!r}: no such program or working directory {cwd!r} in the sandbox"
+            ) from e
+        if e.errno in (errno.EACCES, errno.ENOEXEC):
+            raise InvalidRequest(f"cannot run {argv[0]!r}: {e.strerror}") from e
+        raise InternalError(f"starting {argv[0]!r} failed: {e.strerror}") from e
+    except BaseException:
+        group.remove()
+        raise
+    finally:
+        for fd in set(stdio):
+            os.close(fd)
+    group.close_fd()
+    return Spawned(ident, pid, exited, group)
+
+
+def release_group(group: ExecGroup) -> None:
+    """Remove an exec cgroup unless background processes still live in it."""
+    with contextlib.suppress(OSError):
+        group.path.rmdir()
+
+
+async def run_process(
+    container: Container,
+    cgroups: CgroupHost,
+    group_name: str,
+    argv: Sequence[str],
+    env: dict[str, str],
+    *,
+    cwd: str,
+    uid: int,
+    gid: int,
+    stdin: bytes | None,
+    timeout: float,
+    cap: int,
+) -> RawResult:
+    t0 = time.perf_counter()
+    in_r, in_w = os.pipe2(os.O_CLOEXEC)
+    out_r, out_w = os.pipe2(os.O_CLOEXEC)
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    loop = asyncio.get_running_loop()
+    capped = asyncio.Event()
+    try:
+        proc = await spawn(
+            container, cgroups, group_name, argv, env, cwd=cwd, uid=uid, gid=gid, stdio=(in_r, out_w, err_w)
+        )
+    except BaseException:
+        for fd in (in_w, out_r, err_r):
+            os.close(fd)
+        raise
+    out = PipeReader(out_r, cap, capped)
+    err = PipeReader(err_r, cap, capped)
+    feeder = asyncio.ensure_future(_feed(in_w, stdin or b""))
+    timed_out = False
+    status: int | None = None
+    try:
+        waiter = asyncio.ensure_future(capped.wait())
+        done, _ = await asyncio.wait(
+            {proc.exited, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+        waiter.cancel()
+        if proc.exited not in done:
+            timed_out = not capped.is_set()
+            await loop.run_in_executor(None, proc.group.kill)
+            with contextlib.suppress(TimeoutError):
+                status = await asyncio.wait_for(asyncio.shield(proc.exited), 5.0)
+        else:
+            status = proc.exited.result()
+            # Output already written sits in the pipes; background children may keep
+            # them open, so wait for EOF only briefly.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(out.eof, err.eof), 0.01)
+        out.drain()
+        err.drain()
+    finally:
+        feeder.cancel()
+        out.close()
+        err.close()
+        release_group(proc.group)
+    code = exit_code(status) if status is not None else 137
+    return RawResult(
+        stdout=bytes(out.buf),
+        stderr=bytes(err.buf),
+        exit_code=code,
+        duration=time.perf_counter() - t0,
+        truncated=out.truncated or err.truncated,
+        timed_out=timed_out,
+    )
+
+
+async def _feed(fd: int, data: bytes) -> None:
+    """Write `data` to the child's stdin, then close it (EOF)."""
+    try:
+        if data:
+            os.set_blocking(fd, False)
+            view = memoryview(data)
+            loop = asyncio.get_running_loop()
+            while view:
+                try:
+                    n = os.write(fd, view)
+                    view = view[n:]
+                except BlockingIOError:
+                    ready: asyncio.Future[None] = loop.create_future()
+                    loop.add_writer(fd, lambda: ready.done() or ready.set_result(None))
+                    try:
+                        await ready
+                    finally:
+                        loop.remove_writer(fd)
+                except BrokenPipeError:
+                    break
+    finally:
+        os.close(fd)
+
+
+def kill_except(group: ExecGroup, keep_pid: int) -> None:
+    """SIGKILL every process of a session's cgroup but its root (the shell)."""
+    for _ in range(50):
+        victims = [p for p in group.procs() if p != keep_pid]
+        if not victims:
+            return
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.002)

@@ -1,0 +1,246 @@
+"""Persistent sessions: a bash shell or a Python interpreter that keeps its state.
+
+bash: each run is sent as `eval $'<code>' </dev/null` followed by a printf of
+a random end marker and `$?`; stdout and stderr share one pipe, so the output
+keeps its order. The code is ANSI-C quoted, so no byte of it is ever parsed
+by the shell as protocol, and the command's stdin is /dev/null, so it cannot
+eat the marker. A timeout kills every process of the session but the shell.
+
+python: a small driver reads one JSON request per line, runs the code in one
+namespace (the value of a final expression is printed, as in a REPL) and
+answers one JSON line on a private copy of the original stdout; fd 1 and 2 of
+the code point at the stderr pipe, so stray subprocess output cannot corrupt
+the protocol. A timeout sends SIGINT (KeyboardInterrupt, state kept).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import signal
+import time
+from dataclasses import dataclass, field
+
+from dsec.backends.container import ShimChannel
+from dsec.edge.process import PipeReader, Spawned, exit_code, kill_except, release_group
+from dsec.errors import InvalidRequest, SessionNotFound
+from dsec.models import SessionKind, SessionResult
+
+PY_DRIVER = r"""
+import ast, contextlib, io, json, os, signal, sys, traceback
+cin = os.fdopen(os.dup(0), "r", encoding="utf-8", newline="\n")
+cout = os.fdopen(os.dup(1), "w", encoding="utf-8")
+nul = os.open(os.devnull, os.O_RDONLY)
+os.dup2(nul, 0); os.close(nul); os.dup2(2, 1)
+sys.stdin = open(os.devnull)
+sys.stdout = sys.stderr = os.fdopen(os.dup(2), "w", buffering=1)
+ns = {"__name__": "__main__", "__builtins__": __builtins__}
+def run(code, out, err):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        tree = ast.parse(code, "<session>")
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        exec(compile(tree, "<session>", "exec"), ns)
+        if last is not None:
+            value = eval(compile(last, "<session>", "eval"), ns)
+            if value is not None:
+                print(repr(value))
+while True:
+    try:
+        line = cin.readline()
+        if not line:
+            break
+        req = json.loads(line)
+        out, err, error = io.StringIO(), io.StringIO(), None
+        try:
+            run(req["code"], out, err)
+        except BaseException:
+            error = traceback.format_exc()
+        cout.write(json.dumps({"stdout": out.getvalue(), "stderr": err.getvalue(), "error": error}) + "\n")
+        cout.flush()
+    except KeyboardInterrupt:
+        cout.write(json.dumps({"stdout": "", "stderr": "", "error": "KeyboardInterrupt"}) + "\n")
+        cout.flush()
+"""
+
+
+def ansi_c_quote(code: str) -> str:
+    """Quote `code` as a bash $'...' string that decodes back to the same bytes."""
+    raw = code.encode()
+    if b"\0" in raw:
+        raise InvalidRequest("bash session input must not contain NUL bytes")
+    safe = set(
+        b'abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 _-+=.,:/@%^*()[]{}<>|;&~!?#$`"'
+    )
+    return "$'" + "".join(chr(b) if b in safe else f"\\x{b:02x}" for b in raw) + "'"
+
+
+@dataclass
+class Session:
+    id: str
+    kind: SessionKind
+    proc: Spawned
+    root_pid: int
+    stdin_fd: int
+    out: PipeReader
+    err: PipeReader | None
+    channel: ShimChannel
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    created_at: float = field(default_factory=time.time)
+
+    @property
+    def alive(self) -> bool:
+        return not self.proc.exited.done() and self.stdin_fd >= 0
+
+    def _send(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                n = os.write(self.stdin_fd, view)
+            except BlockingIOError:
+                time.sleep(0.0005)
+                continue
+            except BrokenPipeError as e:
+                raise SessionNotFound(f"session {self.id} has ended; open a new one") from e
+            view = view[n:]
+
+    async def run(self, code: str, timeout: float, cap: int) -> SessionResult:
+        if not self.alive:
+            raise SessionNotFound(f"session {self.id} has ended; open a new one")
+        async with self.lock:
+            if self.kind is SessionKind.BASH:
+                return await self._run_bash(code, timeout, cap)
+            return await self._run_python(code, timeout, cap)
+
+    async def _wait_for(self, reader: PipeReader, predicate: object, timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        while not predicate():  # type: ignore[operator]
+            if reader.fd < 0:
+                return False
+            reader.changed.clear()
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(reader.changed.wait(), left)
+        return True
+
+    async def _run_bash(self, code: str, timeout: float, cap: int) -> SessionResult:
+        t0 = time.perf_counter()
+        marker = f"__DSEC_END_{secrets.token_hex(8)}__"
+        self.out.buf.clear()
+        self.out.truncated = False
+        self.out.cap = max(cap, 0) + len(marker) + 64
+        self._send(f"eval {ansi_c_quote(code)} </dev/null\nprintf '\\n{marker}%d\\n' $?\n".encode())
+        token = marker.encode()
+
+        def done() -> bool:
+            return self.out.buf.rfind(token) >= 0 and self.out.buf.endswith(b"\n")
+
+        timed_out = False
+        if not await self._wait_for(self.out, done, timeout):
+            if self.out.fd >= 0 and not self.proc.exited.done():
+                timed_out = True
+                await asyncio.get_running_loop().run_in_executor(
+                    None, kill_except, self.proc.group, self.root_pid
+                )
+                await self._wait_for(self.out, done, 5.0)
+        buf = bytes(self.out.buf)
+        self.out.buf.clear()
+        idx = buf.rfind(token)
+        if idx < 0:
+            # The shell ended (exit, or killed): return what it printed.
+            await asyncio.sleep(0)
+            status = self.proc.exited.result() if self.proc.exited.done() else None
+            return SessionResult(
+                output=buf.decode(errors="replace"),
+                exit_code=exit_code(status) if status is not None else 137,
+                duration=time.perf_counter() - t0,
+                timed_out=timed_out,
+                truncated=self.out.truncated,
+            )
+        output = buf[:idx]
+        if output.endswith(b"\n"):
+            output = output[:-1]
+        rc = int(buf[idx + len(token) :].split(b"\n", 1)[0] or b"0")
+        truncated = len(output) > cap or self.out.truncated
+        return SessionResult(
+            output=output[:cap].decode(errors="replace"),
+            exit_code=124 if timed_out else rc,
+            duration=time.perf_counter() - t0,
+            timed_out=timed_out,
+            truncated=truncated,
+        )
+
+    async def _run_python(self, code: str, timeout: float, cap: int) -> SessionResult:
+        assert self.err is not None
+        t0 = time.perf_counter()
+        self.out.buf.clear()
+        self.out.cap = 256 * 1024 * 1024
+        self.err.buf.clear()
+        self.err.truncated = False
+        self.err.cap = cap
+        self._send(json.dumps({"code": code}).encode() + b"\n")
+
+        def done() -> bool:
+            return self.out.buf.endswith(b"\n")
+
+        timed_out = False
+        if not await self._wait_for(self.out, done, timeout):
+            if self.out.fd >= 0:
+                timed_out = True
+                self.proc_signal(signal.SIGINT)
+                if not await self._wait_for(self.out, done, 2.0):
+                    await asyncio.get_running_loop().run_in_executor(None, self.proc.group.kill)
+        self.err.drain()
+        line = bytes(self.out.buf)
+        self.out.buf.clear()
+        stray = self.err.buf.decode(errors="replace")
+        if not line.endswith(b"\n"):
+            raise SessionNotFound(f"session {self.id} ended while running the code; open a new one")
+        reply = json.loads(line)
+        stdout: str = reply["stdout"]
+        stderr: str = stray + reply["stderr"]
+        return SessionResult(
+            output=stdout[:cap],
+            stderr=stderr[:cap],
+            error=reply["error"],
+            exit_code=124 if timed_out else (1 if reply["error"] else 0),
+            duration=time.perf_counter() - t0,
+            timed_out=timed_out,
+            truncated=len(stdout) > cap or len(stderr) > cap or self.err.truncated,
+        )
+
+    def proc_signal(self, sig: int) -> None:
+        # The shim signals the session's process group (the driver is its leader).
+        self.channel.signal(self.proc.ident, sig)
+
+    def close(self) -> None:
+        if self.stdin_fd >= 0:
+            os.close(self.stdin_fd)
+            self.stdin_fd = -1
+        self.proc.group.kill()
+        self.out.close()
+        if self.err is not None:
+            self.err.close()
+        release_group(self.proc.group)
+
+
+def session_argv(kind: SessionKind) -> list[str]:
+    if kind is SessionKind.BASH:
+        return ["/bin/bash", "--noprofile", "--norc"]
+    return ["python3", "-u", "-c", PY_DRIVER]
+
+
+def check_kind(kind: str) -> SessionKind:
+    try:
+        return SessionKind(kind)
+    except ValueError as e:
+        raise InvalidRequest(f"unknown session kind {kind!r}: use 'bash' or 'python'") from e
+
+
+__all__ = ["Session", "ansi_c_quote", "check_kind", "session_argv"]

@@ -1,0 +1,100 @@
+"""The edge's durable record of its own sandboxes (SQLite, WAL).
+
+Small on purpose: enough to re-adopt running sandboxes after an edge restart
+(the shim's pid and start time) and to reap the ones that died meanwhile.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dsec.models import SandboxSpec, SandboxState
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS sandboxes (
+    id TEXT PRIMARY KEY,
+    spec TEXT NOT NULL,
+    state TEXT NOT NULL,
+    pid INTEGER,
+    start_time INTEGER,
+    created_at REAL NOT NULL,
+    last_active REAL NOT NULL,
+    reason TEXT
+);
+"""
+
+
+@dataclass
+class Record:
+    id: str
+    spec: SandboxSpec
+    state: SandboxState
+    pid: int | None
+    start_time: int | None
+    created_at: float
+    last_active: float
+    reason: str | None = None
+
+
+class EdgeStore:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # isolation_level=None: autocommit; each statement is its own transaction.
+        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        # NORMAL survives a crash of the edge (kill -9); only power loss could lose
+        # the last commits, and sandboxes do not survive that either.
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def put(self, r: Record) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO sandboxes VALUES (?,?,?,?,?,?,?,?)",
+            (
+                r.id,
+                r.spec.model_dump_json(),
+                r.state.value,
+                r.pid,
+                r.start_time,
+                r.created_at,
+                r.last_active,
+                r.reason,
+            ),
+        )
+
+    def delete(self, sandbox_id: str) -> None:
+        self.db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
+
+    def touch_many(self, stamps: dict[str, float]) -> None:
+        if stamps:
+            self.db.executemany(
+                "UPDATE sandboxes SET last_active = ? WHERE id = ?", [(t, i) for i, t in stamps.items()]
+            )
+
+    def all(self) -> list[Record]:
+        rows = self.db.execute(
+            "SELECT id, spec, state, pid, start_time, created_at, last_active, reason FROM sandboxes"
+        ).fetchall()
+        return [
+            Record(
+                id=row[0],
+                spec=SandboxSpec.model_validate_json(row[1]),
+                state=SandboxState(row[2]),
+                pid=row[3],
+                start_time=row[4],
+                created_at=row[5],
+                last_active=row[6],
+                reason=row[7],
+            )
+            for row in rows
+        ]
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,1 @@
+"""Host isolation pieces: cgroups, seccomp, the OCI spec, Linux syscalls."""

@@ -1,0 +1,202 @@
+"""cgroups for sandboxes and for single execs, on v1 (incl. hybrid) and v2 hosts.
+
+The OCI runtime creates and limits a sandbox's cgroup (``/dsec/<sandbox>``).
+Here we add what the runtime does not do: a child cgroup per exec or session,
+so that a timeout can kill a whole process tree, even processes that called
+setsid() or were reparented. Every host path comes from :class:`CgroupHost`
+so that the logic runs on a fake tree in unit tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PARENT = "dsec"
+# v1 hierarchies the runtime populates for a sandbox; we track execs in pids.
+V1_CONTROLLERS = ("memory", "cpu", "cpuacct", "cpuset", "pids", "freezer", "blkio", "devices", "systemd")
+
+
+@dataclass(frozen=True)
+class CgroupHost:
+    """How this host mounts cgroups."""
+
+    root: Path = Path("/sys/fs/cgroup")
+    version: int = 2
+    hybrid: bool = False
+    v1_mounts: dict[str, Path] = field(default_factory=dict)
+
+    @classmethod
+    def detect(
+        cls, root: Path = Path("/sys/fs/cgroup"), mounts: Path = Path("/proc/self/mounts")
+    ) -> CgroupHost:
+        v1: dict[str, Path] = {}
+        unified = False
+        for line in mounts.read_text().splitlines():
+            parts = line.split()
+            if len(parts) < 4:
+                continue
+            target, fstype, opts = Path(parts[1]), parts[2], parts[3].split(",")
+            if target == root and fstype == "cgroup2":
+                unified = True
+            elif fstype == "cgroup" and target.parent == root:
+                for opt in opts:
+                    name = opt.removeprefix("name=")
+                    if name in V1_CONTROLLERS:
+                        v1[name] = target
+        if unified:
+            return cls(root=root, version=2)
+        hybrid = (root / "unified" / "cgroup.controllers").exists()
+        return cls(root=root, version=1, hybrid=hybrid, v1_mounts=v1)
+
+    def sandbox_path(self, sandbox_id: str) -> str:
+        """The OCI `cgroupsPath`: always set, or crun creates groups at the root."""
+        return f"/{PARENT}/{sandbox_id}"
+
+    def tracking_dir(self, sandbox_id: str) -> Path:
+        """The cgroup whose cgroup.procs lists every process of the sandbox."""
+        if self.version == 2:
+            return self.root / PARENT / sandbox_id
+        return self.v1_mounts.get("pids", self.root / "pids") / PARENT / sandbox_id
+
+    def hierarchies(self) -> list[Path]:
+        return [self.root] if self.version == 2 else list(self.v1_mounts.values())
+
+    def sandbox_dirs(self, sandbox_id: str) -> list[Path]:
+        return [h / PARENT / sandbox_id for h in self.hierarchies()]
+
+    def listed_sandboxes(self) -> set[str]:
+        """Sandbox ids that have a cgroup in any hierarchy (for the reconciler)."""
+        out: set[str] = set()
+        for h in self.hierarchies():
+            with contextlib.suppress(FileNotFoundError):
+                out.update(p.name for p in (h / PARENT).iterdir() if p.is_dir())
+        return out
+
+    # --- sandbox-level --------------------------------------------------------
+
+    def procs(self, sandbox_id: str) -> list[int]:
+        return read_procs(self.tracking_dir(sandbox_id))
+
+    def memory_bytes(self, sandbox_id: str) -> int | None:
+        if self.version == 2:
+            f = self.root / PARENT / sandbox_id / "memory.current"
+        else:
+            f = (
+                self.v1_mounts.get("memory", self.root / "memory")
+                / PARENT
+                / sandbox_id
+                / "memory.usage_in_bytes"
+            )
+        try:
+            return int(f.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def remove_sandbox(self, sandbox_id: str) -> None:
+        """Kill what is left and remove every cgroup of the sandbox (leaf first)."""
+        for d in self.sandbox_dirs(sandbox_id):
+            remove_tree(d)
+        self.remove_parent_if_empty()
+
+    def remove_parent_if_empty(self) -> None:
+        for h in self.hierarchies():
+            with contextlib.suppress(OSError):
+                (h / PARENT).rmdir()
+
+    def open_exec_group(self, sandbox_id: str, name: str) -> ExecGroup:
+        d = self.tracking_dir(sandbox_id) / name
+        d.mkdir()
+        try:
+            fd = os.open(d / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
+        except OSError:
+            d.rmdir()
+            raise
+        return ExecGroup(d, fd, self.version)
+
+
+class ExecGroup:
+    """A child cgroup holding one exec or session and all its descendants."""
+
+    def __init__(self, path: Path, procs_fd: int, version: int) -> None:
+        self.path = path
+        self.procs_fd = procs_fd
+        self.version = version
+
+    def close_fd(self) -> None:
+        if self.procs_fd >= 0:
+            os.close(self.procs_fd)
+            self.procs_fd = -1
+
+    def procs(self) -> list[int]:
+        return read_procs(self.path)
+
+    def kill(self) -> None:
+        kill_group(self.path, self.version)
+
+    def remove(self) -> None:
+        self.close_fd()
+        remove_tree(self.path)
+
+
+def read_procs(d: Path) -> list[int]:
+    try:
+        return [int(x) for x in (d / "cgroup.procs").read_text().split()]
+    except (FileNotFoundError, ProcessLookupError, ValueError):
+        return []
+
+
+def kill_group(d: Path, version: int, deadline_s: float = 5.0) -> None:
+    """SIGKILL every process in cgroup `d` and its children, racing forks safely."""
+    if version == 2 and (d / "cgroup.kill").exists():
+        with contextlib.suppress(FileNotFoundError):
+            (d / "cgroup.kill").write_text("1")
+        return
+    # v1: forbid new forks first, so the kill loop converges.
+    with contextlib.suppress(OSError):
+        (d / "pids.max").write_text("0")
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        pids = _tree_procs(d)
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.001)
+
+
+def _tree_procs(d: Path) -> list[int]:
+    out = read_procs(d)
+    with contextlib.suppress(FileNotFoundError):
+        for sub in d.iterdir():
+            if sub.is_dir():
+                out.extend(_tree_procs(sub))
+    return out
+
+
+def remove_tree(d: Path) -> None:
+    """rmdir a cgroup and its children, killing what still lives in them."""
+    if not d.exists():
+        return
+    for sub in [p for p in d.iterdir() if p.is_dir()]:
+        remove_tree(sub)
+    for attempt in range(200):
+        try:
+            d.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            if e.errno != errno.EBUSY:
+                raise
+            for pid in read_procs(d):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.001 * min(attempt + 1, 20))
+    d.rmdir()

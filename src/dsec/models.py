@@ -1,0 +1,174 @@
+"""Wire models shared by the edge, the apiserver and the SDK."""
+
+from __future__ import annotations
+
+import time
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MiB = 1024 * 1024
+ShortStr = Annotated[str, Field(max_length=256)]
+LabelDict = Annotated[dict[str, str], Field(max_length=64)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SandboxState(StrEnum):
+    CREATING = "creating"
+    RUNNING = "running"
+    PAUSED = "paused"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class SandboxSpec(_Model):
+    """What a caller asks for. Limits are hard: cgroups and tmpfs enforce them."""
+
+    image: ShortStr = "python"
+    cpu: float = Field(1.0, gt=0, le=64, description="CPU cores (CFS quota); also sets the CPU weight")
+    memory_mb: int = Field(1024, ge=16, le=262144)
+    pids: int = Field(1024, ge=8, le=65536, description="max processes and threads")
+    disk_mb: int = Field(2048, ge=1, le=1048576, description="size of the writable layer")
+    env: Annotated[dict[str, str], Field(max_length=256)] = Field(default_factory=dict)
+    user: ShortStr = "root"
+    workdir: ShortStr = "/work"
+    labels: LabelDict = Field(default_factory=dict)
+    ttl_idle_s: float | None = Field(None, gt=0, description="stop after this long without a request")
+    project: ShortStr = "default"
+
+    @field_validator("workdir")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError("workdir must be an absolute path such as /work")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        for k, val in v.items():
+            if not k or "=" in k or "\0" in k or "\0" in val:
+                raise ValueError(f"environment variable name {k!r} is invalid: no '=' or NUL allowed")
+        return v
+
+
+class SandboxInfo(_Model):
+    id: str
+    state: SandboxState
+    spec: SandboxSpec
+    edge: str
+    created_at: float
+    last_active: float
+    reason: str | None = None
+    timings_ms: dict[str, float] = Field(default_factory=dict)
+
+
+class ExecRequest(_Model):
+    cmd: str | list[str] = Field(description="a shell string (run by /bin/sh -c) or an argv list")
+    stdin: str | None = Field(None, max_length=64 * MiB)
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    user: str | None = None
+    timeout: float = Field(60.0, gt=0, le=86400)
+    max_output_bytes: int = Field(1 * MiB, ge=0, le=64 * MiB, description="cap per stream")
+
+    @field_validator("cmd")
+    @classmethod
+    def _non_empty(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, list) and (not v or not all(isinstance(a, str) for a in v)):
+            raise ValueError("cmd as a list must be a non-empty argv of strings")
+        if isinstance(v, str) and not v.strip():
+            raise ValueError("cmd must not be empty")
+        return v
+
+
+class ExecResult(_Model):
+    stdout: str
+    stderr: str
+    exit_code: int
+    duration: float
+    truncated: bool = False
+    timed_out: bool = False
+
+
+class SessionKind(StrEnum):
+    BASH = "bash"
+    PYTHON = "python"
+
+
+class SessionCreate(_Model):
+    kind: SessionKind = SessionKind.BASH
+    env: dict[str, str] = Field(default_factory=dict)
+    cwd: str | None = None
+    user: str | None = None
+
+
+class SessionInfo(_Model):
+    id: str
+    kind: SessionKind
+    created_at: float = Field(default_factory=time.time)
+
+
+class SessionRun(_Model):
+    code: str = Field(max_length=16 * MiB, description="a bash command line or Python source")
+    timeout: float = Field(60.0, gt=0, le=86400)
+    max_output_bytes: int = Field(1 * MiB, ge=0, le=64 * MiB)
+
+
+class SessionResult(_Model):
+    output: str = Field(description="stdout (bash: stdout and stderr merged, in order)")
+    stderr: str = ""
+    exit_code: int
+    error: str | None = Field(None, description="Python: the traceback of an uncaught exception")
+    duration: float
+    truncated: bool = False
+    timed_out: bool = False
+
+
+class FileWrite(_Model):
+    path: str
+    content: str = Field(max_length=128 * MiB)
+    encoding: Literal["utf-8", "base64"] = "utf-8"
+    mode: int = Field(0o644, ge=0, le=0o7777)
+
+
+class FileContent(_Model):
+    path: str
+    content: str
+    encoding: Literal["utf-8", "base64"]
+    size: int
+
+
+class FileEdit(_Model):
+    path: str
+    old: str = Field(min_length=1)
+    new: str
+
+
+class FileStat(_Model):
+    path: str
+    name: str
+    type: Literal["file", "dir", "symlink", "other"]
+    size: int
+    mode: int
+    mtime: float
+    uid: int
+    gid: int
+
+
+class EdgeStatus(_Model):
+    name: str
+    url: str | None = None
+    healthy: bool
+    backends: list[str]
+    capacity: dict[str, float]
+    used: dict[str, float]
+    sandboxes: int
+    by_image: dict[str, int]
+    by_project: dict[str, int]
+    layers: list[str]
+    images: list[str]

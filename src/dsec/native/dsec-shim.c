@@ -1,0 +1,302 @@
+/*
+ * dsec-shim: the in-sandbox init and the crun launcher, one static binary.
+ *
+ *   dsec-shim init           PID 1 of a sandbox (started by the OCI runtime).
+ *   dsec-shim crun-wrap A B HYBRID -- RUNTIME ARGS...
+ *                            launch the runtime with fds A,B moved to 3,4 and,
+ *                            on hybrid cgroup hosts, in a private mount
+ *                            namespace where the v2 mount is hidden.
+ *
+ * Why an init of our own: the edge needs a fast, unforgeable control path into
+ * the sandbox. The shim talks to the edge over an anonymous SOCK_SEQPACKET
+ * socketpair inherited at fd 3; there is no socket on any file system, so
+ * nothing inside can connect to it. The shim also keeps the edge's end open at
+ * fd 4 so that its messages survive an edge restart: the new edge takes a copy
+ * of fd 4 with pidfd_getfd(2). The shim is non-dumpable and sandbox processes
+ * lack CAP_SYS_PTRACE, and seccomp denies ptrace, pidfd_getfd and
+ * process_vm_*, so they can neither read its fds nor its memory. It handles
+ * only SIGCHLD (through a signalfd), so as PID 1 it ignores every signal sent
+ * from inside.
+ *
+ * Wire format (one datagram per message, little endian):
+ *   edge -> shim  'S' u32 id, i32 uid, i32 gid, u16 argc, u16 envc, u8 ncg,
+ *                 then NUL-terminated cwd, argv[argc], env[envc];
+ *                 SCM_RIGHTS: stdin, stdout, stderr, ncg cgroup.procs fds
+ *                 (the child writes "0" to each to join its own cgroup).
+ *   edge -> shim  'K' u32 id, i32 signal      signal the child's session
+ *   edge -> shim  'P' u32 id                  ping, answered by 'p' u32 id
+ *   shim -> edge  'R' u32 id, i32 pid         started (pid in the sandbox)
+ *   shim -> edge  'X' u32 id, i32 status      exited (waitpid status)
+ *   shim -> edge  'F' u32 id, i32 errno       could not start (errno)
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define CTL_FD 3
+#define MAX_MSG 262144
+#define MAX_FDS 8
+#define MAX_CHILDREN 4096
+
+extern char **environ;
+
+struct child { pid_t pid; uint32_t id; };
+static struct child children[MAX_CHILDREN];
+
+static void send_msg(char type, uint32_t id, int32_t value) {
+    char buf[9];
+    buf[0] = type;
+    memcpy(buf + 1, &id, 4);
+    memcpy(buf + 5, &value, 4);
+    while (send(CTL_FD, buf, sizeof buf, MSG_NOSIGNAL) < 0 && errno == EINTR) {
+    }
+}
+
+static int track(pid_t pid, uint32_t id) {
+    for (int i = 0; i < MAX_CHILDREN; i++) {
+        if (children[i].pid == 0) {
+            children[i].pid = pid;
+            children[i].id = id;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+static void close_fds(int *fds, int n) {
+    for (int i = 0; i < n; i++) close(fds[i]);
+}
+
+/* In the child: join cgroups, wire stdio, drop to the user, exec. Never returns. */
+static void child_exec(int errfd, int *fds, int ncg, int32_t uid, int32_t gid,
+                       const char *cwd, char **argv, char **envp) {
+    int err = 0;
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    signal(SIGPIPE, SIG_DFL);
+    setsid();
+    for (int i = 0; i < ncg; i++) {
+        if (write(fds[3 + i], "0", 1) != 1) { err = errno; goto fail; }
+    }
+    /* fds[] and errfd are all >= 5 (0-2 are /dev/null, 3-4 the control socket). */
+    for (int i = 0; i < 3; i++) {
+        if (dup2(fds[i], i) < 0) { err = errno; goto fail; }
+    }
+    /* Keep only stdio and the error pipe (at 3, close-on-exec): the control
+     * socket must never reach a sandbox process. */
+    if (dup3(errfd, 3, O_CLOEXEC) < 0) { err = errno; goto fail; }
+    errfd = 3;
+    syscall(SYS_close_range, 4, ~0U, 0);
+    if (gid >= 0) {
+        if (setgroups(0, NULL) < 0 && errno != EPERM) { err = errno; goto fail; }
+        if (setresgid(gid, gid, gid) < 0) { err = errno; goto fail; }
+    }
+    if (uid >= 0 && setresuid(uid, uid, uid) < 0) { err = errno; goto fail; }
+    if (cwd[0] && chdir(cwd) < 0) { err = errno; goto fail; }
+    environ = envp;
+    execvp(argv[0], argv);
+    err = errno;
+fail:
+    (void)!write(errfd, &err, sizeof err);
+    _exit(127);
+}
+
+static void handle_spawn(const char *buf, ssize_t len, int *fds, int nfds) {
+    uint32_t id; int32_t uid, gid; uint16_t argc, envc; uint8_t ncg;
+    if (len < 18) { close_fds(fds, nfds); return; }
+    memcpy(&id, buf + 1, 4);
+    memcpy(&uid, buf + 5, 4);
+    memcpy(&gid, buf + 9, 4);
+    memcpy(&argc, buf + 13, 2);
+    memcpy(&envc, buf + 15, 2);
+    ncg = (uint8_t)buf[17];
+    if (nfds != 3 + ncg || argc == 0) { close_fds(fds, nfds); send_msg('F', id, EINVAL); return; }
+
+    char **argv = calloc(argc + 1, sizeof(char *));
+    char **envp = calloc(envc + 1, sizeof(char *));
+    const char *p = buf + 18, *end = buf + len;
+    const char *cwd = NULL;
+    int nstr = 1 + argc + envc;
+    for (int i = 0; i < nstr; i++) {
+        const char *z = memchr(p, 0, end - p);
+        if (!z) { free(argv); free(envp); close_fds(fds, nfds); send_msg('F', id, EINVAL); return; }
+        if (i == 0) cwd = p;
+        else if (i <= argc) argv[i - 1] = (char *)p;
+        else envp[i - 1 - argc] = (char *)p;
+        p = z + 1;
+    }
+
+    int errpipe[2];
+    if (pipe2(errpipe, O_CLOEXEC) < 0) {
+        free(argv); free(envp); close_fds(fds, nfds); send_msg('F', id, errno); return;
+    }
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(errpipe[0]);
+        child_exec(errpipe[1], fds, ncg, uid, gid, cwd, argv, envp);
+    }
+    int fork_err = errno;
+    close(errpipe[1]);
+    close_fds(fds, nfds);
+    free(argv);
+    free(envp);
+    if (pid < 0) { close(errpipe[0]); send_msg('F', id, fork_err); return; }
+    int child_err = 0;
+    ssize_t n;
+    do { n = read(errpipe[0], &child_err, sizeof child_err); } while (n < 0 && errno == EINTR);
+    close(errpipe[0]);
+    if (n == sizeof child_err) {
+        /* exec failed: the child exits 127; reap it here so no 'X' follows. */
+        waitpid(pid, NULL, 0);
+        send_msg('F', id, child_err);
+        return;
+    }
+    if (track(pid, id) < 0) { kill(pid, SIGKILL); send_msg('F', id, EAGAIN); return; }
+    send_msg('R', id, pid);
+}
+
+static void handle_kill(const char *buf, ssize_t len) {
+    uint32_t id; int32_t sig;
+    if (len < 9) return;
+    memcpy(&id, buf + 1, 4);
+    memcpy(&sig, buf + 5, 4);
+    for (int i = 0; i < MAX_CHILDREN; i++) {
+        if (children[i].pid && children[i].id == id) {
+            kill(-children[i].pid, sig);
+            return;
+        }
+    }
+}
+
+static void reap(void) {
+    int status;
+    pid_t pid;
+    while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+        for (int i = 0; i < MAX_CHILDREN; i++) {
+            if (children[i].pid == pid) {
+                send_msg('X', children[i].id, status);
+                children[i].pid = 0;
+                break;
+            }
+        }
+    }
+}
+
+static int run_init(void) {
+    static char buf[MAX_MSG];
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    signal(SIGPIPE, SIG_IGN);
+    /* Our stdio came from the runtime's launcher: hold nothing of the host. */
+    int devnull = open("/dev/null", O_RDWR | O_CLOEXEC);
+    if (devnull >= 0) {
+        for (int i = 0; i < 3; i++) dup2(devnull, i);
+        if (devnull > 2) close(devnull);
+    }
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &mask, NULL);
+    int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+    if (sfd < 0) return 1;
+    fcntl(CTL_FD, F_SETFD, FD_CLOEXEC);
+    fcntl(4, F_SETFD, FD_CLOEXEC);
+    struct pollfd pfd[2] = {{.fd = CTL_FD, .events = POLLIN}, {.fd = sfd, .events = POLLIN}};
+    for (;;) {
+        if (poll(pfd, 2, -1) < 0) {
+            if (errno == EINTR) continue;
+            return 1;
+        }
+        if (pfd[1].revents & POLLIN) {
+            struct signalfd_siginfo si;
+            while (read(sfd, &si, sizeof si) > 0) {
+            }
+            reap();
+        }
+        if (pfd[0].revents & (POLLIN | POLLHUP | POLLERR)) {
+            char cbuf[CMSG_SPACE(sizeof(int) * MAX_FDS)];
+            struct iovec iov = {.iov_base = buf, .iov_len = sizeof buf};
+            struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1,
+                                 .msg_control = cbuf, .msg_controllen = sizeof cbuf};
+            ssize_t len = recvmsg(CTL_FD, &msg, MSG_CMSG_CLOEXEC);
+            if (len < 0) {
+                if (errno == EINTR || errno == EAGAIN) continue;
+                return 1;
+            }
+            if (len == 0) {
+                /* Both ends closed: nobody can ever talk to us again. */
+                return 0;
+            }
+            int fds[MAX_FDS], nfds = 0;
+            for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+                if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+                    int n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+                    for (int i = 0; i < n && nfds < MAX_FDS; i++) memcpy(&fds[nfds++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+                }
+            }
+            if (msg.msg_flags & MSG_CTRUNC) { close_fds(fds, nfds); continue; }
+            switch (buf[0]) {
+            case 'S': handle_spawn(buf, len, fds, nfds); break;
+            case 'K': close_fds(fds, nfds); handle_kill(buf, len); break;
+            case 'P': {
+                uint32_t id = 0;
+                close_fds(fds, nfds);
+                if (len >= 5) memcpy(&id, buf + 1, 4);
+                send_msg('p', id, 0);
+                break;
+            }
+            default: close_fds(fds, nfds); break;
+            }
+        }
+    }
+}
+
+static int run_crun_wrap(int argc, char **argv) {
+    /* argv: crun-wrap FD_A FD_B HYBRID -- runtime args... */
+    if (argc < 7 || strcmp(argv[5], "--") != 0) {
+        fprintf(stderr, "usage: dsec-shim crun-wrap FD_A FD_B HYBRID -- RUNTIME ARGS...\n");
+        return 2;
+    }
+    int a = atoi(argv[2]), b = atoi(argv[3]);
+    int hybrid = atoi(argv[4]);
+    if (a >= 0 && b >= 0) {
+        /* Move the two fds out of the way first, then to 3 and 4. */
+        int ta = fcntl(a, F_DUPFD, 10), tb = fcntl(b, F_DUPFD, 10);
+        if (ta < 0 || tb < 0 || dup2(ta, 3) < 0 || dup2(tb, 4) < 0) { perror("dsec-shim: dup"); return 1; }
+        close(ta);
+        close(tb);
+    }
+    if (hybrid) {
+        if (unshare(CLONE_NEWNS) < 0) { perror("dsec-shim: unshare"); return 1; }
+        if (mount(NULL, "/", NULL, MS_REC | MS_SLAVE, NULL) < 0) { perror("dsec-shim: make-rslave"); return 1; }
+        if (mount("dsec-cg2", "/sys/fs/cgroup/unified", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k") < 0) {
+            perror("dsec-shim: hide cgroup2");
+            return 1;
+        }
+    }
+    execv(argv[6], argv + 6);
+    perror("dsec-shim: exec runtime");
+    return 127;
+}
+
+int main(int argc, char **argv) {
+    if (argc >= 2 && strcmp(argv[1], "init") == 0) return run_init();
+    if (argc >= 2 && strcmp(argv[1], "crun-wrap") == 0) return run_crun_wrap(argc, argv);
+    fprintf(stderr, "usage: dsec-shim init | crun-wrap FD_A FD_B HYBRID -- RUNTIME ARGS...\n");
+    return 2;
+}

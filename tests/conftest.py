@@ -1,0 +1,54 @@
+"""Shared fixtures. Integration tests run the real thing as root and clean up."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+LAYERS = Path(os.environ.get("DSEC_TEST_LAYERS", "/var/lib/dsec/layers"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.geteuid() == 0 and shutil.which("crun"):
+        return
+    skip = pytest.mark.skip(reason="needs root and crun (run the README's test command)")
+    for item in items:
+        if "root" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def python_image() -> str:
+    """The default `python` image in the shared test layer store (built once, ~30 s)."""
+    from dsec.layers import LayerStore, build_recipe_image
+
+    store = LayerStore(LAYERS)
+    try:
+        store.get_image("python")
+    except Exception:
+        build_recipe_image(store, "python")
+    return "python"
+
+
+@pytest.fixture
+def edge_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
+    base = tmp_path_factory.mktemp("dsec-edge")
+    yield {"data_dir": base / "data", "run_dir": Path("/run") / f"dsec-test-{base.name}", "layers_dir": LAYERS}
+    shutil.rmtree(Path("/run") / f"dsec-test-{base.name}", ignore_errors=True)
+
+
+@pytest.fixture
+async def edge(python_image: str, edge_dirs: dict[str, Path]) -> AsyncIterator[object]:
+    from dsec.config import EdgeSettings
+    from dsec.edge import Edge
+
+    e = Edge(EdgeSettings(name="t0", reconcile_interval_s=3600, **edge_dirs))
+    await e.start()
+    try:
+        yield e
+    finally:
+        await e.close()
