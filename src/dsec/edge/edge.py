@@ -20,6 +20,7 @@ import tarfile
 import tempfile
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from dsec import errors
 from dsec.backends.container import Container, ContainerBackend, ContainerPlan, mounts_under, unmount_all
 from dsec.config import EdgeSettings
 from dsec.edge.files import SandboxFiles
+from dsec.edge.pools import POOL_PROJECT, PoolInfo, PoolSpec, WarmPools
 from dsec.edge.process import PipeReader, run_process, spawn
 from dsec.edge.sessions import Session, session_argv
 from dsec.edge.store import EdgeStore, Record
@@ -98,6 +100,7 @@ class Edge:
         self._toolkit: list[str] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._dirty_active: dict[str, float] = {}
+        self.pools = WarmPools(self._create_for_pool, self.stop)
 
     # --- lifecycle of the edge itself ------------------------------------------
 
@@ -118,8 +121,11 @@ class Edge:
         await self.reconcile()
         self._tasks.append(asyncio.create_task(self._reaper(), name="dsec-reaper"))
         self._tasks.append(asyncio.create_task(self._reconciler(), name="dsec-reconciler"))
+        self.pools.start()
 
     async def close(self, *, stop_sandboxes: bool = True) -> None:
+        pooled = await self.pools.close()
+        await asyncio.gather(*(self.stop(sid) for sid in pooled), return_exceptions=True)
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -171,8 +177,33 @@ class Edge:
         return self.layers.get_image(name)
 
     async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None) -> SandboxInfo:
-        assert self.backend is not None and self.store is not None
         t0 = time.perf_counter()
+        if sandbox_id is None and spec.project != POOL_PROJECT:
+            pooled = self._claim_pooled(spec, t0)
+            if pooled is not None:
+                return pooled
+        return await self._create(spec, sandbox_id, t0)
+
+    async def _create_for_pool(self, spec: SandboxSpec) -> str:
+        return (await self._create(spec, None, time.perf_counter())).id
+
+    def _claim_pooled(self, spec: SandboxSpec, t0: float) -> SandboxInfo | None:
+        assert self.store is not None
+        while (sid := self.pools.take(spec)) is not None:
+            sb = self.sandboxes.get(sid)
+            if sb is None or sb.stopping or not sb.container.alive():
+                continue
+            now = time.time()
+            sb.record.spec = spec
+            sb.record.created_at = sb.record.last_active = now
+            self.store.put(sb.record)
+            sb.container.timings_ms = {"pool": (time.perf_counter() - t0) * 1000}
+            sb.container.timings_ms["total"] = sb.container.timings_ms["pool"]
+            return sb.info(self.name)
+        return None
+
+    async def _create(self, spec: SandboxSpec, sandbox_id: str | None, t0: float) -> SandboxInfo:
+        assert self.backend is not None and self.store is not None
         image = self._image(spec.image)
         self._admit(spec)
         sid = sandbox_id or self._new_id()
@@ -241,9 +272,15 @@ class Edge:
 
     # --- lookup --------------------------------------------------------------------
 
+    def check_access(self, sandbox_id: str, projects: set[str] | None) -> None:
+        """Hide sandboxes outside `projects` (None: every project) as if they did not exist."""
+        sb = self.sandboxes.get(sandbox_id)
+        if projects is not None and (sb is None or sb.record.spec.project not in projects):
+            raise errors.SandboxNotFound(f"sandbox {sandbox_id} does not exist or is not in your projects")
+
     def _get(self, sandbox_id: str) -> Sandbox:
         sb = self.sandboxes.get(sandbox_id)
-        if sb is None or sb.stopping:
+        if sb is None or sb.stopping or sb.record.spec.project == POOL_PROJECT:
             raise errors.SandboxNotFound(
                 f"sandbox {sandbox_id} does not exist on edge {self.name} (stopped or never created)"
             )
@@ -259,6 +296,8 @@ class Edge:
         out = []
         for sb in self.sandboxes.values():
             spec = sb.record.spec
+            if spec.project == POOL_PROJECT or sb.stopping:
+                continue
             if project is not None and spec.project != project:
                 continue
             if labels and any(spec.labels.get(k) != v for k, v in labels.items()):
@@ -276,6 +315,7 @@ class Edge:
         if sb.stopping:
             return
         sb.stopping = True
+        self.pools.forget(sandbox_id)
         try:
             for s in list(sb.sessions.values()):
                 with contextlib.suppress(Exception):
@@ -336,6 +376,37 @@ class Edge:
             cap=req.max_output_bytes,
         )
         return res.to_exec_result()
+
+    async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[tuple[str, bytes | ExecResult]]:
+        """Like exec, yielding ("stdout" | "stderr", chunk) as output arrives, then ("result", ExecResult)."""
+        sb = self._get(sandbox_id)
+        argv = ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) else list(req.cmd)
+        uid, gid = self._user(sb, req.user)
+        queue: asyncio.Queue[tuple[str, bytes | ExecResult]] = asyncio.Queue()
+        task = asyncio.create_task(
+            run_process(
+                sb.container, self.cgroups, f"dsec-x{next(sb.counter)}", argv, self._env(sb, req.env),
+                cwd=req.cwd or sb.record.spec.workdir, uid=uid, gid=gid,
+                stdin=req.stdin.encode() if req.stdin is not None else None,
+                timeout=req.timeout, cap=req.max_output_bytes,
+                sink=lambda kind, chunk: queue.put_nowait((kind, chunk)),
+            )
+        )
+        task.add_done_callback(
+            lambda t: queue.put_nowait(("result", t.result().to_exec_result()))
+            if not t.cancelled() and t.exception() is None else queue.put_nowait(("error", b""))
+        )
+        try:
+            while True:
+                kind, item = await queue.get()
+                if kind == "error":
+                    task.result()  # re-raise the failure
+                yield kind, item
+                if kind == "result":
+                    return
+        finally:
+            if not task.done():
+                task.cancel()
 
     # --- sessions ------------------------------------------------------------------
 
@@ -546,10 +617,20 @@ class Edge:
             unmount_all(Path(m))
         return {"sandboxes": len(orphans), "mounts": len(stray)}
 
+    # --- pools ---------------------------------------------------------------------
+
+    def configure_pool(self, spec: PoolSpec) -> PoolInfo:
+        self._image(spec.image)
+        return self.pools.configure(spec)
+
+    def prewarm(self, spec: PoolSpec, count: int) -> PoolInfo:
+        self._image(spec.image)
+        return self.pools.prewarm(spec, count)
+
     # --- status ----------------------------------------------------------------------
 
     def status(self) -> EdgeStatus:
-        specs = [sb.record.spec for sb in self.sandboxes.values()]
+        specs = [sb.record.spec for sb in self.sandboxes.values() if sb.record.spec.project != POOL_PROJECT]
         return EdgeStatus(
             name=self.name,
             healthy=True,
@@ -560,7 +641,8 @@ class Edge:
                 "memory_mb": self.settings.capacity_memory_mb,
             },
             used={
-                "sandboxes": len(specs) + len(self._creating),
+                "sandboxes": len(self.sandboxes) + len(self._creating),
+                "pooled": self.pools.ready_count(),
                 "cpu": sum(s.cpu for s in specs),
                 "memory_mb": sum(s.memory_mb for s in specs),
             },

@@ -8,7 +8,7 @@ import errno
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dsec.backends.container import Container
@@ -20,7 +20,13 @@ from dsec.models import ExecResult
 class PipeReader:
     """Collects a non-blocking pipe into a buffer capped at `cap` bytes."""
 
-    def __init__(self, fd: int, cap: int, on_cap: asyncio.Event | None = None) -> None:
+    def __init__(
+        self,
+        fd: int,
+        cap: int,
+        on_cap: asyncio.Event | None = None,
+        sink: Callable[[bytes], None] | None = None,
+    ) -> None:
         os.set_blocking(fd, False)
         self.fd = fd
         self.cap = cap
@@ -30,6 +36,7 @@ class PipeReader:
         self.eof = asyncio.get_running_loop().create_future()
         self.changed = asyncio.Event()
         self._on_cap = on_cap
+        self._sink = sink
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(fd, self._read)
 
@@ -46,6 +53,8 @@ class PipeReader:
                 break
             self.total += len(chunk)
             room = self.cap - len(self.buf)
+            if self._sink is not None and room > 0:
+                self._sink(chunk[:room])
             if len(chunk) > room:
                 self.buf += chunk[: max(room, 0)]
                 if not self.truncated:
@@ -167,6 +176,7 @@ async def run_process(
     stdin: bytes | None,
     timeout: float,
     cap: int,
+    sink: Callable[[str, bytes], None] | None = None,
 ) -> RawResult:
     t0 = time.perf_counter()
     in_r, in_w = os.pipe2(os.O_CLOEXEC)
@@ -182,8 +192,8 @@ async def run_process(
         for fd in (in_w, out_r, err_r):
             os.close(fd)
         raise
-    out = PipeReader(out_r, cap, capped)
-    err = PipeReader(err_r, cap, capped)
+    out = PipeReader(out_r, cap, capped, (lambda b: sink("stdout", b)) if sink else None)
+    err = PipeReader(err_r, cap, capped, (lambda b: sink("stderr", b)) if sink else None)
     feeder = asyncio.ensure_future(_feed(in_w, stdin or b""))
     timed_out = False
     status: int | None = None

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# dsec setup for a Debian 12 machine, as root. Idempotent; a second run takes seconds.
+#
+#   ./install.sh up [dsec up options]   install everything, build the default image, run `dsec up`
+#   ./install.sh test [pytest options]  install everything (+ test tools), then lint, type-check and test
+#   ./install.sh                        install only
+set -euo pipefail
+cd "$(dirname "$(readlink -f "$0")")"
+ROOT=$(pwd)
+VENV="$ROOT/.venv"
+
+APT_PACKAGES=(crun runc mmdebstrap bubblewrap gcc libc6-dev iproute2 procps ca-certificates
+              btrfs-progs xfsprogs tar gzip zstd python3-venv)
+
+log() { printf '\033[1m[dsec-install]\033[0m %s\n' "$*" >&2; }
+
+if [ "$(id -u)" -ne 0 ]; then
+  echo "install.sh must run as root: dsec manages namespaces, cgroups and mounts" >&2
+  exit 1
+fi
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  log "apt: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV with $PY"
+  "$PY" -m venv "$VENV"
+fi
+stamp="$VENV/.dsec-installed"
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  log "pip: installing dsec and its dependencies into $VENV"
+  "$VENV/bin/pip" install -q --upgrade pip >/dev/null
+  "$VENV/bin/pip" install -q -e ".[dev]"
+  echo "$want" > "$stamp"
+fi
+ln -sf "$VENV/bin/dsec" /usr/local/bin/dsec
+
+log "default image: python (cached after the first build, ~30 s)"
+"$VENV/bin/dsec" image build python --quiet
+
+cmd=${1:-}
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  up)
+    exec "$VENV/bin/dsec" up "$@" ;;
+  test)
+    "$VENV/bin/ruff" check src tests bench
+    "$VENV/bin/mypy"
+    exec "$VENV/bin/pytest" "$@" ;;
+  "")
+    log "installed: run 'dsec up' to start the service" ;;
+  *)
+    echo "usage: ./install.sh [up|test] [args...]" >&2; exit 2 ;;
+esac

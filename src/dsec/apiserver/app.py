@@ -1,0 +1,467 @@
+"""The apiserver: the only ingress. Auth, quota admission, placement, forwarding.
+
+Per request: authenticate the bearer token (IAM) -> for a create, reserve quota
+atomically under a provisional key, place on an edge (retrying the next
+candidate when an edge says it is full), then re-key the reservation to the
+sandbox id -> for any other call, route by the edge name inside the sandbox id
+and scope it to the caller's projects. No per-sandbox state lives here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Query, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, Field
+
+from dsec import __version__, errors
+from dsec.apiserver.edges import EdgeAPI, HttpEdge
+from dsec.apiserver.placement import EdgeDirectory
+from dsec.apiserver.routes import Target, install_body_limit, install_error_handlers, sandbox_router
+from dsec.edge.pools import PoolInfo, PoolSpec
+from dsec.iam import IAM, Principal, Quota
+from dsec.models import EdgeStatus, SandboxInfo, SandboxSpec
+
+LATENCY_BUCKETS = (0.001, 0.002, 0.004, 0.008, 0.015, 0.03, 0.06, 0.125, 0.25, 0.5, 1, 2, 5, 10)
+
+
+class BatchCreate(BaseModel):
+    count: int = Field(ge=1, le=1024)
+    spec: SandboxSpec
+
+
+class BatchStop(BaseModel):
+    ids: list[str] = Field(max_length=4096)
+
+
+class RegisterEdge(BaseModel):
+    name: str
+    url: str
+
+
+class PrewarmRequest(BaseModel):
+    spec: SandboxSpec
+    count: int = Field(ge=0, le=10000)
+
+
+class BuildRequest(BaseModel):
+    recipe: str
+
+
+class ProjectCreate(BaseModel):
+    name: str
+    parent: str | None = None
+    quota: Quota = Field(default_factory=Quota)
+
+
+class PrincipalCreate(BaseModel):
+    name: str
+    projects: list[str] = Field(default_factory=list)
+    admin: bool = False
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.create_phase = Histogram(
+            "dsec_create_phase_seconds", "Sandbox creation latency by phase", ["phase"], registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.exec_latency = Histogram(
+            "dsec_exec_seconds", "Exec round trip inside the apiserver", registry=r, buckets=LATENCY_BUCKETS
+        )
+        self.failures = Counter("dsec_failures_total", "Failed operations by reason", ["op", "reason"], registry=r)
+        self.live = Gauge("dsec_live_sandboxes", "Live sandboxes", ["edge", "image", "project"], registry=r)
+        self.pool_ready = Gauge("dsec_pool_ready", "Ready sandboxes in warm pools", ["edge"], registry=r)
+        self.edges = Gauge("dsec_edges_healthy", "Healthy edges", registry=r)
+
+
+class EventBus:
+    """Lifecycle events for SSE subscribers; slow subscribers lose old events, never block creates."""
+
+    def __init__(self) -> None:
+        self.subscribers: set[asyncio.Queue[dict[str, Any]]] = set()
+
+    def publish(self, kind: str, **data: Any) -> None:
+        event = {"type": kind, "time": time.time(), **data}
+        for q in list(self.subscribers):
+            if q.full():
+                with contextlib.suppress(asyncio.QueueEmpty):
+                    q.get_nowait()
+            q.put_nowait(event)
+
+
+@dataclass
+class ApiServerState:
+    iam: IAM
+    directory: EdgeDirectory
+    cluster_token: str
+    metrics: Metrics
+    events: EventBus
+
+
+def create_api_app(
+    *,
+    iam: IAM,
+    cluster_token: str,
+    local_edges: list[EdgeAPI] | None = None,
+    remote_edges: dict[str, str] | None = None,
+    max_body: int = 160 * 1024 * 1024,
+    poll_interval_s: float = 1.0,
+    extra_lifespan: Callable[[], Awaitable[None]] | None = None,
+    on_shutdown: Callable[[], Awaitable[None]] | None = None,
+) -> FastAPI:
+    directory = EdgeDirectory(poll_interval_s=poll_interval_s)
+    for e in local_edges or []:
+        directory.add(e)
+    for name, url in (remote_edges or {}).items():
+        directory.add(HttpEdge(name, url, cluster_token))
+    st = ApiServerState(iam, directory, cluster_token, Metrics(), EventBus())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if extra_lifespan is not None:
+            await extra_lifespan()
+        await directory.poll_once()
+        directory.start()
+        reconcile = asyncio.create_task(_reconcile_quota(st))
+        try:
+            yield
+        finally:
+            reconcile.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reconcile
+            if on_shutdown is not None:
+                await on_shutdown()
+            await directory.close()
+
+    app = FastAPI(title="dsec", version=__version__, lifespan=lifespan,
+                  description="Elastic sandboxes for agentic RL. See docs/API.md.")
+    app.state.dsec = st
+    install_error_handlers(app)
+    install_body_limit(app, max_body)
+
+    def principal(request: Request) -> Principal:
+        cached = getattr(request.state, "principal", None)
+        if cached is not None:
+            return cached  # type: ignore[no-any-return]
+        auth = request.headers.get("authorization", "")
+        token = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+        p = iam.authenticate(token)
+        request.state.principal = p
+        return p
+
+    def require_admin(request: Request) -> Principal:
+        p = principal(request)
+        if not p.admin:
+            raise errors.Forbidden("this call needs an admin token")
+        return p
+
+    open_paths = {"/v1/health", "/v1/version", "/v1/edges/register"}
+
+    @app.middleware("http")
+    async def _authenticate_first(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        # Authenticate before the body is even parsed: a caller without a valid
+        # token learns nothing about what its request would have done.
+        path = request.url.path
+        if path.startswith("/v1/") and path not in open_paths and not path.startswith(("/v1/run_code", "/swerex/")):
+            try:
+                principal(request)
+            except errors.AuthError as exc:
+                return JSONResponse(exc.to_wire(), status_code=exc.status, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
+
+    async def resolve(request: Request, sid: str) -> Target:
+        p = principal(request)
+        return Target(directory.edge_for(sid), iam.visible_projects(p))
+
+    app.state.resolve = resolve
+    app.include_router(sandbox_router(st.metrics.exec_latency.observe))
+
+    # --- public, unauthenticated ---------------------------------------------------
+
+    @app.get("/v1/health")
+    async def health() -> dict[str, Any]:
+        healthy = sum(1 for v in directory.views.values() if v.healthy)
+        return {"status": "ok" if healthy else "degraded", "edges": healthy}
+
+    @app.get("/v1/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        _refresh_gauges(st)
+        return PlainTextResponse(generate_latest(st.metrics.registry).decode(), media_type="text/plain; version=0.0.4")
+
+    # --- sandboxes -------------------------------------------------------------------
+
+    async def create_one(p: Principal, spec: SandboxSpec, t_auth: float) -> SandboxInfo:
+        iam.authorize(p, spec.project)
+        key = f"pending-{secrets.token_hex(8)}"
+        try:
+            iam.reserve(key, spec.project, spec.cpu, spec.memory_mb)
+        except errors.QuotaExceeded:
+            st.metrics.failures.labels("create", "quota").inc()
+            raise
+        t_place = time.perf_counter()
+        try:
+            info = await _place(st, spec)
+        except BaseException as e:
+            iam.release(key)
+            reason = e.code if isinstance(e, errors.DsecError) else "internal"
+            st.metrics.failures.labels("create", reason).inc()
+            raise
+        iam.rekey(key, info.id)
+        m = st.metrics.create_phase
+        m.labels("auth").observe(t_auth)
+        m.labels("placement").observe(time.perf_counter() - t_place - info.timings_ms.get("total", 0) / 1000)
+        for phase in ("layer_preparation", "runtime_start", "ready", "pool"):
+            if phase in info.timings_ms:
+                m.labels(phase).observe(info.timings_ms[phase] / 1000)
+        st.events.publish("created", id=info.id, edge=info.edge, image=spec.image, project=spec.project)
+        return info
+
+    @app.post("/v1/sandboxes", response_model=SandboxInfo, status_code=201)
+    async def create(spec: SandboxSpec, request: Request) -> SandboxInfo:
+        t0 = time.perf_counter()
+        p = principal(request)
+        return await create_one(p, spec, time.perf_counter() - t0)
+
+    @app.post("/v1/sandboxes/batch")
+    async def create_batch(body: BatchCreate, request: Request) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        p = principal(request)
+        iam.authorize(p, body.spec.project)
+        t_auth = time.perf_counter() - t0
+        results = await asyncio.gather(
+            *(create_one(p, body.spec, t_auth) for _ in range(body.count)), return_exceptions=True
+        )
+        ok = [r for r in results if isinstance(r, SandboxInfo)]
+        errs = [r for r in results if not isinstance(r, SandboxInfo)]
+        for e in errs:
+            if not isinstance(e, errors.DsecError):
+                raise e
+        return {
+            "sandboxes": [i.model_dump(mode="json") for i in ok],
+            "errors": [e.to_wire()["error"] for e in errs if isinstance(e, errors.DsecError)],
+        }
+
+    @app.get("/v1/sandboxes")
+    async def list_(
+        request: Request, project: str | None = None, label: list[str] = Query(default=[])
+    ) -> dict[str, Any]:
+        p = principal(request)
+        if project is not None:
+            iam.authorize(p, project)
+        labels = {}
+        for x in label:
+            k, sep, v = x.partition("=")
+            if not sep:
+                raise errors.InvalidRequest(f"label filter {x!r} must look like key=value")
+            labels[k] = v
+        scope = iam.visible_projects(p)
+        lists = await asyncio.gather(*(e.list(labels, project, scope) for e in directory.all()),
+                                     return_exceptions=True)
+        out = [i.model_dump(mode="json") for lst in lists if isinstance(lst, list) for i in lst]
+        return {"sandboxes": out}
+
+    async def stop_one(p: Principal, sid: str) -> None:
+        edge = directory.edge_for(sid)
+        await edge.stop(sid, iam.visible_projects(p))
+        iam.release(sid)
+        st.events.publish("stopped", id=sid, edge=edge.name)
+
+    @app.delete("/v1/sandboxes/{sid}", status_code=204)
+    async def stop(sid: str, request: Request) -> Response:
+        await stop_one(principal(request), sid)
+        return Response(status_code=204)
+
+    @app.post("/v1/sandboxes/batch_stop")
+    async def batch_stop(body: BatchStop, request: Request) -> dict[str, Any]:
+        p = principal(request)
+        results = await asyncio.gather(*(stop_one(p, sid) for sid in body.ids), return_exceptions=True)
+        stopped = [sid for sid, r in zip(body.ids, results, strict=True) if r is None]
+        failed = {sid: (r.to_wire()["error"] if isinstance(r, errors.DsecError) else {"code": "internal",
+                                                                                       "message": str(r)})
+                  for sid, r in zip(body.ids, results, strict=True) if r is not None}
+        return {"stopped": stopped, "errors": failed}
+
+    # --- images, pools, edges ------------------------------------------------------------
+
+    @app.get("/v1/images")
+    async def images(request: Request) -> dict[str, Any]:
+        principal(request)
+        seen: dict[str, dict[str, Any]] = {}
+        for e in directory.all():
+            with contextlib.suppress(errors.DsecError):
+                for img in await e.images():
+                    seen.setdefault(img["name"], {**img, "edges": []})["edges"].append(e.name)
+        return {"images": list(seen.values())}
+
+    @app.get("/v1/layers")
+    async def layers(request: Request) -> dict[str, Any]:
+        principal(request)
+        seen: dict[str, dict[str, Any]] = {}
+        for e in directory.all():
+            with contextlib.suppress(errors.DsecError):
+                for layer in await e.layers():
+                    seen.setdefault(f"{layer['name']}@{layer['version']}", layer)
+        return {"layers": list(seen.values())}
+
+    @app.post("/v1/images/build")
+    async def build(body: BuildRequest, request: Request) -> dict[str, Any]:
+        require_admin(request)
+        results = await asyncio.gather(*(e.build_image(body.recipe) for e in directory.all()))
+        await directory.poll_once()
+        return results[0] if results else {}
+
+    @app.post("/v1/images/import")
+    async def import_(name: str, request: Request) -> dict[str, Any]:
+        require_admin(request)
+        data = await request.body()
+        results = await asyncio.gather(*(e.import_image(name, data) for e in directory.all()))
+        await directory.poll_once()
+        return results[0] if results else {}
+
+    @app.get("/v1/pools")
+    async def pools(request: Request) -> dict[str, Any]:
+        principal(request)
+        out = []
+        for e in directory.all():
+            with contextlib.suppress(errors.DsecError):
+                out += [{"edge": e.name, **i.model_dump(mode="json")} for i in await e.pools()]
+        return {"pools": out}
+
+    @app.post("/v1/pools")
+    async def configure_pool(spec: PoolSpec, request: Request) -> dict[str, Any]:
+        require_admin(request)
+        infos = await asyncio.gather(*(e.configure_pool(spec) for e in directory.all()))
+        return {"pools": [i.model_dump(mode="json") for i in infos]}
+
+    @app.post("/v1/pools/prewarm")
+    async def prewarm(body: PrewarmRequest, request: Request) -> dict[str, Any]:
+        p = principal(request)
+        iam.authorize(p, body.spec.project)
+        spec = PoolSpec(**body.spec.model_dump(include=set(PoolSpec.model_fields) - {"min_size", "max_size"}))
+        edges = [v.api for v in directory.candidates(body.spec)]
+        share, extra = divmod(body.count, max(len(edges), 1))
+        infos: list[PoolInfo] = await asyncio.gather(
+            *(e.prewarm(spec, share + (1 if i < extra else 0)) for i, e in enumerate(edges))
+        )
+        return {"pools": [i.model_dump(mode="json") for i in infos], "count": body.count}
+
+    @app.get("/v1/edges")
+    async def edges(request: Request) -> dict[str, Any]:
+        principal(request)
+        return {"edges": [v.status.model_dump(mode="json") for v in directory.views.values() if v.status]}
+
+    @app.post("/v1/edges/register")
+    async def register(body: RegisterEdge, request: Request) -> dict[str, str]:
+        auth = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        if not secrets.compare_digest(auth.encode(), cluster_token.encode()):
+            raise errors.AuthError("edge registration needs the cluster token")
+        view = directory.add(HttpEdge(body.name, body.url, cluster_token))
+        if view.status is None:
+            with contextlib.suppress(Exception):
+                view.status = await view.api.status()
+        return {"status": "registered"}
+
+    @app.get("/v1/events")
+    async def events(request: Request) -> StreamingResponse:
+        principal(request)
+        q: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=1000)
+        st.events.subscribers.add(q)
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                yield b": connected\n\n"
+                while True:
+                    try:
+                        ev = await asyncio.wait_for(q.get(), 15.0)
+                        yield f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n".encode()
+                    except TimeoutError:
+                        yield b": keep-alive\n\n"
+            finally:
+                st.events.subscribers.discard(q)
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    # --- IAM -----------------------------------------------------------------------------
+
+    @app.post("/v1/projects")
+    async def create_project(body: ProjectCreate, request: Request) -> dict[str, Any]:
+        require_admin(request)
+        return iam.create_project(body.name, body.parent, body.quota).model_dump(mode="json")
+
+    @app.get("/v1/projects")
+    async def list_projects(request: Request) -> dict[str, Any]:
+        p = principal(request)
+        scope = iam.visible_projects(p)
+        return {"projects": [x.model_dump(mode="json") for x in iam.list_projects() if scope is None or x.name in scope]}
+
+    @app.post("/v1/principals")
+    async def create_principal(body: PrincipalCreate, request: Request) -> dict[str, Any]:
+        require_admin(request)
+        p, token = iam.create_principal(body.name, body.projects, admin=body.admin)
+        return {"principal": p.model_dump(mode="json"), "token": token}
+
+    @app.exception_handler(errors.AuthError)
+    async def _auth_error(_: Request, exc: errors.AuthError) -> JSONResponse:
+        return JSONResponse(exc.to_wire(), status_code=exc.status, headers={"WWW-Authenticate": "Bearer"})
+
+    return app
+
+
+async def _place(st: ApiServerState, spec: SandboxSpec) -> SandboxInfo:
+    last: errors.DsecError | None = None
+    for view in st.directory.candidates(spec):
+        st.directory.note_placed(view)
+        try:
+            return await view.api.create(spec)
+        except (errors.CapacityExhausted, errors.Unavailable) as e:
+            last = e  # the edge has the final say: try the next candidate
+    raise errors.CapacityExhausted(f"every edge that has image {spec.image!r} is full; retry later") from last
+
+
+def _refresh_gauges(st: ApiServerState) -> None:
+    m = st.metrics
+    m.live.clear()
+    healthy = 0
+    for v in st.directory.views.values():
+        s: EdgeStatus | None = v.status
+        if s is None:
+            continue
+        healthy += int(v.healthy)
+        m.pool_ready.labels(s.name).set(s.used.get("pooled", 0))
+        for image, n in s.by_image.items():
+            m.live.labels(s.name, image, "*").set(n)
+        for project, n in s.by_project.items():
+            m.live.labels(s.name, "*", project).set(n)
+    m.edges.set(healthy)
+
+
+async def _reconcile_quota(st: ApiServerState) -> None:
+    """Release reservations of sandboxes no edge reports any more (TTL reaping, crashes)."""
+    while True:
+        await asyncio.sleep(10.0)
+        live: set[str] = set()
+        complete = True
+        for e in st.directory.all():
+            try:
+                live |= {i.id for i in await e.list({}, None, None)}
+            except Exception:
+                complete = False
+        if complete:
+            st.iam.reconcile(live)

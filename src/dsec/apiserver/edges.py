@@ -1,0 +1,398 @@
+"""How an apiserver talks to edges: one interface, an in-process and an HTTP twin.
+
+`LocalEdge` calls an :class:`~dsec.edge.Edge` in the same process (what `dsec up`
+runs: no second network hop). `HttpEdge` calls a remote `dsec edge` over its
+HTTP API with the cluster token. Both scope every per-sandbox call to the
+caller's visible projects (`projects`, None = all), so the apiserver needs no
+per-sandbox state: the edge knows each sandbox's project.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from dsec import errors
+from dsec.edge import Edge
+from dsec.edge.edge import encode_content
+from dsec.edge.pools import PoolInfo, PoolSpec
+from dsec.models import (
+    EdgeStatus,
+    ExecRequest,
+    ExecResult,
+    FileContent,
+    FileEdit,
+    FileStat,
+    FileWrite,
+    SandboxInfo,
+    SandboxSpec,
+    SessionCreate,
+    SessionInfo,
+    SessionResult,
+    SessionRun,
+)
+
+Projects = set[str] | None
+
+
+def edge_of(sandbox_id: str) -> str:
+    """The owning edge's name, encoded in the id (`<edge>-<random>`)."""
+    name, sep, rest = sandbox_id.partition("-")
+    if not sep or not name or not rest:
+        raise errors.SandboxNotFound(f"{sandbox_id!r} is not a sandbox id (expected <edge>-<random>)")
+    return name
+
+
+class EdgeAPI(ABC):
+    name: str
+    url: str | None = None
+
+    @abstractmethod
+    async def create(self, spec: SandboxSpec) -> SandboxInfo: ...
+    @abstractmethod
+    async def get(self, sid: str, projects: Projects) -> SandboxInfo: ...
+    @abstractmethod
+    async def list(self, labels: dict[str, str], project: str | None, projects: Projects) -> list[SandboxInfo]: ...
+    @abstractmethod
+    async def stop(self, sid: str, projects: Projects) -> None: ...
+    @abstractmethod
+    async def exec(self, sid: str, req: ExecRequest, projects: Projects) -> ExecResult: ...
+    @abstractmethod
+    def exec_stream(self, sid: str, req: ExecRequest, projects: Projects) -> AsyncIterator[tuple[str, Any]]: ...
+    @abstractmethod
+    async def session_create(self, sid: str, req: SessionCreate, projects: Projects) -> SessionInfo: ...
+    @abstractmethod
+    async def session_list(self, sid: str, projects: Projects) -> list[SessionInfo]: ...
+    @abstractmethod
+    async def session_run(self, sid: str, ses: str, req: SessionRun, projects: Projects) -> SessionResult: ...
+    @abstractmethod
+    async def session_close(self, sid: str, ses: str, projects: Projects) -> None: ...
+    @abstractmethod
+    async def read_file(self, sid: str, path: str, projects: Projects) -> FileContent: ...
+    @abstractmethod
+    async def write_file(self, sid: str, req: FileWrite, projects: Projects) -> None: ...
+    @abstractmethod
+    async def edit_file(self, sid: str, req: FileEdit, projects: Projects) -> int: ...
+    @abstractmethod
+    async def stat_file(self, sid: str, path: str, projects: Projects) -> FileStat: ...
+    @abstractmethod
+    async def list_dir(self, sid: str, path: str, projects: Projects) -> list[FileStat]: ...
+    @abstractmethod
+    async def delete_file(self, sid: str, path: str, recursive: bool, projects: Projects) -> None: ...
+    @abstractmethod
+    async def upload_tar(self, sid: str, path: str, data: bytes, projects: Projects) -> None: ...
+    @abstractmethod
+    async def download_tar(self, sid: str, path: str, projects: Projects) -> bytes: ...
+    @abstractmethod
+    async def status(self) -> EdgeStatus: ...
+    @abstractmethod
+    async def configure_pool(self, spec: PoolSpec) -> PoolInfo: ...
+    @abstractmethod
+    async def prewarm(self, spec: PoolSpec, count: int) -> PoolInfo: ...
+    @abstractmethod
+    async def pools(self) -> list[PoolInfo]: ...
+
+    @abstractmethod
+    async def images(self) -> list[dict[str, Any]]: ...
+    @abstractmethod
+    async def layers(self) -> list[dict[str, Any]]: ...
+    @abstractmethod
+    async def build_image(self, recipe: str) -> dict[str, Any]: ...
+    @abstractmethod
+    async def import_image(self, name: str, data: bytes) -> dict[str, Any]: ...
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+def decode_write(req: FileWrite) -> bytes:
+    if req.encoding == "base64":
+        try:
+            return base64.b64decode(req.content, validate=True)
+        except ValueError as e:
+            raise errors.InvalidRequest("content is not valid base64; send encoding='utf-8' for text") from e
+    return req.content.encode()
+
+
+class LocalEdge(EdgeAPI):
+    """An edge in this process."""
+
+    def __init__(self, edge: Edge, url: str | None = None) -> None:
+        self.edge = edge
+        self.name = edge.name
+        self.url = url
+
+    def _check(self, sid: str, projects: Projects) -> None:
+        self.edge.check_access(sid, projects)
+
+    async def create(self, spec: SandboxSpec) -> SandboxInfo:
+        return await self.edge.create(spec)
+
+    async def get(self, sid: str, projects: Projects) -> SandboxInfo:
+        self._check(sid, projects)
+        return self.edge.get(sid)
+
+    async def list(self, labels: dict[str, str], project: str | None, projects: Projects) -> list[SandboxInfo]:
+        return [i for i in self.edge.list(labels, project) if projects is None or i.spec.project in projects]
+
+    async def stop(self, sid: str, projects: Projects) -> None:
+        self._check(sid, projects)
+        await self.edge.stop(sid)
+
+    async def exec(self, sid: str, req: ExecRequest, projects: Projects) -> ExecResult:
+        self._check(sid, projects)
+        return await self.edge.exec(sid, req)
+
+    async def exec_stream(self, sid: str, req: ExecRequest, projects: Projects) -> AsyncIterator[tuple[str, Any]]:
+        self._check(sid, projects)
+        async for kind, item in self.edge.exec_stream(sid, req):
+            yield kind, (item.decode(errors="replace") if isinstance(item, bytes) else item)
+
+    async def session_create(self, sid: str, req: SessionCreate, projects: Projects) -> SessionInfo:
+        self._check(sid, projects)
+        return await self.edge.session_create(sid, req)
+
+    async def session_list(self, sid: str, projects: Projects) -> list[SessionInfo]:
+        self._check(sid, projects)
+        return self.edge.session_list(sid)
+
+    async def session_run(self, sid: str, ses: str, req: SessionRun, projects: Projects) -> SessionResult:
+        self._check(sid, projects)
+        return await self.edge.session_run(sid, ses, req)
+
+    async def session_close(self, sid: str, ses: str, projects: Projects) -> None:
+        self._check(sid, projects)
+        await self.edge.session_close(sid, ses)
+
+    async def read_file(self, sid: str, path: str, projects: Projects) -> FileContent:
+        self._check(sid, projects)
+        data = self.edge.read_file(sid, path)
+        content, encoding = encode_content(data)
+        return FileContent(path=path, content=content, encoding=encoding, size=len(data))  # type: ignore[arg-type]
+
+    async def write_file(self, sid: str, req: FileWrite, projects: Projects) -> None:
+        self._check(sid, projects)
+        self.edge.write_file(sid, req.path, decode_write(req), req.mode)
+
+    async def edit_file(self, sid: str, req: FileEdit, projects: Projects) -> int:
+        self._check(sid, projects)
+        return self.edge.edit_file(sid, req.path, req.old, req.new)
+
+    async def stat_file(self, sid: str, path: str, projects: Projects) -> FileStat:
+        self._check(sid, projects)
+        return self.edge.stat_file(sid, path)
+
+    async def list_dir(self, sid: str, path: str, projects: Projects) -> list[FileStat]:
+        self._check(sid, projects)
+        return self.edge.list_dir(sid, path)
+
+    async def delete_file(self, sid: str, path: str, recursive: bool, projects: Projects) -> None:
+        self._check(sid, projects)
+        self.edge.delete_file(sid, path, recursive)
+
+    async def upload_tar(self, sid: str, path: str, data: bytes, projects: Projects) -> None:
+        self._check(sid, projects)
+        await self.edge.upload_tar(sid, path, data)
+
+    async def download_tar(self, sid: str, path: str, projects: Projects) -> bytes:
+        self._check(sid, projects)
+        return await self.edge.download_tar(sid, path)
+
+    async def status(self) -> EdgeStatus:
+        return self.edge.status().model_copy(update={"url": self.url})
+
+    async def configure_pool(self, spec: PoolSpec) -> PoolInfo:
+        return self.edge.configure_pool(spec)
+
+    async def prewarm(self, spec: PoolSpec, count: int) -> PoolInfo:
+        return self.edge.prewarm(spec, count)
+
+    async def pools(self) -> list[PoolInfo]:
+        return self.edge.pools.list()
+
+    async def images(self) -> list[dict[str, Any]]:
+        return [_image_dict(i) for i in self.edge.layers.list_images()]
+
+    async def layers(self) -> list[dict[str, Any]]:
+        return [layer.model_dump(mode="json") for layer in self.edge.layers.list_layers()]
+
+    async def build_image(self, recipe: str) -> dict[str, Any]:
+        from dsec.layers import build_recipe_image, load_recipe
+
+        load_recipe(recipe)  # unknown recipe -> ImageNotFound before any work
+        image = await asyncio.get_running_loop().run_in_executor(None, build_recipe_image, self.edge.layers, recipe)
+        return _image_dict(image)
+
+    async def import_image(self, name: str, data: bytes) -> dict[str, Any]:
+        from dsec.layers import import_oci_archive
+
+        def run() -> Any:
+            with tempfile.NamedTemporaryFile(prefix="dsec-import-", suffix=".tar") as f:
+                f.write(data)
+                f.flush()
+                return import_oci_archive(self.edge.layers, name, Path(f.name))
+
+        return _image_dict(await asyncio.get_running_loop().run_in_executor(None, run))
+
+
+class HttpEdge(EdgeAPI):
+    """A remote edge behind `dsec edge`, reached with the cluster token."""
+
+    def __init__(self, name: str, url: str, token: str, *, timeout: float = 600.0) -> None:
+        self.name = name
+        self.url = url.rstrip("/")
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
+        self.http = httpx.AsyncClient(
+            base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout, limits=limits
+        )
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    @staticmethod
+    def _hdr(projects: Projects) -> dict[str, str]:
+        return {"X-Dsec-Projects": "*" if projects is None else json.dumps(sorted(projects))}
+
+    async def _call(
+        self, method: str, path: str, projects: Projects = None, *, json_body: Any = None,
+        params: dict[str, Any] | None = None, content: bytes | None = None,
+    ) -> httpx.Response:
+        try:
+            r = await self.http.request(
+                method, path, headers=self._hdr(projects), json=json_body, params=params, content=content
+            )
+        except httpx.TransportError as e:
+            raise errors.Unavailable(f"edge {self.name} at {self.url} is unreachable: {e}") from e
+        if r.status_code >= 400:
+            try:
+                body = r.json()
+            except ValueError:
+                body = r.text
+            raise errors.error_from_wire(r.status_code, body)
+        return r
+
+    async def create(self, spec: SandboxSpec) -> SandboxInfo:
+        r = await self._call("POST", "/v1/sandboxes", json_body=spec.model_dump(mode="json"))
+        return SandboxInfo.model_validate_json(r.content)
+
+    async def get(self, sid: str, projects: Projects) -> SandboxInfo:
+        return SandboxInfo.model_validate_json((await self._call("GET", f"/v1/sandboxes/{sid}", projects)).content)
+
+    async def list(self, labels: dict[str, str], project: str | None, projects: Projects) -> list[SandboxInfo]:
+        params: dict[str, Any] = {"label": [f"{k}={v}" for k, v in labels.items()]}
+        if project is not None:
+            params["project"] = project
+        r = await self._call("GET", "/v1/sandboxes", projects, params=params)
+        return [SandboxInfo.model_validate(x) for x in r.json()["sandboxes"]]
+
+    async def stop(self, sid: str, projects: Projects) -> None:
+        await self._call("DELETE", f"/v1/sandboxes/{sid}", projects)
+
+    async def exec(self, sid: str, req: ExecRequest, projects: Projects) -> ExecResult:
+        r = await self._call("POST", f"/v1/sandboxes/{sid}/exec", projects, json_body=req.model_dump(mode="json"))
+        return ExecResult.model_validate_json(r.content)
+
+    async def exec_stream(self, sid: str, req: ExecRequest, projects: Projects) -> AsyncIterator[tuple[str, Any]]:
+        async with self.http.stream(
+            "POST", f"/v1/sandboxes/{sid}/exec/stream", headers=self._hdr(projects), json=req.model_dump(mode="json")
+        ) as r:
+            if r.status_code >= 400:
+                await r.aread()
+                raise errors.error_from_wire(r.status_code, r.json())
+            event = "message"
+            async for line in r.aiter_lines():
+                if line.startswith("event:"):
+                    event = line[6:].strip()
+                elif line.startswith("data:"):
+                    data = json.loads(line[5:].strip())
+                    if event == "result":
+                        yield "result", ExecResult.model_validate(data)
+                    elif event == "error":
+                        raise errors.error_from_wire(500, data)
+                    else:
+                        yield event, data
+
+    async def session_create(self, sid: str, req: SessionCreate, projects: Projects) -> SessionInfo:
+        r = await self._call("POST", f"/v1/sandboxes/{sid}/sessions", projects, json_body=req.model_dump(mode="json"))
+        return SessionInfo.model_validate_json(r.content)
+
+    async def session_list(self, sid: str, projects: Projects) -> list[SessionInfo]:
+        r = await self._call("GET", f"/v1/sandboxes/{sid}/sessions", projects)
+        return [SessionInfo.model_validate(x) for x in r.json()["sessions"]]
+
+    async def session_run(self, sid: str, ses: str, req: SessionRun, projects: Projects) -> SessionResult:
+        r = await self._call(
+            "POST", f"/v1/sandboxes/{sid}/sessions/{ses}/run", projects, json_body=req.model_dump(mode="json")
+        )
+        return SessionResult.model_validate_json(r.content)
+
+    async def session_close(self, sid: str, ses: str, projects: Projects) -> None:
+        await self._call("DELETE", f"/v1/sandboxes/{sid}/sessions/{ses}", projects)
+
+    async def read_file(self, sid: str, path: str, projects: Projects) -> FileContent:
+        r = await self._call("GET", f"/v1/sandboxes/{sid}/files", projects, params={"path": path})
+        return FileContent.model_validate_json(r.content)
+
+    async def write_file(self, sid: str, req: FileWrite, projects: Projects) -> None:
+        await self._call("PUT", f"/v1/sandboxes/{sid}/files", projects, json_body=req.model_dump(mode="json"))
+
+    async def edit_file(self, sid: str, req: FileEdit, projects: Projects) -> int:
+        r = await self._call("POST", f"/v1/sandboxes/{sid}/files/edit", projects, json_body=req.model_dump(mode="json"))
+        return int(r.json()["size"])
+
+    async def stat_file(self, sid: str, path: str, projects: Projects) -> FileStat:
+        r = await self._call("GET", f"/v1/sandboxes/{sid}/files/stat", projects, params={"path": path})
+        return FileStat.model_validate_json(r.content)
+
+    async def list_dir(self, sid: str, path: str, projects: Projects) -> list[FileStat]:
+        r = await self._call("GET", f"/v1/sandboxes/{sid}/files/list", projects, params={"path": path})
+        return [FileStat.model_validate(x) for x in r.json()["entries"]]
+
+    async def delete_file(self, sid: str, path: str, recursive: bool, projects: Projects) -> None:
+        params = {"path": path, "recursive": str(recursive).lower()}
+        await self._call("DELETE", f"/v1/sandboxes/{sid}/files", projects, params=params)
+
+    async def upload_tar(self, sid: str, path: str, data: bytes, projects: Projects) -> None:
+        await self._call("PUT", f"/v1/sandboxes/{sid}/archive", projects, params={"path": path}, content=data)
+
+    async def download_tar(self, sid: str, path: str, projects: Projects) -> bytes:
+        return (await self._call("GET", f"/v1/sandboxes/{sid}/archive", projects, params={"path": path})).content
+
+    async def status(self) -> EdgeStatus:
+        r = await self._call("GET", "/v1/edge/status")
+        return EdgeStatus.model_validate_json(r.content).model_copy(update={"url": self.url})
+
+    async def configure_pool(self, spec: PoolSpec) -> PoolInfo:
+        r = await self._call("POST", "/v1/pools", json_body=spec.model_dump(mode="json"))
+        return PoolInfo.model_validate_json(r.content)
+
+    async def prewarm(self, spec: PoolSpec, count: int) -> PoolInfo:
+        r = await self._call("POST", "/v1/pools/prewarm", json_body={"spec": spec.model_dump(mode="json"), "count": count})
+        return PoolInfo.model_validate_json(r.content)
+
+    async def pools(self) -> list[PoolInfo]:
+        return [PoolInfo.model_validate(x) for x in (await self._call("GET", "/v1/pools")).json()["pools"]]
+
+    async def images(self) -> list[dict[str, Any]]:
+        return list((await self._call("GET", "/v1/images")).json()["images"])
+
+    async def layers(self) -> list[dict[str, Any]]:
+        return list((await self._call("GET", "/v1/layers")).json()["layers"])
+
+    async def build_image(self, recipe: str) -> dict[str, Any]:
+        return dict((await self._call("POST", "/v1/images/build", json_body={"recipe": recipe})).json())
+
+    async def import_image(self, name: str, data: bytes) -> dict[str, Any]:
+        return dict((await self._call("POST", "/v1/images/import", params={"name": name}, content=data)).json())
+
+
+def _image_dict(image: Any) -> dict[str, Any]:
+    return {"name": image.name, "layers": [str(r) for r in image.layers], "created_at": image.created_at}

@@ -1,0 +1,1 @@
+"""The dsec command line."""

@@ -1,0 +1,296 @@
+"""`dsec`: start the service, manage images, drive sandboxes. A thin layer over the SDK."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
+from rich.table import Table
+
+from dsec import errors
+
+app = typer.Typer(help="dsec: elastic sandboxes for agentic RL.", no_args_is_help=True, add_completion=False)
+image_app = typer.Typer(help="Build, import and list images (on this machine's layer store).", no_args_is_help=True)
+sandbox_app = typer.Typer(help="Create, list, run in and remove sandboxes.", no_args_is_help=True)
+app.add_typer(image_app, name="image")
+app.add_typer(sandbox_app, name="sandbox")
+console = Console()
+err_console = Console(stderr=True)
+
+DataDir = Annotated[Path, typer.Option("--data-dir", envvar="DSEC_DATA_DIR", help="state: layers, IAM, records")]
+JsonOut = Annotated[bool, typer.Option("--json", help="machine-readable output")]
+
+
+def _fail(e: errors.DsecError) -> None:
+    err_console.print(f"[red]error[/red] ({e.code}): {e.message}")
+    raise typer.Exit(2)
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+
+
+@app.command()
+def up(
+    host: str = "127.0.0.1",
+    port: int = 8420,
+    data_dir: DataDir = Path("/var/lib/dsec"),
+    keep_sandboxes: Annotated[bool, typer.Option(help="leave sandboxes running at shutdown")] = False,
+    verbose: bool = False,
+) -> None:
+    """Run an apiserver and a local edge with an embedded SQLite store."""
+    from dsec.config import EdgeSettings
+    from dsec.service import serve, up_app, write_client_config
+
+    _logging(verbose)
+    url = f"http://{host}:{port}"
+    settings = EdgeSettings(data_dir=data_dir)
+    application, token = up_app(data_dir, url, keep_sandboxes=keep_sandboxes, edge_settings=settings)
+    cfg = write_client_config(url, token)
+    console.print(f"[bold green]dsec[/bold green] serving at [bold]{url}[/bold]  (API docs: {url}/docs)")
+    console.print(f"admin token: {data_dir / 'admin-token'}; client config: {cfg}")
+    serve(application, host, port)
+
+
+@app.command()
+def apiserver(
+    host: str = "127.0.0.1",
+    port: int = 8420,
+    data_dir: DataDir = Path("/var/lib/dsec"),
+    edge: Annotated[list[str], typer.Option(help="a static edge as name=url (edges also self-register)")] = [],  # noqa: B006
+    verbose: bool = False,
+) -> None:
+    """Run an apiserver only; edges register with it."""
+    from dsec.service import apiserver_app, serve
+
+    _logging(verbose)
+    edges = dict(e.split("=", 1) for e in edge)
+    serve(apiserver_app(data_dir, edges), host, port)
+
+
+@app.command("edge")
+def edge_cmd(
+    apiserver: Annotated[list[str], typer.Option(help="apiserver URL to register with (repeatable)")],
+    name: str = "n1",
+    host: str = "127.0.0.1",
+    port: int = 8421,
+    url: Annotated[str | None, typer.Option(help="URL apiservers use to reach this edge")] = None,
+    data_dir: DataDir = Path("/var/lib/dsec"),
+    run_dir: Path = Path("/run/dsec"),
+    token: Annotated[str | None, typer.Option(envvar="DSEC_CLUSTER_TOKEN", help="cluster token")] = None,
+    max_sandboxes: int = 4000,
+    keep_sandboxes: Annotated[bool, typer.Option(help="leave sandboxes running at shutdown")] = True,
+    verbose: bool = False,
+) -> None:
+    """Run a node agent that registers with apiservers."""
+    from dsec.config import EdgeSettings
+    from dsec.service import edge_app, serve
+
+    _logging(verbose)
+    cluster = token or (data_dir / "cluster-token").read_text().strip()
+    settings = EdgeSettings(name=name, data_dir=data_dir, run_dir=run_dir, max_sandboxes=max_sandboxes)
+    serve(edge_app(settings, url or f"http://{host}:{port}", apiserver, cluster, keep_sandboxes), host, port)
+
+
+# --- images ----------------------------------------------------------------------------
+
+
+def _store(data_dir: Path) -> Any:
+    from dsec.layers import LayerStore
+
+    return LayerStore(data_dir / "layers")
+
+
+@image_app.command("build")
+def image_build(
+    recipe: str,
+    data_dir: DataDir = Path("/var/lib/dsec"),
+    quiet: bool = False,
+    as_json: JsonOut = False,
+) -> None:
+    """Build an image from a Debian recipe (cached by recipe digest)."""
+    from dsec.layers import build_recipe_image
+
+    store = _store(data_dir)
+    try:
+        if quiet or as_json:
+            image = build_recipe_image(store, recipe)
+        else:
+            with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=err_console) as bar:
+                task = bar.add_task(f"building {recipe}", total=None)
+                image = build_recipe_image(store, recipe,
+                                           progress=lambda m: bar.update(task, description=f"{recipe}: {m}"))
+    except errors.DsecError as e:
+        _fail(e)
+    if as_json:
+        print(image.model_dump_json())
+    elif not quiet:
+        console.print(f"image [bold]{image.name}[/bold]: {', '.join(str(r) for r in image.layers)}")
+
+
+@image_app.command("import")
+def image_import(name: str, archive: Path, data_dir: DataDir = Path("/var/lib/dsec"), as_json: JsonOut = False) -> None:
+    """Import a `docker save` tar or an OCI layout (directory or tar) as an image."""
+    from dsec.layers import import_oci_archive
+
+    try:
+        image = import_oci_archive(_store(data_dir), name, archive)
+    except errors.DsecError as e:
+        _fail(e)
+    print(image.model_dump_json()) if as_json else console.print(f"imported {name}: {len(image.layers)} layers")
+
+
+@image_app.command("ls")
+def image_ls(data_dir: DataDir = Path("/var/lib/dsec"), as_json: JsonOut = False) -> None:
+    """List images and their layers."""
+    images = _store(data_dir).list_images()
+    if as_json:
+        print(json.dumps([i.model_dump(mode="json") for i in images]))
+        return
+    t = Table("image", "layers (bottom first)")
+    for i in images:
+        t.add_row(i.name, ", ".join(str(r) for r in i.layers))
+    console.print(t)
+
+
+# --- sandboxes -----------------------------------------------------------------------------
+
+
+def _client() -> Any:
+    from dsec.client import Client
+
+    return Client()
+
+
+@sandbox_app.command("create")
+def sandbox_create(
+    image: str = "python",
+    count: int = 1,
+    cpu: float = 1.0,
+    memory_mb: int = 1024,
+    ttl_idle_s: float | None = None,
+    project: str = "default",
+    label: Annotated[list[str], typer.Option(help="key=value")] = [],  # noqa: B006
+    as_json: JsonOut = False,
+) -> None:
+    """Create one or a batch of sandboxes."""
+    labels = dict(x.split("=", 1) for x in label)
+    kw = {"cpu": cpu, "memory_mb": memory_mb, "ttl_idle_s": ttl_idle_s, "project": project, "labels": labels}
+    try:
+        with _client() as c:
+            if count == 1:
+                sbs = [c.create(image, **kw)]
+            else:
+                sbs = []
+                with Progress(TextColumn("creating"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                              console=err_console, disable=as_json) as bar:
+                    task = bar.add_task("create", total=count)
+                    for start in range(0, count, 64):
+                        n = min(64, count - start)
+                        sbs += c.create_many(n, image, **kw)
+                        bar.advance(task, n)
+    except errors.DsecError as e:
+        _fail(e)
+    if as_json:
+        print(json.dumps([s.id for s in sbs]))
+    else:
+        for s in sbs:
+            console.print(s.id)
+
+
+@sandbox_app.command("ls")
+def sandbox_ls(project: str | None = None, as_json: JsonOut = False) -> None:
+    """List your sandboxes."""
+    try:
+        with _client() as c:
+            infos = c.list(project=project)
+    except errors.DsecError as e:
+        _fail(e)
+    if as_json:
+        print(json.dumps([i.model_dump(mode="json") for i in infos]))
+        return
+    t = Table("id", "image", "state", "project", "cpu", "memory_mb")
+    for i in infos:
+        t.add_row(i.id, i.spec.image, i.state, i.spec.project, str(i.spec.cpu), str(i.spec.memory_mb))
+    console.print(t)
+
+
+@sandbox_app.command("exec")
+def sandbox_exec(
+    sandbox_id: str, command: list[str], timeout: float = 60.0, as_json: JsonOut = False
+) -> None:
+    """Run a command (one argument: a shell string; several: an argv)."""
+    cmd: str | list[str] = command[0] if len(command) == 1 else command
+    try:
+        with _client() as c:
+            r = c.sandbox(sandbox_id).exec(cmd, timeout=timeout)
+    except errors.DsecError as e:
+        _fail(e)
+    if as_json:
+        print(r.model_dump_json())
+        return
+    sys.stdout.write(r.stdout)
+    sys.stderr.write(r.stderr)
+    raise typer.Exit(r.exit_code)
+
+
+@sandbox_app.command("shell")
+def sandbox_shell(sandbox_id: str) -> None:
+    """An interactive line-by-line bash session in a sandbox (state kept between lines)."""
+    try:
+        with _client() as c:
+            session = c.sandbox(sandbox_id).session("bash")
+            while True:
+                try:
+                    line = input(f"{sandbox_id}$ ")
+                except EOFError:
+                    break
+                if not line.strip():
+                    continue
+                r = session.run(line, timeout=600)
+                sys.stdout.write(r.output)
+            session.close()
+    except errors.DsecError as e:
+        _fail(e)
+
+
+@sandbox_app.command("rm")
+def sandbox_rm(sandbox_ids: list[str]) -> None:
+    """Stop and remove sandboxes."""
+    try:
+        with _client() as c:
+            c.stop_many(sandbox_ids)
+    except errors.DsecError as e:
+        _fail(e)
+
+
+@app.command()
+def status(as_json: JsonOut = False) -> None:
+    """Health of the service and its edges."""
+    try:
+        with _client() as c:
+            health = c.health()
+            edges = c.edges()
+    except errors.DsecError as e:
+        _fail(e)
+    if as_json:
+        print(json.dumps({"health": health, "edges": [e.model_dump(mode="json") for e in edges]}))
+        return
+    console.print(f"service: {health.get('status')}  edges healthy: {health.get('edges')}")
+    t = Table("edge", "sandboxes", "pooled", "cpu used", "memory used (MB)", "images")
+    for e in edges:
+        t.add_row(e.name, str(e.sandboxes), str(int(e.used.get("pooled", 0))), f"{e.used.get('cpu', 0):g}",
+                  str(int(e.used.get("memory_mb", 0))), ", ".join(e.images))
+    console.print(t)
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    app()

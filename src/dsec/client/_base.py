@@ -1,0 +1,572 @@
+"""What the sync and async SDKs share: request building, response mapping, retries.
+
+Every API operation is a function returning a :class:`Call`: the request to send
+and how to turn the response into a typed result. :class:`Client` and
+:class:`AsyncClient` only differ in how they send it (and sleep between retries).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import random
+import tarfile
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Generic, TypedDict, TypeVar
+from urllib.parse import quote
+
+import httpx
+from pydantic import BaseModel, ValidationError
+
+from dsec import errors
+from dsec.client import config
+from dsec.models import (
+    EdgeStatus,
+    ExecRequest,
+    ExecResult,
+    FileContent,
+    FileEdit,
+    FileStat,
+    FileWrite,
+    SandboxInfo,
+    SandboxSpec,
+    SessionCreate,
+    SessionInfo,
+    SessionResult,
+    SessionRun,
+)
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+BATCH_MAX = 256  # sandboxes per POST /v1/sandboxes/batch from create_many
+STOP_BATCH_MAX = 1024  # ids per POST /v1/sandboxes/batch_stop
+BACKOFF_BASE_S = 0.05
+BACKOFF_CAP_S = 2.0
+EXEC_TIMEOUT_MARGIN_S = 30.0  # HTTP read timeout beyond a command's own timeout
+MAX_CONNECTIONS = 512
+MAX_KEEPALIVE = 128
+
+try:
+    _VERSION = metadata.version("dsec")
+except metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
+    _VERSION = "0"
+USER_AGENT = f"dsec-python/{_VERSION}"
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One API request, independent of the HTTP client that sends it."""
+
+    method: str
+    path: str
+    params: list[tuple[str, str]] | None = None
+    json: Any = None
+    content: bytes | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    idempotent: bool = False  # safe to retry on transient errors
+    op_timeout: float | None = None  # server-side timeout of the operation (exec, run)
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Generic[T]):
+    request: Request
+    parse: Callable[[httpx.Response], T]
+
+
+def _none(_: httpx.Response) -> None:
+    return None
+
+
+def _json(response: httpx.Response) -> Any:
+    return response.json()
+
+
+def _model(cls: type[M]) -> Callable[[httpx.Response], M]:
+    def parse(response: httpx.Response) -> M:
+        return cls.model_validate(response.json())
+
+    return parse
+
+
+def _models(cls: type[M], key: str) -> Callable[[httpx.Response], list[M]]:
+    def parse(response: httpx.Response) -> list[M]:
+        return [cls.model_validate(item) for item in response.json()[key]]
+
+    return parse
+
+
+def _sb(sandbox_id: str, *rest: str) -> str:
+    parts = ["/v1/sandboxes", quote(sandbox_id, safe="")]
+    parts.extend(quote(p, safe="") for p in rest)
+    return "/".join(parts)
+
+
+def _dump(model: BaseModel) -> Any:
+    return model.model_dump(mode="json")
+
+
+def _validated(cls: type[M], **values: Any) -> M:
+    """Build a request model; bad arguments raise :class:`errors.InvalidRequest` before any I/O."""
+    try:
+        return cls(**values)
+    except ValidationError as exc:
+        raise errors.InvalidRequest(f"invalid {cls.__name__}: {exc}") from exc
+
+
+# --------------------------------------------------------------------------- specs
+
+
+class SpecOptions(TypedDict, total=False):
+    """Keyword arguments of a sandbox spec (see :class:`dsec.models.SandboxSpec`)."""
+
+    cpu: float
+    memory_mb: int
+    pids: int
+    disk_mb: int
+    env: dict[str, str] | None
+    user: str
+    workdir: str
+    labels: dict[str, str] | None
+    ttl_idle_s: float | None
+    project: str
+
+
+def build_spec(image: str, opts: SpecOptions) -> SandboxSpec:
+    values: dict[str, Any] = {k: v for k, v in opts.items() if v is not None}
+    unknown = set(values) - set(SpecOptions.__annotations__)
+    if unknown:
+        raise errors.InvalidRequest(f"unknown sandbox option(s): {', '.join(sorted(unknown))}")
+    return _validated(SandboxSpec, image=image, **values)
+
+
+def chunk_sizes(n: int, size: int = BATCH_MAX) -> list[int]:
+    if n < 0:
+        raise errors.InvalidRequest(f"n must be >= 0, got {n}")
+    return [min(size, n - start) for start in range(0, n, size)]
+
+
+# --------------------------------------------------------------------------- sandboxes
+
+
+@dataclass(frozen=True, slots=True)
+class BatchCreated:
+    sandboxes: list[SandboxInfo]
+    errors: list[errors.DsecError]
+
+
+def _wire_error(item: Any, status: int = 500) -> errors.DsecError:
+    return errors.error_from_wire(status, {"error": item} if isinstance(item, dict) else item)
+
+
+def create(spec: SandboxSpec) -> Call[SandboxInfo]:
+    return Call(Request("POST", "/v1/sandboxes", json=_dump(spec)), _model(SandboxInfo))
+
+
+def create_batch(count: int, spec: SandboxSpec) -> Call[BatchCreated]:
+    def parse(response: httpx.Response) -> BatchCreated:
+        body = response.json()
+        infos = [SandboxInfo.model_validate(s) for s in body.get("sandboxes", [])]
+        errs = [_wire_error(e) for e in body.get("errors") or []]
+        if len(infos) < count and not errs:
+            errs.append(errors.InternalError(f"the batch created {len(infos)} of {count} sandboxes"))
+        return BatchCreated(infos, errs)
+
+    return Call(Request("POST", "/v1/sandboxes/batch", json={"count": count, "spec": _dump(spec)}), parse)
+
+
+def get(sandbox_id: str) -> Call[SandboxInfo]:
+    return Call(Request("GET", _sb(sandbox_id), idempotent=True), _model(SandboxInfo))
+
+
+def list_sandboxes(project: str | None, labels: dict[str, str] | None) -> Call[list[SandboxInfo]]:
+    params: list[tuple[str, str]] = []
+    if project is not None:
+        params.append(("project", project))
+    params.extend(("label", f"{k}={v}") for k, v in (labels or {}).items())
+    return Call(
+        Request("GET", "/v1/sandboxes", params=params or None, idempotent=True),
+        _models(SandboxInfo, "sandboxes"),
+    )
+
+
+def stop(sandbox_id: str) -> Call[None]:
+    return Call(Request("DELETE", _sb(sandbox_id), idempotent=True), _none)
+
+
+def stop_batch(ids: list[str]) -> Call[dict[str, errors.DsecError]]:
+    """Stopping is idempotent, so this POST is retried. Returns the errors by id."""
+
+    def parse(response: httpx.Response) -> dict[str, errors.DsecError]:
+        body = response.json()
+        return {sid: _wire_error(e) for sid, e in (body.get("errors") or {}).items()}
+
+    return Call(Request("POST", "/v1/sandboxes/batch_stop", json={"ids": ids}, idempotent=True), parse)
+
+
+def stop_batch_raise(errs: dict[str, errors.DsecError]) -> None:
+    """Raise the first error of a batch stop that is not 'already gone'."""
+    for err in errs.values():
+        if not isinstance(err, errors.SandboxNotFound):
+            raise err
+
+
+# --------------------------------------------------------------------------- exec
+
+
+def exec_request(
+    cmd: str | list[str],
+    *,
+    timeout: float,
+    stdin: str | None,
+    env: dict[str, str] | None,
+    cwd: str | None,
+    user: str | None,
+    max_output_bytes: int,
+) -> ExecRequest:
+    return _validated(
+        ExecRequest,
+        cmd=cmd,
+        timeout=timeout,
+        stdin=stdin,
+        env=env or {},
+        cwd=cwd,
+        user=user,
+        max_output_bytes=max_output_bytes,
+    )
+
+
+def exec_(sandbox_id: str, req: ExecRequest) -> Call[ExecResult]:
+    return Call(
+        Request("POST", _sb(sandbox_id, "exec"), json=_dump(req), op_timeout=req.timeout),
+        _model(ExecResult),
+    )
+
+
+def exec_stream(sandbox_id: str, req: ExecRequest) -> Request:
+    return Request(
+        "POST",
+        _sb(sandbox_id, "exec", "stream"),
+        json=_dump(req),
+        headers={"Accept": "text/event-stream"},
+        op_timeout=req.timeout,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class SSEEvent:
+    event: str
+    data: str
+
+
+class SSEDecoder:
+    """Incremental server-sent-events decoder: feed it lines (without their newline)."""
+
+    def __init__(self) -> None:
+        self._event = ""
+        self._data: list[str] = []
+
+    def feed(self, line: str) -> SSEEvent | None:
+        line = line.rstrip("\r")
+        if not line:
+            return self.flush()
+        if line.startswith(":"):
+            return None
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "event":
+            self._event = value
+        elif name == "data":
+            self._data.append(value)
+        return None
+
+    def flush(self) -> SSEEvent | None:
+        if not self._data and not self._event:
+            return None
+        event = SSEEvent(self._event or "message", "\n".join(self._data))
+        self._event, self._data = "", []
+        return event
+
+
+ExecEvent = tuple[str, str | ExecResult]
+
+
+def exec_event(event: SSEEvent) -> ExecEvent | None:
+    """Map one SSE event of ``exec/stream`` to ``(kind, chunk | ExecResult)``; ``None`` to skip it."""
+    try:
+        if event.event in ("stdout", "stderr"):
+            chunk = json.loads(event.data)
+            if not isinstance(chunk, str):
+                raise ValueError(f"{event.event} data must be a JSON string")
+            return event.event, chunk
+        if event.event == "result":
+            return "result", ExecResult.model_validate_json(event.data)
+        if event.event == "error":
+            body = json.loads(event.data)
+            raise _wire_error(body.get("error", body) if isinstance(body, dict) else body)
+    except errors.DsecError:
+        raise
+    except ValueError as exc:
+        raise errors.InternalError(f"malformed {event.event!r} event from dsec: {exc}") from exc
+    return None
+
+
+def stream_ended_early() -> errors.DsecError:
+    return errors.Unavailable("the exec stream ended before its result; the connection was lost")
+
+
+# --------------------------------------------------------------------------- sessions
+
+
+def session_create(
+    sandbox_id: str, kind: str, env: dict[str, str] | None, cwd: str | None
+) -> Call[SessionInfo]:
+    body = _validated(SessionCreate, kind=kind, env=env or {}, cwd=cwd)
+    return Call(Request("POST", _sb(sandbox_id, "sessions"), json=_dump(body)), _model(SessionInfo))
+
+
+def session_list(sandbox_id: str) -> Call[list[SessionInfo]]:
+    return Call(
+        Request("GET", _sb(sandbox_id, "sessions"), idempotent=True), _models(SessionInfo, "sessions")
+    )
+
+
+def session_run(
+    sandbox_id: str, session_id: str, code: str, timeout: float, max_output_bytes: int
+) -> Call[SessionResult]:
+    body = _validated(SessionRun, code=code, timeout=timeout, max_output_bytes=max_output_bytes)
+    return Call(
+        Request("POST", _sb(sandbox_id, "sessions", session_id, "run"), json=_dump(body), op_timeout=timeout),
+        _model(SessionResult),
+    )
+
+
+def session_close(sandbox_id: str, session_id: str) -> Call[None]:
+    return Call(Request("DELETE", _sb(sandbox_id, "sessions", session_id), idempotent=True), _none)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def file_read(sandbox_id: str, path: str) -> Call[FileContent]:
+    return Call(
+        Request("GET", _sb(sandbox_id, "files"), params=[("path", path)], idempotent=True),
+        _model(FileContent),
+    )
+
+
+def content_text(fc: FileContent) -> str:
+    if fc.encoding != "utf-8":
+        raise errors.InvalidRequest(f"{fc.path} is not utf-8 text ({fc.size} bytes); use files.read_bytes()")
+    return fc.content
+
+
+def content_bytes(fc: FileContent) -> bytes:
+    return base64.b64decode(fc.content) if fc.encoding == "base64" else fc.content.encode("utf-8")
+
+
+def file_write(sandbox_id: str, path: str, content: str | bytes, mode: int) -> Call[None]:
+    if isinstance(content, bytes):
+        body = _validated(
+            FileWrite,
+            path=path,
+            content=base64.b64encode(content).decode("ascii"),
+            encoding="base64",
+            mode=mode,
+        )
+    else:
+        body = _validated(FileWrite, path=path, content=content, encoding="utf-8", mode=mode)
+    return Call(Request("PUT", _sb(sandbox_id, "files"), json=_dump(body), idempotent=True), _none)
+
+
+def file_edit(sandbox_id: str, path: str, old: str, new: str) -> Call[int]:
+    body = _validated(FileEdit, path=path, old=old, new=new)
+
+    def parse(response: httpx.Response) -> int:
+        return int(response.json()["size"])
+
+    return Call(Request("POST", _sb(sandbox_id, "files", "edit"), json=_dump(body)), parse)
+
+
+def file_stat(sandbox_id: str, path: str) -> Call[FileStat]:
+    return Call(
+        Request("GET", _sb(sandbox_id, "files", "stat"), params=[("path", path)], idempotent=True),
+        _model(FileStat),
+    )
+
+
+def file_list(sandbox_id: str, path: str) -> Call[list[FileStat]]:
+    return Call(
+        Request("GET", _sb(sandbox_id, "files", "list"), params=[("path", path)], idempotent=True),
+        _models(FileStat, "entries"),
+    )
+
+
+def file_delete(sandbox_id: str, path: str, recursive: bool) -> Call[None]:
+    params = [("path", path), ("recursive", "true" if recursive else "false")]
+    return Call(Request("DELETE", _sb(sandbox_id, "files"), params=params, idempotent=True), _none)
+
+
+def archive_put(sandbox_id: str, remote_dir: str, data: bytes) -> Call[None]:
+    return Call(
+        Request(
+            "PUT",
+            _sb(sandbox_id, "archive"),
+            params=[("path", remote_dir)],
+            content=data,
+            headers={"Content-Type": "application/x-tar"},
+            idempotent=True,
+        ),
+        _none,
+    )
+
+
+def archive_get(sandbox_id: str, remote_path: str) -> Call[bytes]:
+    def parse(response: httpx.Response) -> bytes:
+        return response.content
+
+    return Call(
+        Request("GET", _sb(sandbox_id, "archive"), params=[("path", remote_path)], idempotent=True), parse
+    )
+
+
+def tar_local(local_path: str | Path) -> bytes:
+    """A tar (in memory) of a local file or directory, named by its basename."""
+    src = Path(local_path)
+    if not src.exists():
+        raise FileNotFoundError(f"local path {src} does not exist")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        tf.add(src, arcname=src.resolve().name or ".", recursive=True)
+    return buf.getvalue()
+
+
+def untar_local(data: bytes, local_dir: str | Path) -> None:
+    """Extract a tar into ``local_dir`` with the ``data`` filter (no escapes, links or devices)."""
+    dest = Path(local_dir)
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tf:
+        tf.extractall(dest, filter="data")
+
+
+# --------------------------------------------------------------------------- cluster
+
+
+def images() -> Call[list[dict[str, Any]]]:
+    def parse(response: httpx.Response) -> list[dict[str, Any]]:
+        return list(response.json()["images"])
+
+    return Call(Request("GET", "/v1/images", idempotent=True), parse)
+
+
+def edges() -> Call[list[EdgeStatus]]:
+    return Call(Request("GET", "/v1/edges", idempotent=True), _models(EdgeStatus, "edges"))
+
+
+def health() -> Call[dict[str, Any]]:
+    return Call(Request("GET", "/v1/health", idempotent=True), _json)
+
+
+def version() -> Call[str]:
+    def parse(response: httpx.Response) -> str:
+        return str(response.json()["version"])
+
+    return Call(Request("GET", "/v1/version", idempotent=True), parse)
+
+
+def prewarm(count: int, spec: SandboxSpec) -> Call[dict[str, Any]]:
+    if count < 0:
+        raise errors.InvalidRequest(f"count must be >= 0, got {count}")
+    return Call(Request("POST", "/v1/pools/prewarm", json={"spec": _dump(spec), "count": count}), _json)
+
+
+# --------------------------------------------------------------------------- transport
+
+
+def backoff_delay(attempt: int) -> float:
+    """Exponential backoff with jitter: ``uniform(d/2, d)``, ``d = min(cap, base * 2**attempt)``."""
+    d = min(BACKOFF_CAP_S, BACKOFF_BASE_S * (2**attempt))
+    return random.uniform(d / 2, d)
+
+
+class BaseClient:
+    """Configuration and the I/O-free half of sending a :class:`Request`."""
+
+    def __init__(self, url: str | None, token: str | None, *, timeout: float, retries: int) -> None:
+        if retries < 0:
+            raise errors.InvalidRequest(f"retries must be >= 0, got {retries}")
+        if timeout <= 0:
+            raise errors.InvalidRequest(f"timeout must be > 0, got {timeout}")
+        self.url, self.token = config.resolve(url, token)
+        self.timeout = timeout
+        self.retries = retries
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(url={self.url!r})"
+
+    def _client_kwargs(self) -> dict[str, Any]:
+        headers = {"User-Agent": USER_AGENT}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        return {
+            "base_url": self.url,
+            "headers": headers,
+            "timeout": httpx.Timeout(self.timeout),
+            "limits": httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_KEEPALIVE),
+        }
+
+    def _build(self, http: httpx.Client | httpx.AsyncClient, req: Request, request_id: str) -> httpx.Request:
+        extra: dict[str, Any] = {}
+        if req.op_timeout is not None and req.op_timeout + EXEC_TIMEOUT_MARGIN_S > self.timeout:
+            # a long command must not hit the HTTP read timeout before its own
+            extra["timeout"] = httpx.Timeout(self.timeout, read=req.op_timeout + EXEC_TIMEOUT_MARGIN_S)
+        return http.build_request(
+            req.method,
+            req.path,
+            params=tuple(req.params) if req.params else None,
+            json=req.json,
+            content=req.content,
+            headers={**req.headers, "X-Request-ID": request_id},
+            **extra,
+        )
+
+    @staticmethod
+    def _request_id() -> str:
+        return str(uuid.uuid4())
+
+    def _unreachable(self, exc: Exception) -> errors.Unavailable:
+        return errors.Unavailable(f"cannot reach dsec at {self.url}: {str(exc) or type(exc).__name__}")
+
+    @staticmethod
+    def _error(response: httpx.Response) -> errors.DsecError:
+        """The error a non-2xx response carries (its body must already be read)."""
+        try:
+            body: Any = response.json()
+        except ValueError:
+            body = response.text or response.reason_phrase
+        return errors.error_from_wire(response.status_code, body)
+
+    def _retry_delay(self, req: Request, err: errors.DsecError, attempt: int) -> float | None:
+        """Seconds to wait before retrying, or ``None`` when ``err`` is final."""
+        if not req.idempotent or not err.retryable or attempt >= self.retries:
+            return None
+        return backoff_delay(attempt)
+
+    @staticmethod
+    def _parse(call: Call[T], response: httpx.Response) -> T:
+        try:
+            return call.parse(response)
+        except errors.DsecError:
+            raise
+        except (ValueError, KeyError, TypeError) as exc:
+            raise errors.InternalError(
+                f"unexpected response from dsec to {call.request.method} {call.request.path}: {exc}"
+            ) from exc

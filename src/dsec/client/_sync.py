@@ -1,0 +1,390 @@
+"""The synchronous SDK: :class:`Client`, :class:`Sandbox`, :class:`Session`, :class:`Files`."""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self, Unpack
+
+import httpx
+
+from dsec import errors
+from dsec.client import _base
+from dsec.client._base import Call, Request, SpecOptions, T
+from dsec.models import EdgeStatus, ExecResult, FileStat, SandboxInfo, SessionInfo, SessionResult
+
+
+class Client:
+    """A connection to dsec. One pooled ``httpx.Client`` per instance; thread-safe.
+
+    ``url`` / ``token`` default to ``DSEC_URL`` / ``DSEC_TOKEN``, then the config file of
+    ``dsec up`` (see :func:`dsec.client.config.resolve`). Idempotent calls are retried
+    ``retries`` times on transient errors; create, exec and session runs never are.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout: float = 120.0,
+        retries: int = 3,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self._base = _base.BaseClient(url, token, timeout=timeout, retries=retries)
+        self._http = httpx.Client(transport=transport, **self._base._client_kwargs())
+
+    @property
+    def url(self) -> str:
+        return self._base.url
+
+    def __repr__(self) -> str:
+        return f"Client(url={self.url!r})"
+
+    # ------------------------------------------------------------------ I/O
+
+    def _send(self, req: Request) -> httpx.Response:
+        request_id = self._base._request_id()
+        attempt = 0
+        while True:
+            try:
+                response = self._http.send(self._base._build(self._http, req, request_id))
+            except httpx.TransportError as exc:
+                err: errors.DsecError = self._base._unreachable(exc)
+                delay = self._base._retry_delay(req, err, attempt)
+                if delay is None:
+                    raise err from exc
+            else:
+                if response.is_success:
+                    return response
+                err = self._base._error(response)
+                delay = self._base._retry_delay(req, err, attempt)
+                if delay is None:
+                    raise err
+            time.sleep(delay)
+            attempt += 1
+
+    def _call(self, call: Call[T]) -> T:
+        return self._base._parse(call, self._send(call.request))
+
+    # ------------------------------------------------------------------ sandboxes
+
+    def create(
+        self,
+        image: str = "python",
+        *,
+        cpu: float = 1.0,
+        memory_mb: int = 1024,
+        pids: int = 1024,
+        disk_mb: int = 2048,
+        env: dict[str, str] | None = None,
+        user: str = "root",
+        workdir: str = "/work",
+        labels: dict[str, str] | None = None,
+        ttl_idle_s: float | None = None,
+        project: str = "default",
+    ) -> Sandbox:
+        """Create one sandbox (not retried: a lost response could leave a second one running)."""
+        spec = _base.build_spec(
+            image,
+            SpecOptions(
+                cpu=cpu,
+                memory_mb=memory_mb,
+                pids=pids,
+                disk_mb=disk_mb,
+                env=env,
+                user=user,
+                workdir=workdir,
+                labels=labels,
+                ttl_idle_s=ttl_idle_s,
+                project=project,
+            ),
+        )
+        info = self._call(_base.create(spec))
+        return Sandbox(self, info.id, info)
+
+    def create_many(
+        self, n: int, image: str = "python", *, concurrency: int = 64, **spec: Unpack[SpecOptions]
+    ) -> list[Sandbox]:
+        """Create ``n`` sandboxes in batches of up to 256, ``concurrency`` batches at a time.
+
+        All or nothing: if a batch fails, the sandboxes already created are stopped and
+        the first error is raised.
+        """
+        if concurrency < 1:
+            raise errors.InvalidRequest(f"concurrency must be >= 1, got {concurrency}")
+        full = _base.build_spec(image, spec)
+        chunks = _base.chunk_sizes(n)
+        if not chunks:
+            return []
+        results: list[list[SandboxInfo]] = [[] for _ in chunks]
+        failures: list[BaseException] = []
+        lock = threading.Lock()
+
+        def run(index: int) -> None:
+            if failures:  # a batch failed: launch no more
+                return
+            try:
+                batch = self._call(_base.create_batch(chunks[index], full))
+            except Exception as exc:
+                with lock:
+                    failures.append(exc)
+                return
+            results[index] = batch.sandboxes
+            if batch.errors:
+                with lock:
+                    failures.append(batch.errors[0])
+
+        with ThreadPoolExecutor(max_workers=min(concurrency, len(chunks)), thread_name_prefix="dsec") as pool:
+            for future in [pool.submit(run, i) for i in range(len(chunks))]:
+                future.result()
+        infos = [info for chunk in results for info in chunk]
+        if failures:
+            with contextlib.suppress(Exception):
+                self.stop_many([info.id for info in infos])
+            raise failures[0]
+        return [Sandbox(self, info.id, info) for info in infos]
+
+    def get(self, sandbox_id: str) -> Sandbox:
+        """A handle on an existing sandbox; raises :class:`errors.SandboxNotFound` if there is none."""
+        info = self._call(_base.get(sandbox_id))
+        return Sandbox(self, info.id, info)
+
+    def sandbox(self, sandbox_id: str) -> Sandbox:
+        """A handle on a sandbox by id, without a request."""
+        return Sandbox(self, sandbox_id)
+
+    def list(self, *, project: str | None = None, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
+        return self._call(_base.list_sandboxes(project, labels))
+
+    def stop_many(self, ids: builtins.list[str]) -> None:
+        """Stop sandboxes by id; ids that are already gone are ignored."""
+        for start in range(0, len(ids), _base.STOP_BATCH_MAX):
+            _base.stop_batch_raise(self._call(_base.stop_batch(ids[start : start + _base.STOP_BATCH_MAX])))
+
+    # ------------------------------------------------------------------ cluster
+
+    def images(self) -> builtins.list[dict[str, Any]]:
+        return self._call(_base.images())
+
+    def edges(self) -> builtins.list[EdgeStatus]:
+        return self._call(_base.edges())
+
+    def health(self) -> dict[str, Any]:
+        return self._call(_base.health())
+
+    def version(self) -> str:
+        return self._call(_base.version())
+
+    def prewarm(self, count: int, image: str = "python", **spec: Unpack[SpecOptions]) -> dict[str, Any]:
+        """Keep ``count`` sandboxes of this spec warm in a pool; returns the PoolInfo."""
+        return self._call(_base.prewarm(count, _base.build_spec(image, spec)))
+
+    # ------------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class Sandbox:
+    """A handle on one sandbox. ``with client.create() as sb:`` stops it on exit."""
+
+    def __init__(self, client: Client, sandbox_id: str, info: SandboxInfo | None = None) -> None:
+        self._client = client
+        self.id = sandbox_id
+        self.info = info
+        self.files = Files(client, sandbox_id)
+
+    def __repr__(self) -> str:
+        state = self.info.state.value if self.info else "?"
+        return f"Sandbox(id={self.id!r}, state={state!r})"
+
+    def exec(
+        self,
+        cmd: str | list[str],
+        *,
+        timeout: float = 60,
+        stdin: str | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        max_output_bytes: int = 1 << 20,
+    ) -> ExecResult:
+        """Run a command (a shell string or an argv list) to completion. Never retried."""
+        req = _base.exec_request(
+            cmd, timeout=timeout, stdin=stdin, env=env, cwd=cwd, user=user, max_output_bytes=max_output_bytes
+        )
+        return self._client._call(_base.exec_(self.id, req))
+
+    def exec_stream(
+        self,
+        cmd: str | list[str],
+        *,
+        timeout: float = 60,
+        stdin: str | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        max_output_bytes: int = 1 << 20,
+    ) -> Iterator[tuple[str, str | ExecResult]]:
+        """Run a command, yielding ``("stdout"/"stderr", chunk)`` as it runs, then ``("result", ExecResult)``.
+
+        Never retried. Closing the iterator early closes the HTTP stream.
+        """
+        req = _base.exec_request(
+            cmd, timeout=timeout, stdin=stdin, env=env, cwd=cwd, user=user, max_output_bytes=max_output_bytes
+        )
+        return self._stream(_base.exec_stream(self.id, req))
+
+    def _stream(self, req: Request) -> Iterator[tuple[str, str | ExecResult]]:
+        client = self._client
+        http = client._http
+        try:
+            response = http.send(client._base._build(http, req, client._base._request_id()), stream=True)
+        except httpx.TransportError as exc:
+            raise client._base._unreachable(exc) from exc
+        try:
+            if not response.is_success:
+                response.read()
+                raise client._base._error(response)
+            decoder = _base.SSEDecoder()
+            try:
+                for line in response.iter_lines():
+                    event = decoder.feed(line)
+                    if event is not None and (item := _base.exec_event(event)) is not None:
+                        yield item
+                        if item[0] == "result":
+                            return
+            except httpx.TransportError as exc:
+                raise client._base._unreachable(exc) from exc
+            event = decoder.flush()
+            if event is not None and (item := _base.exec_event(event)) is not None:
+                yield item
+                if item[0] == "result":
+                    return
+            raise _base.stream_ended_early()
+        finally:
+            response.close()
+
+    def session(
+        self, kind: str = "bash", *, env: dict[str, str] | None = None, cwd: str | None = None
+    ) -> Session:
+        """Start a persistent shell (``bash``) or interpreter (``python``) in the sandbox."""
+        info = self._client._call(_base.session_create(self.id, kind, env, cwd))
+        return Session(self._client, self.id, info)
+
+    def sessions(self) -> list[SessionInfo]:
+        return self._client._call(_base.session_list(self.id))
+
+    def refresh(self) -> SandboxInfo:
+        self.info = self._client._call(_base.get(self.id))
+        return self.info
+
+    def stop(self) -> None:
+        """Stop and remove the sandbox. Idempotent: stopping a gone sandbox is not an error."""
+        with contextlib.suppress(errors.SandboxNotFound):
+            self._client._call(_base.stop(self.id))
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+class Session:
+    """A persistent bash or Python process inside a sandbox; state survives between runs."""
+
+    def __init__(self, client: Client, sandbox_id: str, info: SessionInfo) -> None:
+        self._client = client
+        self.sandbox_id = sandbox_id
+        self.id = info.id
+        self.kind = info.kind.value
+        self.info = info
+
+    def __repr__(self) -> str:
+        return f"Session(id={self.id!r}, kind={self.kind!r}, sandbox_id={self.sandbox_id!r})"
+
+    def run(self, code: str, *, timeout: float = 60, max_output_bytes: int = 1 << 20) -> SessionResult:
+        """Run a command line (bash) or source (python) in the session. Never retried."""
+        return self._client._call(
+            _base.session_run(self.sandbox_id, self.id, code, timeout, max_output_bytes)
+        )
+
+    def close(self) -> None:
+        """End the session. Idempotent: closing a gone session is not an error."""
+        with contextlib.suppress(errors.SessionNotFound):
+            self._client._call(_base.session_close(self.sandbox_id, self.id))
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class Files:
+    """The files of a sandbox: ``sandbox.files``. Paths are absolute paths inside the sandbox."""
+
+    def __init__(self, client: Client, sandbox_id: str) -> None:
+        self._client = client
+        self.sandbox_id = sandbox_id
+
+    def _call(self, call: Call[T]) -> T:
+        return self._client._call(call)
+
+    def read(self, path: str) -> str:
+        """A text file's content; raises ``errors.InvalidRequest`` if it is binary (use ``read_bytes``)."""
+        return _base.content_text(self._call(_base.file_read(self.sandbox_id, path)))
+
+    def read_bytes(self, path: str) -> bytes:
+        return _base.content_bytes(self._call(_base.file_read(self.sandbox_id, path)))
+
+    def write(self, path: str, content: str | bytes, *, mode: int = 0o644) -> None:
+        """Write a file (``str`` as utf-8, ``bytes`` as they are), creating parent directories."""
+        self._call(_base.file_write(self.sandbox_id, path, content, mode))
+
+    def edit(self, path: str, old: str, new: str) -> int:
+        """Replace ``old`` (which must occur exactly once) by ``new``; returns the new size."""
+        return self._call(_base.file_edit(self.sandbox_id, path, old, new))
+
+    def list(self, path: str) -> list[FileStat]:
+        return self._call(_base.file_list(self.sandbox_id, path))
+
+    def stat(self, path: str) -> FileStat:
+        return self._call(_base.file_stat(self.sandbox_id, path))
+
+    def delete(self, path: str, *, recursive: bool = False) -> None:
+        self._call(_base.file_delete(self.sandbox_id, path, recursive))
+
+    def upload(self, local_path: str | Path, remote_dir: str) -> None:
+        """Copy a local file or directory into ``remote_dir`` (as ``remote_dir/<basename>``)."""
+        self.upload_tar(_base.tar_local(local_path), remote_dir)
+
+    def upload_tar(self, data: bytes, remote_dir: str) -> None:
+        self._call(_base.archive_put(self.sandbox_id, remote_dir, data))
+
+    def download(self, remote_path: str, local_dir: str | Path) -> None:
+        """Copy a file or directory of the sandbox into ``local_dir`` (extracted with the tar data filter)."""
+        _base.untar_local(self.download_tar(remote_path), local_dir)
+
+    def download_tar(self, remote_path: str) -> bytes:
+        return self._call(_base.archive_get(self.sandbox_id, remote_path))

@@ -1,0 +1,165 @@
+"""`dsec edge`: the node agent's HTTP API, spoken only to apiservers (cluster token).
+
+It registers itself with every apiserver it is given and keeps re-registering
+(a heartbeat), so a restarted apiserver learns its edges again within seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Query, Request, Response
+from pydantic import BaseModel, Field
+
+from dsec import __version__, errors
+from dsec.apiserver.edges import LocalEdge
+from dsec.apiserver.routes import Target, install_body_limit, install_error_handlers, sandbox_router
+from dsec.config import EdgeSettings
+from dsec.edge.edge import Edge
+from dsec.edge.pools import PoolInfo, PoolSpec
+from dsec.models import EdgeStatus, SandboxInfo, SandboxSpec
+
+log = logging.getLogger("dsec.edge.server")
+
+
+class PrewarmRequest(BaseModel):
+    spec: PoolSpec
+    count: int = Field(ge=0, le=10000)
+
+
+class BuildRequest(BaseModel):
+    recipe: str
+
+
+def _projects(request: Request) -> set[str] | None:
+    raw = request.headers.get("x-dsec-projects", "*")
+    if raw == "*":
+        return None
+    try:
+        return set(json.loads(raw))
+    except ValueError as e:
+        raise errors.InvalidRequest("X-Dsec-Projects must be '*' or a JSON list of project names") from e
+
+
+def create_edge_app(
+    settings: EdgeSettings,
+    *,
+    token: str,
+    public_url: str,
+    apiservers: list[str],
+    heartbeat_s: float = 2.0,
+    keep_sandboxes: bool = False,
+) -> FastAPI:
+    edge = Edge(settings)
+    local = LocalEdge(edge, public_url)
+
+    async def register_loop() -> None:
+        async with httpx.AsyncClient(timeout=5.0) as http:
+            while True:
+                for url in apiservers:
+                    try:
+                        await http.post(
+                            url.rstrip("/") + "/v1/edges/register",
+                            json={"name": edge.name, "url": public_url},
+                            headers={"Authorization": f"Bearer {token}"},
+                        )
+                    except httpx.HTTPError as e:
+                        log.debug("registering with %s failed: %s", url, e)
+                await asyncio.sleep(heartbeat_s)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await edge.start()
+        task = asyncio.create_task(register_loop())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await edge.close(stop_sandboxes=not keep_sandboxes)
+
+    app = FastAPI(title="dsec edge", version=__version__, lifespan=lifespan)
+    app.state.edge = edge
+    install_error_handlers(app)
+    install_body_limit(app, 160 * 1024 * 1024)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Any) -> Response:
+        if request.url.path != "/v1/health":
+            got = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+            if not secrets.compare_digest(got.encode(), token.encode()):
+                err = errors.AuthError("this edge accepts only the cluster token; talk to an apiserver instead")
+                from fastapi.responses import JSONResponse
+
+                return JSONResponse(err.to_wire(), status_code=err.status)
+        response: Response = await call_next(request)
+        return response
+
+    async def resolve(request: Request, sid: str) -> Target:
+        return Target(local, _projects(request))
+
+    app.state.resolve = resolve
+    app.include_router(sandbox_router())
+
+    @app.get("/v1/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok", "edge": edge.name}
+
+    @app.get("/v1/edge/status", response_model=EdgeStatus)
+    async def status() -> EdgeStatus:
+        return await local.status()
+
+    @app.post("/v1/sandboxes", response_model=SandboxInfo, status_code=201)
+    async def create(spec: SandboxSpec) -> SandboxInfo:
+        return await edge.create(spec)
+
+    @app.get("/v1/sandboxes")
+    async def list_(
+        request: Request, project: str | None = None, label: list[str] = Query(default=[])
+    ) -> dict[str, list[SandboxInfo]]:
+        labels = dict(x.split("=", 1) for x in label if "=" in x)
+        return {"sandboxes": await local.list(labels, project, _projects(request))}
+
+    @app.delete("/v1/sandboxes/{sid}", status_code=204)
+    async def stop(sid: str, request: Request) -> Response:
+        await local.stop(sid, _projects(request))
+        return Response(status_code=204)
+
+    @app.get("/v1/pools")
+    async def pools() -> dict[str, list[PoolInfo]]:
+        return {"pools": await local.pools()}
+
+    @app.post("/v1/pools", response_model=PoolInfo)
+    async def configure_pool(spec: PoolSpec) -> PoolInfo:
+        return await local.configure_pool(spec)
+
+    @app.post("/v1/pools/prewarm", response_model=PoolInfo)
+    async def prewarm(body: PrewarmRequest) -> PoolInfo:
+        return await local.prewarm(body.spec, body.count)
+
+    @app.get("/v1/images")
+    async def images() -> dict[str, Any]:
+        return {"images": await local.images()}
+
+    @app.get("/v1/layers")
+    async def layers() -> dict[str, Any]:
+        return {"layers": await local.layers()}
+
+    @app.post("/v1/images/build")
+    async def build(body: BuildRequest) -> dict[str, Any]:
+        return await local.build_image(body.recipe)
+
+    @app.post("/v1/images/import")
+    async def import_(name: str, request: Request) -> dict[str, Any]:
+        return await local.import_image(name, await request.body())
+
+    return app

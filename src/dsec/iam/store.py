@@ -1,0 +1,676 @@
+"""Identity and access: projects, principals, API tokens and quota admission, in one SQLite file.
+
+Design notes
+------------
+* One connection per :class:`IAM` (``check_same_thread=False``) guarded by a :class:`threading.Lock`;
+  several processes may open the same file (WAL mode, ``busy_timeout``).
+* Tokens are ``"dsec_" + secrets.token_urlsafe(32)``; only their SHA-256 (hex) is stored.
+  :meth:`IAM.authenticate` keeps ``hash -> principal`` in memory; entries are dropped at once on
+  :meth:`IAM.rotate_token` / :meth:`IAM.delete_principal` in this process and expire after
+  ``auth_cache_ttl_s`` so changes made by other processes are seen within that bound.
+* Projects form a tree (a project's parent never changes and projects are never deleted, so
+  ``(name, parent)`` is immutable once written). Each project row carries the *recursive* usage
+  of its subtree (``used_*`` columns), kept in step with the ``reservations`` table inside the same
+  transaction, so admission reads and writes only the O(depth) ancestor rows.
+* CPU is accounted in integer millicores so that repeated reserve/release never drifts.
+* Admission (:meth:`IAM.reserve`) is one ``BEGIN IMMEDIATE`` transaction: the write lock is taken
+  before usage is read, so concurrent admissions (threads or processes) serialise and a quota
+  can never be overshot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dsec.errors import AuthError, Conflict, Forbidden, InvalidRequest, NotFound, QuotaExceeded
+
+__all__ = ["IAM", "Principal", "Project", "Quota", "Usage"]
+
+DEFAULT_PROJECT = "default"
+ADMIN_NAME = "admin"
+TOKEN_PREFIX = "dsec_"
+
+_PROJECT_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+_PRINCIPAL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
+_MILLI = 1000
+_SCHEMA_VERSION = 1
+
+_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS projects (
+        name TEXT PRIMARY KEY,
+        parent TEXT REFERENCES projects(name),
+        max_sandboxes INTEGER,
+        max_cpu REAL,
+        max_memory_mb INTEGER,
+        created_at REAL NOT NULL,
+        used_sandboxes INTEGER NOT NULL DEFAULT 0,
+        used_cpu_m INTEGER NOT NULL DEFAULT 0,
+        used_memory_mb INTEGER NOT NULL DEFAULT 0
+    )""",
+    "CREATE INDEX IF NOT EXISTS projects_parent ON projects(parent)",
+    """CREATE TABLE IF NOT EXISTS principals (
+        id TEXT PRIMARY KEY,
+        name TEXT NOT NULL UNIQUE,
+        admin INTEGER NOT NULL,
+        token_hash TEXT NOT NULL UNIQUE,
+        created_at REAL NOT NULL
+    )""",
+    """CREATE TABLE IF NOT EXISTS grants (
+        principal_id TEXT NOT NULL REFERENCES principals(id) ON DELETE CASCADE,
+        project TEXT NOT NULL REFERENCES projects(name),
+        PRIMARY KEY (principal_id, project)
+    ) WITHOUT ROWID""",
+    """CREATE TABLE IF NOT EXISTS reservations (
+        key TEXT PRIMARY KEY,
+        project TEXT NOT NULL REFERENCES projects(name),
+        cpu_m INTEGER NOT NULL,
+        memory_mb INTEGER NOT NULL,
+        created_at REAL NOT NULL
+    )""",
+    "CREATE INDEX IF NOT EXISTS reservations_project ON reservations(project)",
+    "CREATE INDEX IF NOT EXISTS reservations_created ON reservations(created_at)",
+)
+
+# The project and its ancestors, nearest first, with their quotas and recursive usage.
+_ANCESTORS_SQL = """
+WITH RECURSIVE anc(name, depth) AS (
+    SELECT ?, 0
+    UNION ALL
+    SELECT p.parent, anc.depth + 1 FROM projects p JOIN anc ON p.name = anc.name
+    WHERE p.parent IS NOT NULL
+)
+SELECT p.name, p.max_sandboxes, p.max_cpu, p.max_memory_mb,
+       p.used_sandboxes, p.used_cpu_m, p.used_memory_mb
+FROM anc JOIN projects p ON p.name = anc.name ORDER BY anc.depth
+"""
+
+_DESCENDANTS_SQL = """
+WITH RECURSIVE sub(name) AS (
+    SELECT name FROM projects WHERE name IN ({marks})
+    UNION
+    SELECT p.name FROM projects p JOIN sub ON p.parent = sub.name
+)
+SELECT name FROM sub
+"""
+
+
+class Quota(BaseModel):
+    """Limits of a project's whole subtree.
+
+    ``None`` means unlimited at this level (an ancestor's bound still applies).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_sandboxes: int | None = Field(default=None, ge=0)
+    max_cpu: float | None = Field(default=None, ge=0)
+    max_memory_mb: int | None = Field(default=None, ge=0)
+
+
+class Project(BaseModel):
+    name: str
+    parent: str | None
+    quota: Quota
+    created_at: float
+
+
+class Principal(BaseModel):
+    id: str
+    name: str
+    admin: bool
+    projects: list[str]
+    created_at: float
+
+
+class Usage(BaseModel):
+    sandboxes: int
+    cpu: float
+    memory_mb: int
+
+
+_DIMENSIONS: tuple[tuple[str, str], ...] = (
+    ("max_sandboxes", "sandboxes"),
+    ("max_cpu", "CPUs"),
+    ("max_memory_mb", "MiB of memory"),
+)
+
+
+def _hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def _new_token() -> str:
+    return TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+def _milli(cpu: float) -> int:
+    return round(cpu * _MILLI)
+
+
+def _fmt(value: float) -> str:
+    return f"{value:g}"
+
+
+def _quota_of(row: sqlite3.Row) -> Quota:
+    return Quota(
+        max_sandboxes=row["max_sandboxes"], max_cpu=row["max_cpu"], max_memory_mb=row["max_memory_mb"]
+    )
+
+
+def _project_from_row(row: sqlite3.Row) -> Project:
+    return Project(
+        name=row["name"],
+        parent=row["parent"],
+        quota=_quota_of(row),
+        created_at=row["created_at"],
+    )
+
+
+def _check_project_name(name: str) -> None:
+    if not isinstance(name, str) or not _PROJECT_RE.fullmatch(name):
+        raise InvalidRequest(
+            f"invalid project name {name!r}: use 1-63 lowercase letters, digits or '-', "
+            "starting with a letter or digit",
+            project=name,
+        )
+
+
+def _check_fits(child: str, quota: Quota, parent: str, bound: Quota) -> None:
+    """``quota`` (explicit values of ``child``) must not exceed ``bound`` (effective bounds of ``parent``)."""
+    for field, unit in _DIMENSIONS:
+        mine, limit = getattr(quota, field), getattr(bound, field)
+        if mine is not None and limit is not None and mine > limit:
+            raise InvalidRequest(
+                f"quota {field}={_fmt(mine)} of project {child!r} exceeds the {_fmt(limit)} {unit} "
+                f"allowed by its parent {parent!r}: lower it to at most {_fmt(limit)} or leave it unset "
+                "to inherit the parent's bound",
+                project=child,
+                parent=parent,
+                dimension=field,
+                requested=mine,
+                limit=limit,
+            )
+
+
+def _tighten(bound: Quota, quota: Quota) -> Quota:
+    """Effective bounds of a child with explicit ``quota`` under a parent with effective ``bound``."""
+    values: dict[str, Any] = {}
+    for field, _ in _DIMENSIONS:
+        mine, limit = getattr(quota, field), getattr(bound, field)
+        values[field] = limit if mine is None else (mine if limit is None else min(mine, limit))
+    return Quota(**values)
+
+
+class IAM:
+    """Projects, principals, tokens and quota admission stored in one SQLite database."""
+
+    def __init__(self, db_path: Path, *, auth_cache_ttl_s: float = 5.0, busy_timeout_s: float = 30.0) -> None:
+        self.db_path = Path(db_path)
+        self.db_path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._auth_ttl = auth_cache_ttl_s
+        # token hash -> (principal, expiry on the monotonic clock)
+        self._auth_cache: dict[str, tuple[Principal, float]] = {}
+        self._db = sqlite3.connect(
+            str(self.db_path), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
+        )
+        self._db.row_factory = sqlite3.Row
+        self._closed = False
+        try:
+            self._init_db(busy_timeout_s)
+        except BaseException:
+            self._db.close()
+            raise
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _init_db(self, busy_timeout_s: float) -> None:
+        db = self._db
+        db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+        deadline = time.monotonic() + busy_timeout_s
+        while True:  # switching to WAL needs a moment of exclusive access; another opener may hold it
+            try:
+                db.execute("PRAGMA journal_mode = WAL")
+                break
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+        db.execute("PRAGMA synchronous = NORMAL")
+        db.execute("PRAGMA foreign_keys = ON")
+        with self._tx():
+            (version,) = db.execute("PRAGMA user_version").fetchone()
+            if version > _SCHEMA_VERSION:
+                raise InvalidRequest(
+                    f"IAM database {self.db_path} has schema version {version}, newer than this dsec "
+                    f"understands ({_SCHEMA_VERSION}): upgrade dsec"
+                )
+            for stmt in _SCHEMA:
+                db.execute(stmt)
+            db.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction; the caller must hold ``self._lock``."""
+        if self._closed:
+            raise RuntimeError("IAM is closed")
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        with self._lock, self._tx() as db:
+            yield db
+
+    def _read(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("IAM is closed")
+            return self._db.execute(sql, params).fetchall()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._auth_cache.clear()
+            self._db.close()
+
+    def __enter__(self) -> IAM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ bootstrap
+
+    def bootstrap(self) -> str | None:
+        """Ensure project ``default`` and principal ``admin`` exist; return the admin token if new."""
+        with self._write() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO projects (name, parent, created_at) VALUES (?, NULL, ?)",
+                (DEFAULT_PROJECT, time.time()),
+            )
+            if db.execute("SELECT 1 FROM principals WHERE name = ?", (ADMIN_NAME,)).fetchone():
+                return None
+            _, token = self._insert_principal(db, ADMIN_NAME, [DEFAULT_PROJECT], admin=True)
+            return token
+
+    # ------------------------------------------------------------------ projects
+
+    def _project_row(self, db: sqlite3.Connection, name: str) -> sqlite3.Row:
+        row = db.execute("SELECT * FROM projects WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            raise NotFound(
+                f"project {name!r} does not exist: check the name (`dsec project list`) or create it first",
+                project=name,
+            )
+        return row  # type: ignore[no-any-return]
+
+    def _effective(self, db: sqlite3.Connection, name: str) -> Quota:
+        """Effective bounds of ``name``: its own quota tightened by every ancestor's."""
+        rows = db.execute(_ANCESTORS_SQL, (name,)).fetchall()
+        if not rows:
+            self._project_row(db, name)  # raises NotFound
+        bound = Quota()
+        for row in reversed(rows):  # root first
+            bound = _tighten(bound, _quota_of(row))
+        return bound
+
+    def create_project(self, name: str, parent: str | None = None, quota: Quota | None = None) -> Project:
+        _check_project_name(name)
+        quota = quota or Quota()
+        with self._write() as db:
+            if db.execute("SELECT 1 FROM projects WHERE name = ?", (name,)).fetchone():
+                raise Conflict(f"project {name!r} already exists: pick another name", project=name)
+            if parent is not None:
+                self._project_row(db, parent)
+                _check_fits(name, quota, parent, self._effective(db, parent))
+            now = time.time()
+            db.execute(
+                "INSERT INTO projects (name, parent, max_sandboxes, max_cpu, max_memory_mb, created_at)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (name, parent, quota.max_sandboxes, quota.max_cpu, quota.max_memory_mb, now),
+            )
+        return Project(name=name, parent=parent, quota=quota, created_at=now)
+
+    def get_project(self, name: str) -> Project:
+        with self._lock:
+            return _project_from_row(self._project_row(self._db, name))
+
+    def list_projects(self) -> list[Project]:
+        return [_project_from_row(r) for r in self._read("SELECT * FROM projects ORDER BY name")]
+
+    def effective_quota(self, name: str) -> Quota:
+        """The bounds that really apply to ``name`` (its own quota tightened by every ancestor's)."""
+        with self._lock:
+            return self._effective(self._db, name)
+
+    def set_quota(self, name: str, quota: Quota) -> Project:
+        with self._write() as db:
+            row = self._project_row(db, name)
+            parent = row["parent"]
+            bound = Quota() if parent is None else self._effective(db, parent)
+            if parent is not None:
+                _check_fits(name, quota, parent, bound)
+            # Every descendant with an explicit value must still fit under its (new) effective parent bound.
+            children: dict[str, list[sqlite3.Row]] = {}
+            for r in db.execute("SELECT * FROM projects WHERE parent IS NOT NULL"):
+                children.setdefault(r["parent"], []).append(r)
+            stack = [(name, _tighten(bound, quota))]
+            while stack:
+                pname, pbound = stack.pop()
+                for child in children.get(pname, ()):
+                    cq = _project_from_row(child).quota
+                    _check_fits(child["name"], cq, pname, pbound)
+                    stack.append((child["name"], _tighten(pbound, cq)))
+            db.execute(
+                "UPDATE projects SET max_sandboxes = ?, max_cpu = ?, max_memory_mb = ? WHERE name = ?",
+                (quota.max_sandboxes, quota.max_cpu, quota.max_memory_mb, name),
+            )
+        return Project(name=name, parent=parent, quota=quota, created_at=row["created_at"])
+
+    # ------------------------------------------------------------------ principals and tokens
+
+    def _insert_principal(
+        self, db: sqlite3.Connection, name: str, projects: list[str], *, admin: bool
+    ) -> tuple[Principal, str]:
+        token = _new_token()
+        now = time.time()
+        pid = "pr_" + secrets.token_hex(8)
+        db.execute(
+            "INSERT INTO principals (id, name, admin, token_hash, created_at) VALUES (?, ?, ?, ?, ?)",
+            (pid, name, int(admin), _hash_token(token), now),
+        )
+        db.executemany(
+            "INSERT INTO grants (principal_id, project) VALUES (?, ?)", [(pid, p) for p in projects]
+        )
+        return Principal(id=pid, name=name, admin=admin, projects=projects, created_at=now), token
+
+    def create_principal(
+        self, name: str, projects: list[str], *, admin: bool = False
+    ) -> tuple[Principal, str]:
+        """Create a principal granted ``projects`` (and descendants); its token is returned only here."""
+        if not isinstance(name, str) or not _PRINCIPAL_RE.fullmatch(name):
+            raise InvalidRequest(
+                f"invalid principal name {name!r}: use 1-128 letters, digits, '.', '_', '@' or '-', "
+                "starting with a letter or digit",
+                principal=name,
+            )
+        wanted = sorted(set(projects))
+        if not wanted and not admin:
+            raise InvalidRequest(
+                f"principal {name!r} would see nothing: grant it at least one project", principal=name
+            )
+        with self._write() as db:
+            for p in wanted:
+                self._project_row(db, p)
+            if db.execute("SELECT 1 FROM principals WHERE name = ?", (name,)).fetchone():
+                raise Conflict(
+                    f"principal {name!r} already exists: pick another name or rotate its token",
+                    principal=name,
+                )
+            return self._insert_principal(db, name, wanted, admin=admin)
+
+    def _principal(self, db: sqlite3.Connection, row: sqlite3.Row) -> Principal:
+        grants = db.execute(
+            "SELECT project FROM grants WHERE principal_id = ? ORDER BY project", (row["id"],)
+        ).fetchall()
+        return Principal(
+            id=row["id"],
+            name=row["name"],
+            admin=bool(row["admin"]),
+            projects=[g[0] for g in grants],
+            created_at=row["created_at"],
+        )
+
+    def _principal_row(self, db: sqlite3.Connection, principal_id: str) -> sqlite3.Row:
+        row = db.execute("SELECT * FROM principals WHERE id = ?", (principal_id,)).fetchone()
+        if row is None:
+            raise NotFound(
+                f"principal {principal_id!r} does not exist: check the id (`dsec principal list`)",
+                principal=principal_id,
+            )
+        return row  # type: ignore[no-any-return]
+
+    def get_principal(self, principal_id: str) -> Principal:
+        with self._lock:
+            return self._principal(self._db, self._principal_row(self._db, principal_id))
+
+    def list_principals(self) -> list[Principal]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM principals ORDER BY name").fetchall()
+            return [self._principal(self._db, r) for r in rows]
+
+    def _forget(self, principal_id: str) -> None:
+        """Drop cached authentications of ``principal_id``; caller holds the lock."""
+        for h in [h for h, (p, _) in self._auth_cache.items() if p.id == principal_id]:
+            del self._auth_cache[h]
+
+    def rotate_token(self, principal_id: str) -> str:
+        """Replace a principal's token; the old one stops working at once (in this process)."""
+        token = _new_token()
+        with self._write() as db:
+            self._principal_row(db, principal_id)
+            db.execute(
+                "UPDATE principals SET token_hash = ? WHERE id = ?", (_hash_token(token), principal_id)
+            )
+            self._forget(principal_id)
+        return token
+
+    def delete_principal(self, principal_id: str) -> None:
+        with self._write() as db:
+            self._principal_row(db, principal_id)
+            db.execute("DELETE FROM grants WHERE principal_id = ?", (principal_id,))
+            db.execute("DELETE FROM principals WHERE id = ?", (principal_id,))
+            self._forget(principal_id)
+
+    def authenticate(self, token: str | None) -> Principal:
+        if not token:
+            raise AuthError("missing API token: send 'Authorization: Bearer <token>'")
+        digest = _hash_token(token)
+        now = time.monotonic()
+        with self._lock:
+            hit = self._auth_cache.get(digest)
+            if hit is not None and hit[1] > now:
+                return hit[0]
+            if self._closed:
+                raise RuntimeError("IAM is closed")
+            row = self._db.execute("SELECT * FROM principals WHERE token_hash = ?", (digest,)).fetchone()
+            if row is None or not hmac.compare_digest(row["token_hash"], digest):
+                self._auth_cache.pop(digest, None)
+                raise AuthError(
+                    "invalid API token: it is unknown, revoked or was rotated; "
+                    "send a current token (an admin can issue one with rotate_token)"
+                )
+            principal = self._principal(self._db, row)
+            if self._auth_ttl > 0:
+                self._auth_cache[digest] = (principal, now + self._auth_ttl)
+            return principal
+
+    # ------------------------------------------------------------------ authorization
+
+    def visible_projects(self, p: Principal) -> set[str] | None:
+        """Projects ``p`` may use: ``None`` (everything) for admins, else its grants and their descendants."""
+        if p.admin:
+            return None
+        if not p.projects:
+            return set()
+        sql = _DESCENDANTS_SQL.format(marks=",".join("?" * len(p.projects)))
+        return {r[0] for r in self._read(sql, p.projects)}
+
+    def authorize(self, p: Principal, project: str) -> None:
+        if p.admin:
+            return
+        granted = set(p.projects)
+        if granted:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("IAM is closed")
+                rows = self._db.execute(_ANCESTORS_SQL, (project,)).fetchall()
+            if any(r["name"] in granted for r in rows):
+                return
+        raise Forbidden(
+            f"principal {p.name!r} has no access to project {project!r}: use one of your projects "
+            f"({', '.join(sorted(granted)) or 'none'}) or ask an admin to grant {project!r}",
+            project=project,
+            principal=p.name,
+        )
+
+    # ------------------------------------------------------------------ admission
+
+    def reserve(self, key: str, project: str, cpu: float, memory_mb: int) -> None:
+        """Atomically admit one sandbox ``key`` into ``project``, or raise :class:`QuotaExceeded`.
+
+        Idempotent: reserving an existing key for the same project is a no-op.
+        """
+        if not key:
+            raise InvalidRequest("reservation key must be a non-empty string (the sandbox id)")
+        if cpu < 0 or memory_mb < 0:
+            raise InvalidRequest(
+                f"cpu ({_fmt(cpu)}) and memory_mb ({memory_mb}) must not be negative", key=key
+            )
+        cpu_m = _milli(cpu)
+        with self._write() as db:
+            existing = db.execute("SELECT project FROM reservations WHERE key = ?", (key,)).fetchone()
+            if existing is not None:
+                if existing[0] == project:
+                    return
+                raise Conflict(
+                    f"reservation {key!r} is already held in project {existing[0]!r}, not {project!r}: "
+                    "release it first or use a new key",
+                    key=key,
+                    project=existing[0],
+                )
+            chain = db.execute(_ANCESTORS_SQL, (project,)).fetchall()
+            if not chain:
+                self._project_row(db, project)  # raises NotFound
+            for row in chain:
+                _admit(row, project, cpu_m, memory_mb)
+            db.execute(
+                "INSERT INTO reservations (key, project, cpu_m, memory_mb, created_at)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (key, project, cpu_m, memory_mb, time.time()),
+            )
+            self._add_usage(db, [r["name"] for r in chain], 1, cpu_m, memory_mb)
+
+    @staticmethod
+    def _add_usage(db: sqlite3.Connection, names: list[str], n: int, cpu_m: int, memory_mb: int) -> None:
+        db.execute(
+            "UPDATE projects SET used_sandboxes = used_sandboxes + ?, used_cpu_m = used_cpu_m + ?,"
+            f" used_memory_mb = used_memory_mb + ? WHERE name IN ({','.join('?' * len(names))})",
+            (n, cpu_m, memory_mb, *names),
+        )
+
+    def _release(self, db: sqlite3.Connection, key: str) -> bool:
+        row = db.execute(
+            "SELECT project, cpu_m, memory_mb FROM reservations WHERE key = ?", (key,)
+        ).fetchone()
+        if row is None:
+            return False
+        names = [r["name"] for r in db.execute(_ANCESTORS_SQL, (row["project"],))]
+        db.execute("DELETE FROM reservations WHERE key = ?", (key,))
+        self._add_usage(db, names, -1, -row["cpu_m"], -row["memory_mb"])
+        return True
+
+    def release(self, key: str) -> None:
+        """Give back the reservation ``key``; unknown keys are ignored."""
+        with self._write() as db:
+            self._release(db, key)
+
+    def rekey(self, old_key: str, new_key: str) -> None:
+        """Move a reservation from a provisional key to the sandbox's real id (idempotent)."""
+        if not new_key:
+            raise InvalidRequest("new reservation key must be a non-empty string (the sandbox id)")
+        if old_key == new_key:
+            return
+        with self._write() as db:
+            old = db.execute("SELECT project FROM reservations WHERE key = ?", (old_key,)).fetchone()
+            new = db.execute("SELECT project FROM reservations WHERE key = ?", (new_key,)).fetchone()
+            if old is None:
+                if new is not None:
+                    return  # already moved
+                raise NotFound(
+                    f"no reservation under key {old_key!r}: reserve quota before renaming it", key=old_key
+                )
+            if new is not None:
+                raise Conflict(
+                    f"reservation key {new_key!r} is already taken: release it or pick another key",
+                    key=new_key,
+                )
+            db.execute("UPDATE reservations SET key = ? WHERE key = ?", (new_key, old_key))
+
+    def usage(self, project: str, *, recursive: bool = True) -> Usage:
+        """What ``project`` holds; with ``recursive`` (the default) including every descendant."""
+        with self._lock:
+            row = self._project_row(self._db, project)
+            if recursive:
+                return Usage(
+                    sandboxes=row["used_sandboxes"],
+                    cpu=row["used_cpu_m"] / _MILLI,
+                    memory_mb=row["used_memory_mb"],
+                )
+            n, cpu_m, mem = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(cpu_m), 0), COALESCE(SUM(memory_mb), 0)"
+                " FROM reservations WHERE project = ?",
+                (project,),
+            ).fetchone()
+            return Usage(sandboxes=n, cpu=cpu_m / _MILLI, memory_mb=mem)
+
+    def reservations(self) -> dict[str, str]:
+        return {r[0]: r[1] for r in self._read("SELECT key, project FROM reservations")}
+
+    def reconcile(self, live_keys: set[str], older_than_s: float = 30.0) -> list[str]:
+        """Release reservations not in ``live_keys`` older than ``older_than_s``; return their keys."""
+        cutoff = time.time() - older_than_s
+        released: list[str] = []
+        with self._write() as db:
+            rows = db.execute("SELECT key FROM reservations WHERE created_at < ?", (cutoff,)).fetchall()
+            for (key,) in rows:
+                if key not in live_keys and self._release(db, key):
+                    released.append(key)
+        return sorted(released)
+
+
+def _admit(row: sqlite3.Row, project: str, cpu_m: int, memory_mb: int) -> None:
+    """Raise QuotaExceeded if adding one sandbox of (cpu_m, memory_mb) would overflow ``row``'s quota."""
+    name = row["name"]
+    checks: tuple[tuple[str, str, float | None, float, float, float], ...] = (
+        ("max_sandboxes", "sandboxes", row["max_sandboxes"], row["used_sandboxes"], 1, 1),
+        ("max_cpu", "CPUs", row["max_cpu"], row["used_cpu_m"] / _MILLI, cpu_m / _MILLI, _MILLI),
+        ("max_memory_mb", "MiB of memory", row["max_memory_mb"], row["used_memory_mb"], memory_mb, 1),
+    )
+    for field, unit, limit, used, want, scale in checks:
+        if limit is None:
+            continue
+        # Compare in integer units (millicores for CPU) so float error cannot admit or refuse wrongly.
+        if round((used + want) * scale) <= round(limit * scale):
+            continue
+        where = f"project {name!r}" if name == project else f"project {name!r} (an ancestor of {project!r})"
+        raise QuotaExceeded(
+            f"{where} is out of {unit}: {_fmt(used)} of {_fmt(limit)} in use and this sandbox needs "
+            f"{_fmt(want)} more; delete sandboxes, ask for fewer resources, or ask an admin to raise "
+            f"{field} of project {name!r}",
+            project=name,
+            dimension=field,
+            usage=used,
+            limit=limit,
+            requested=want,
+        )

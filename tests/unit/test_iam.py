@@ -1,0 +1,399 @@
+"""IAM: bootstrap, tokens, nested projects and quotas, visibility, and atomic admission under contention."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dsec import errors
+from dsec.iam import IAM, Quota, Usage
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> Path:
+    return tmp_path / "iam.db"
+
+
+@pytest.fixture
+def iam(db_path: Path) -> Iterator[IAM]:
+    i = IAM(db_path)
+    i.bootstrap()
+    yield i
+    i.close()
+
+
+# ---------------------------------------------------------------- bootstrap and tokens
+
+
+def test_bootstrap_is_idempotent(db_path: Path) -> None:
+    with IAM(db_path) as iam:
+        token = iam.bootstrap()
+        assert token is not None and token.startswith("dsec_")
+        assert iam.bootstrap() is None
+        admin = iam.authenticate(token)
+        assert admin.admin and admin.name == "admin" and admin.projects == ["default"]
+        default = iam.get_project("default")
+        assert default.parent is None and default.quota == Quota()
+    with IAM(db_path) as again:  # a restart does not mint a new admin token
+        assert again.bootstrap() is None
+        assert again.authenticate(token).id == admin.id
+        assert [p.name for p in again.list_projects()] == ["default"]
+
+
+def test_token_is_hashed_at_rest(db_path: Path) -> None:
+    iam = IAM(db_path)
+    admin_token = iam.bootstrap()
+    assert admin_token is not None
+    _, token = iam.create_principal("alice", ["default"])
+    iam.close()
+    blob = b"".join(p.read_bytes() for p in db_path.parent.iterdir() if p.name.startswith(db_path.name))
+    for t in (admin_token, token):
+        assert t.encode() not in blob
+        assert t[len("dsec_") :].encode() not in blob
+
+
+def test_auth_errors(iam: IAM) -> None:
+    for missing in (None, ""):
+        with pytest.raises(errors.AuthError, match="Authorization: Bearer <token>") as ei:
+            iam.authenticate(missing)
+        assert ei.value.status == 401
+    with pytest.raises(errors.AuthError, match="invalid API token") as ei:
+        iam.authenticate("dsec_not-a-real-token")
+    assert type(ei.value) is errors.AuthError
+
+
+def test_rotate_and_delete_invalidate_the_cache(iam: IAM) -> None:
+    p, token = iam.create_principal("bob", ["default"])
+    assert iam.authenticate(token).id == p.id
+    assert iam.authenticate(token).id == p.id  # served from the cache
+    new = iam.rotate_token(p.id)
+    assert new != token
+    with pytest.raises(errors.AuthError):
+        iam.authenticate(token)
+    assert iam.authenticate(new).name == "bob"
+    iam.delete_principal(p.id)
+    with pytest.raises(errors.AuthError):
+        iam.authenticate(new)
+    with pytest.raises(errors.NotFound):
+        iam.delete_principal(p.id)
+    with pytest.raises(errors.NotFound):
+        iam.rotate_token(p.id)
+
+
+def test_principal_validation(iam: IAM) -> None:
+    with pytest.raises(errors.NotFound, match="'nope'"):
+        iam.create_principal("carol", ["nope"])
+    with pytest.raises(errors.InvalidRequest, match="at least one project"):
+        iam.create_principal("carol", [])
+    iam.create_principal("carol", ["default"])
+    with pytest.raises(errors.Conflict, match="already exists"):
+        iam.create_principal("carol", ["default"])
+    with pytest.raises(errors.InvalidRequest):
+        iam.create_principal("bad name", ["default"])
+
+
+# ---------------------------------------------------------------- projects and quotas
+
+
+def test_project_names_and_duplicates(iam: IAM) -> None:
+    for bad in ("", "Team", "-x", "a_b", "a" * 64):
+        with pytest.raises(errors.InvalidRequest, match="invalid project name"):
+            iam.create_project(bad)
+    iam.create_project("a" * 63)
+    iam.create_project("team-1")
+    with pytest.raises(errors.Conflict, match="already exists"):
+        iam.create_project("team-1")
+    with pytest.raises(errors.NotFound, match="'ghost'"):
+        iam.create_project("child", parent="ghost")
+    with pytest.raises(errors.NotFound):
+        iam.get_project("ghost")
+
+
+def test_nested_quota_bounds(iam: IAM) -> None:
+    iam.create_project("org", quota=Quota(max_sandboxes=10, max_cpu=8))
+    with pytest.raises(errors.InvalidRequest, match=r"max_sandboxes=11 .* 'org'") as ei:
+        iam.create_project("team", parent="org", quota=Quota(max_sandboxes=11))
+    assert ei.value.status == 400
+    with pytest.raises(errors.InvalidRequest, match="max_cpu"):
+        iam.create_project("team", parent="org", quota=Quota(max_cpu=8.5))
+    # None inherits; an unlimited dimension of the parent allows any value.
+    team = iam.create_project("team", parent="org", quota=Quota(max_memory_mb=4096))
+    assert team.quota == Quota(max_memory_mb=4096)
+    assert iam.effective_quota("team") == Quota(max_sandboxes=10, max_cpu=8, max_memory_mb=4096)
+    # Deeper nesting is bounded by the nearest explicit ancestor value.
+    iam.create_project("squad", parent="team", quota=Quota(max_sandboxes=10))
+    with pytest.raises(errors.InvalidRequest, match="'team'"):
+        iam.create_project("squad2", parent="team", quota=Quota(max_memory_mb=5000))
+    deep = "squad"
+    for i in range(10):
+        iam.create_project(f"d{i}", parent=deep)
+        deep = f"d{i}"
+    assert iam.effective_quota(deep).max_sandboxes == 10
+    assert iam.get_project("d0").parent == "squad"
+
+
+def test_set_quota_keeps_the_tree_consistent(iam: IAM) -> None:
+    iam.create_project("org", quota=Quota(max_sandboxes=10))
+    iam.create_project("team", parent="org", quota=Quota(max_sandboxes=8))
+    iam.create_project("squad", parent="team", quota=Quota(max_sandboxes=6))
+    with pytest.raises(errors.InvalidRequest, match="'team'"):
+        iam.set_quota("org", Quota(max_sandboxes=7))  # team (8) would no longer fit
+    with pytest.raises(errors.InvalidRequest, match="'squad'"):
+        iam.set_quota("team", Quota(max_sandboxes=5))  # squad (6) would no longer fit
+    with pytest.raises(errors.InvalidRequest, match="'org'"):
+        iam.set_quota("team", Quota(max_sandboxes=11))
+    assert iam.set_quota("org", Quota(max_sandboxes=8)).quota.max_sandboxes == 8
+    assert iam.get_project("org").quota.max_sandboxes == 8
+    with pytest.raises(errors.NotFound):
+        iam.set_quota("ghost", Quota())
+
+
+def test_set_quota_unset_inherits(iam: IAM) -> None:
+    iam.create_project("org", quota=Quota(max_sandboxes=10))
+    iam.create_project("team", parent="org", quota=Quota(max_sandboxes=8))
+    iam.create_project("squad", parent="team", quota=Quota(max_sandboxes=6))
+    assert iam.set_quota("team", Quota()).quota == Quota()
+    assert iam.effective_quota("team").max_sandboxes == 10
+    with pytest.raises(errors.InvalidRequest, match="'squad'"):
+        iam.set_quota("org", Quota(max_sandboxes=5))  # squad (6) would exceed via the inherited bound
+
+
+# ---------------------------------------------------------------- visibility
+
+
+def test_visibility_includes_descendants(iam: IAM) -> None:
+    iam.create_project("org")
+    iam.create_project("team", parent="org")
+    iam.create_project("squad", parent="team")
+    iam.create_project("other")
+    p, token = iam.create_principal("dev", ["team"])
+    p = iam.authenticate(token)
+    assert iam.visible_projects(p) == {"team", "squad"}
+    iam.authorize(p, "team")
+    iam.authorize(p, "squad")
+    for name in ("org", "other", "default"):
+        with pytest.raises(errors.Forbidden, match=f"'{name}'") as ei:
+            iam.authorize(p, name)
+        assert ei.value.status == 403
+    # A project created later under a granted one is visible at once.
+    iam.create_project("late", parent="squad")
+    assert "late" in (iam.visible_projects(p) or set())
+    iam.authorize(p, "late")
+    admin = iam.create_principal("root2", [], admin=True)[0]
+    assert iam.visible_projects(admin) is None
+    iam.authorize(admin, "other")
+
+
+# ---------------------------------------------------------------- admission
+
+
+def test_reserve_release(iam: IAM) -> None:
+    iam.create_project("p", quota=Quota(max_sandboxes=2, max_cpu=1.0, max_memory_mb=1024))
+    iam.reserve("sb-1", "p", 0.5, 512)
+    iam.reserve("sb-1", "p", 0.5, 512)  # idempotent
+    assert iam.usage("p") == Usage(sandboxes=1, cpu=0.5, memory_mb=512)
+    iam.reserve("sb-2", "p", 0.5, 512)
+    with pytest.raises(errors.QuotaExceeded, match="project 'p' is out of sandboxes: 2 of 2") as ei:
+        iam.reserve("sb-3", "p", 0.0, 0)
+    assert ei.value.status == 429
+    assert ei.value.details["dimension"] == "max_sandboxes"
+    iam.release("sb-2")
+    iam.release("sb-2")  # idempotent
+    iam.release("never-existed")
+    with pytest.raises(errors.QuotaExceeded, match=r"CPUs: 0\.5 of 1 in use and this sandbox needs 0\.75"):
+        iam.reserve("sb-3", "p", 0.75, 1)
+    with pytest.raises(errors.QuotaExceeded, match="MiB of memory") as ei:
+        iam.reserve("sb-3", "p", 0.5, 513)
+    assert ei.value.details == {
+        "project": "p",
+        "dimension": "max_memory_mb",
+        "usage": 512,
+        "limit": 1024,
+        "requested": 513,
+    }
+    assert iam.reservations() == {"sb-1": "p"}
+    with pytest.raises(errors.Conflict, match="'p'"):
+        iam.reserve("sb-1", "default", 0.1, 1)
+    with pytest.raises(errors.NotFound):
+        iam.reserve("x", "ghost", 0.1, 1)
+    with pytest.raises(errors.InvalidRequest):
+        iam.reserve("x", "p", -1, 1)
+
+
+def test_cpu_accounting_does_not_drift(iam: IAM) -> None:
+    iam.create_project("p", quota=Quota(max_cpu=1.0))
+    for i in range(10):
+        iam.reserve(f"k{i}", "p", 0.1, 0)
+    with pytest.raises(errors.QuotaExceeded):
+        iam.reserve("k10", "p", 0.1, 0)
+    for i in range(10):
+        iam.release(f"k{i}")
+    assert iam.usage("p") == Usage(sandboxes=0, cpu=0.0, memory_mb=0)
+
+
+def test_rekey(iam: IAM) -> None:
+    iam.reserve("tmp-1", "default", 1, 1)
+    iam.rekey("tmp-1", "sb-1")
+    iam.rekey("tmp-1", "sb-1")  # idempotent
+    assert iam.reservations() == {"sb-1": "default"}
+    with pytest.raises(errors.NotFound):
+        iam.rekey("tmp-9", "sb-9")
+    iam.reserve("tmp-2", "default", 1, 1)
+    with pytest.raises(errors.Conflict):
+        iam.rekey("tmp-2", "sb-1")
+    iam.release("sb-1")
+    assert iam.usage("default").sandboxes == 1
+
+
+def test_ancestor_quota_limits_a_childs_burst(iam: IAM) -> None:
+    iam.create_project("org", quota=Quota(max_sandboxes=5))
+    iam.create_project("a", parent="org")
+    iam.create_project("b", parent="org")
+    iam.create_project("b1", parent="b")
+    for i in range(3):
+        iam.reserve(f"a{i}", "a", 0, 0)
+    iam.reserve("b0", "b", 0, 0)
+    iam.reserve("b1-0", "b1", 0, 0)
+    with pytest.raises(errors.QuotaExceeded, match=r"project 'org' \(an ancestor of 'b1'\)") as ei:
+        iam.reserve("b1-1", "b1", 0, 0)
+    assert ei.value.details["project"] == "org"
+    assert iam.usage("org") == Usage(sandboxes=5, cpu=0, memory_mb=0)
+    assert iam.usage("b") == Usage(sandboxes=2, cpu=0, memory_mb=0)
+    assert iam.usage("b", recursive=False).sandboxes == 1
+    assert iam.usage("org", recursive=False).sandboxes == 0
+    iam.release("a0")
+    iam.reserve("b1-1", "b1", 0, 0)
+    assert iam.usage("b1").sandboxes == 2
+
+
+def test_reconcile_releases_stale_keys(iam: IAM) -> None:
+    for k in ("live", "stale-1", "stale-2"):
+        iam.reserve(k, "default", 1, 64)
+    assert iam.reconcile({"live"}) == []  # all younger than 30 s
+    time.sleep(0.05)
+    iam.reserve("fresh", "default", 1, 64)
+    assert iam.reconcile({"live"}, older_than_s=0.04) == ["stale-1", "stale-2"]
+    assert set(iam.reservations()) == {"live", "fresh"}
+    assert iam.usage("default") == Usage(sandboxes=2, cpu=2, memory_mb=128)
+
+
+# ---------------------------------------------------------------- contention
+
+
+def _hammer(reserve: Any, n: int, threads: int, cpu: float, mem: int, prefix: str) -> int:
+    start = threading.Barrier(threads)
+
+    def one(i: int) -> bool:
+        if i < threads:
+            start.wait()
+        try:
+            reserve(f"{prefix}-{i}", cpu, mem)
+        except errors.QuotaExceeded:
+            return False
+        return True
+
+    with ThreadPoolExecutor(threads) as pool:
+        return sum(pool.map(one, range(n)))
+
+
+@pytest.mark.parametrize(
+    ("quota", "cpu", "mem", "expected"),
+    [
+        (Quota(max_sandboxes=50), 0.0, 0, 50),
+        (Quota(max_cpu=10.0), 0.25, 0, 40),
+        (Quota(max_memory_mb=1000), 0.0, 64, 15),
+    ],
+    ids=["sandboxes", "cpu", "memory"],
+)
+def test_concurrent_threads_shared_instance(
+    iam: IAM, quota: Quota, cpu: float, mem: int, expected: int
+) -> None:
+    iam.create_project("hot", quota=quota)
+    admitted = _hammer(lambda k, c, m: iam.reserve(k, "hot", c, m), 200, 16, cpu, mem, "t")
+    assert admitted == expected
+    assert len(iam.reservations()) == expected
+    assert iam.usage("hot").sandboxes == expected
+
+
+def test_concurrent_threads_separate_connections(db_path: Path) -> None:
+    """16 threads, each with its own IAM (own SQLite connection): contention is resolved by SQLite itself."""
+    with IAM(db_path) as setup:
+        setup.create_project("org", quota=Quota(max_sandboxes=50, max_cpu=100))
+        setup.create_project("hot", parent="org")
+    local = threading.local()
+    opened: list[IAM] = []
+    lock = threading.Lock()
+
+    def reserve(key: str, cpu: float, mem: int) -> None:
+        if not hasattr(local, "iam"):
+            local.iam = IAM(db_path)
+            with lock:
+                opened.append(local.iam)
+        local.iam.reserve(key, "hot", cpu, mem)
+
+    try:
+        assert _hammer(reserve, 200, 16, 1.0, 0, "s") == 50
+    finally:
+        for i in opened:
+            i.close()
+    with IAM(db_path) as check:
+        assert check.usage("org") == Usage(sandboxes=50, cpu=50, memory_mb=0)
+        assert check.usage("hot", recursive=False).sandboxes == 50
+
+
+def _process_worker(
+    db_path: str, project: str, worker: int, n: int, cpu: float, mem: int, start: Any, out: Any
+) -> None:
+    iam = IAM(Path(db_path))
+    admitted = 0
+    try:
+        start.wait()
+        for i in range(n):
+            try:
+                iam.reserve(f"w{worker}-{i}", project, cpu, mem)
+                admitted += 1
+            except errors.QuotaExceeded:
+                pass
+    finally:
+        iam.close()
+        out.put(admitted)
+
+
+@pytest.mark.parametrize(
+    ("quota", "cpu", "mem", "expected"),
+    [
+        (Quota(max_sandboxes=50), 0.0, 0, 50),
+        (Quota(max_cpu=10.0), 0.5, 0, 20),
+        (Quota(max_memory_mb=1000), 0.0, 64, 15),
+    ],
+    ids=["sandboxes", "cpu", "memory"],
+)
+def test_concurrent_processes(db_path: Path, quota: Quota, cpu: float, mem: int, expected: int) -> None:
+    with IAM(db_path) as setup:
+        setup.create_project("hot", quota=quota)
+    ctx = multiprocessing.get_context("spawn")
+    procs_n, per = 4, 50
+    start, out = ctx.Barrier(procs_n), ctx.Queue()
+    procs = [
+        ctx.Process(target=_process_worker, args=(str(db_path), "hot", w, per, cpu, mem, start, out))
+        for w in range(procs_n)
+    ]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    out.close()
+    out.join_thread()
+    assert sum(results) == expected
+    with IAM(db_path) as check:
+        assert len(check.reservations()) == expected
+        assert check.usage("hot").sandboxes == expected
