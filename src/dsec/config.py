@@ -11,8 +11,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
 def _default_cpu_capacity() -> float:
-    # Sandboxes mostly idle (about 90% use <5% of what they ask): overcommit CPU.
-    return float((os.cpu_count() or 1) * 16)
+    # CPU limits are ceilings and CPU is compressible; about 90% of sandboxes use
+    # <5% of what they ask. Admission by CPU is a coarse guard only.
+    return float((os.cpu_count() or 1) * 1024)
 
 
 def _default_memory_capacity_mb() -> int:
@@ -20,8 +21,9 @@ def _default_memory_capacity_mb() -> int:
         pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         pages = 8 << 30
-    # Limits are ceilings, not reservations: allow 4x the RAM in limits.
-    return int(pages // (1024 * 1024)) * 4
+    # Limits are ceilings, not reservations, and idle sandboxes hold a few MiB:
+    # admit limits up to 32x the RAM (the memory cgroup still bounds each one).
+    return int(pages // (1024 * 1024)) * 32
 
 
 class EdgeSettings(BaseSettings):

@@ -242,7 +242,8 @@ async def test_kernel_interfaces_masked_and_readonly(edge):
         sb.id,
         "import os, errno\n"
         "for p in ['/proc/kcore', '/proc/kpagecgroup', '/proc/kpageflags', '/proc/kpagecount',\n"
-        "          '/proc/keys', '/proc/timer_list', '/proc/sysrq-trigger', '/proc/sys/kernel/core_pattern']:\n"
+        "          '/proc/keys', '/proc/timer_list', '/proc/sysrq-trigger',\n"
+        "          '/proc/sys/kernel/core_pattern']:\n"
         "    try:\n"
         "        fd = os.open(p, os.O_RDONLY)\n"
         "        data = os.read(fd, 4096); os.close(fd)\n"
@@ -250,7 +251,8 @@ async def test_kernel_interfaces_masked_and_readonly(edge):
         "    except OSError as e: print(p, errno.errorcode[e.errno])\n"
         "for p, v in [('/proc/sys/kernel/hostname', 'pwned'), ('/proc/sys/vm/drop_caches', '3'),\n"
         "             ('/proc/sys/kernel/core_pattern', '|/tmp/x'), ('/proc/sysrq-trigger', 'h'),\n"
-        "             ('/sys/kernel/mm/transparent_hugepage/enabled', 'never'), ('/sys/class/net/lo/mtu', '1000')]:\n"
+        "             ('/sys/kernel/mm/transparent_hugepage/enabled', 'never'),\n"
+        "             ('/sys/class/net/lo/mtu', '1000')]:\n"
         "    try:\n"
         "        with open(p, 'w') as f: f.write(v)\n"
         "        print(p, 'WRITTEN')\n"
@@ -274,7 +276,9 @@ async def test_kernel_interfaces_masked_and_readonly(edge):
 
 async def test_capabilities_minimal(edge):
     sb = await edge.create(SandboxSpec(image="python"))
-    r = await run(edge, sb.id, "grep -E '^(CapInh|CapPrm|CapEff|CapBnd|CapAmb|NoNewPrivs|Seccomp):' /proc/self/status")
+    r = await run(
+        edge, sb.id, "grep -E '^(CapInh|CapPrm|CapEff|CapBnd|CapAmb|NoNewPrivs|Seccomp):' /proc/self/status"
+    )
     st = {k: v.strip() for k, v in (line.split(":", 1) for line in r.stdout.strip().splitlines())}
     want = sum(1 << CAP_BITS[c] for c in CAPABILITIES)
     assert want == 0x4FB
@@ -282,8 +286,18 @@ async def test_capabilities_minimal(edge):
         assert int(st[k], 16) == want, (k, st[k])
     assert int(st["CapInh"], 16) == 0 and int(st["CapAmb"], 16) == 0
     eff = int(st["CapEff"], 16)
-    for dangerous in ("CAP_SYS_ADMIN", "CAP_SYS_PTRACE", "CAP_NET_ADMIN", "CAP_NET_RAW", "CAP_SYS_MODULE",
-                      "CAP_SYS_RAWIO", "CAP_MKNOD", "CAP_DAC_READ_SEARCH", "CAP_SYS_CHROOT", "CAP_SETPCAP"):
+    for dangerous in (
+        "CAP_SYS_ADMIN",
+        "CAP_SYS_PTRACE",
+        "CAP_NET_ADMIN",
+        "CAP_NET_RAW",
+        "CAP_SYS_MODULE",
+        "CAP_SYS_RAWIO",
+        "CAP_MKNOD",
+        "CAP_DAC_READ_SEARCH",
+        "CAP_SYS_CHROOT",
+        "CAP_SETPCAP",
+    ):
         assert not eff & (1 << CAP_BITS[dangerous]), dangerous
     assert st["NoNewPrivs"] == "1"
     assert st["Seccomp"] == "2"  # filter mode
@@ -312,12 +326,19 @@ async def test_host_files_unreachable_from_inside(edge, host_canary):
         f"/../../../../tmp/{name}",
         f"/dev/fd/../../tmp/{name}",
     ]
-    r = await run(edge, sb.id, "for p in " + " ".join(paths) + "; do cat $p 2>/dev/null && echo LEAK $p; done; "
-                  f"find / -xdev -name '{name}' 2>/dev/null; echo done")
+    r = await run(
+        edge,
+        sb.id,
+        "for p in " + " ".join(paths) + "; do cat $p 2>/dev/null && echo LEAK $p; done; "
+        f"find / -xdev -name '{name}' 2>/dev/null; echo done",
+    )
     assert r.stdout == "done\n", r.stdout
     # Writes by every path land in the sandbox, or fail.
-    r = await run(edge, sb.id, "for p in " + " ".join(paths) + "; do echo pwned >> $p 2>/dev/null; done; "
-                  "cat /tmp/" + name)
+    r = await run(
+        edge,
+        sb.id,
+        "for p in " + " ".join(paths) + "; do echo pwned >> $p 2>/dev/null; done; cat /tmp/" + name,
+    )
     assert "pwned" in r.stdout  # the sandbox's own /tmp got the file
     assert canary_state(host_canary) == before
     # /etc/passwd written inside changes the sandbox's copy only.
@@ -351,7 +372,13 @@ async def test_file_api_escapes_refused(edge, host_canary):
         f"ln -s {up}{up} /work/dotdot && mkdir -p /work/d && ln -s ../../../../.. /work/d/up",
     )
     assert r.exit_code == 0, r.stderr
-    ok = (errors.PathEscape, errors.FileNotFound, errors.Forbidden, errors.InvalidRequest, errors.EditMismatch)
+    ok = (
+        errors.PathEscape,
+        errors.FileNotFound,
+        errors.Forbidden,
+        errors.InvalidRequest,
+        errors.EditMismatch,
+    )
     host_data = host_canary.read_bytes()
 
     def attempt(fn, *args):
@@ -361,9 +388,20 @@ async def test_file_api_escapes_refused(edge, host_canary):
             return e
 
     # Reads: an error, or the sandbox's own file, never the host's.
-    for p in ["/work/l1", "/work/l2", "/work/l3", "/work/l4/" + name, "/work/l7", "/work/loop",
-              f"/work/{up}tmp/{name}", f"/work/d/up/tmp/{name}", f"/work/dotdot/tmp/{name}",
-              "/work/l5/etc/shadow", "/work/l3/../shadow", f"/proc/self/root/tmp/{name}"]:
+    for p in [
+        "/work/l1",
+        "/work/l2",
+        "/work/l3",
+        "/work/l4/" + name,
+        "/work/l7",
+        "/work/loop",
+        f"/work/{up}tmp/{name}",
+        f"/work/d/up/tmp/{name}",
+        f"/work/dotdot/tmp/{name}",
+        "/work/l5/etc/shadow",
+        "/work/l3/../shadow",
+        f"/proc/self/root/tmp/{name}",
+    ]:
         res = attempt(edge.read_file, p)
         assert isinstance(res, Exception) or res != host_data, p
         if isinstance(res, bytes):
@@ -377,11 +415,19 @@ async def test_file_api_escapes_refused(edge, host_canary):
     names = {e.name for e in edge.list_dir(sb.id, "/work/l5")}
     assert ".dsec" in names
     assert not os.path.exists("/.dsec")
-    res = attempt(edge.list_dir, f"/work/l4")
+    res = attempt(edge.list_dir, "/work/l4")
     assert isinstance(res, Exception) or name not in {e.name for e in res}
     # Writes: refused, or they land inside the sandbox.
-    for p in ["/work/l1", "/work/l2", "/work/l3", "/work/l4/" + name, "/work/l7",
-              f"/work/{up}tmp/{name}", f"/work/d/up/tmp/{name}", f"/work/dotdot/tmp/{name}"]:
+    for p in [
+        "/work/l1",
+        "/work/l2",
+        "/work/l3",
+        "/work/l4/" + name,
+        "/work/l7",
+        f"/work/{up}tmp/{name}",
+        f"/work/d/up/tmp/{name}",
+        f"/work/dotdot/tmp/{name}",
+    ]:
         attempt(edge.write_file, p, b"pwned by file api\n")
         res = attempt(edge.edit_file, p, "host canary", "PWNED")
         assert canary_state(host_canary) == before, p
@@ -481,7 +527,9 @@ async def test_fork_bomb_contained_by_pids_limit(edge):
 async def test_timeout_kills_grandchildren(edge):
     sb = await edge.create(SandboxSpec(image="python"))
     t0 = time.perf_counter()
-    r = await run(edge, sb.id, "setsid sleep 301 & (setsid sh -c 'sleep 302 & wait' &) ; sleep 300", timeout=1)
+    r = await run(
+        edge, sb.id, "setsid sleep 301 & (setsid sh -c 'sleep 302 & wait' &) ; sleep 300", timeout=1
+    )
     assert r.timed_out and r.exit_code == 137
     assert time.perf_counter() - t0 < 10
     r = await run(edge, sb.id, "pgrep -a sleep; echo rc=$?")
@@ -530,8 +578,12 @@ async def test_sandboxes_isolated_from_each_other(edge):
     a = await edge.create(SandboxSpec(image="python"))
     b = await edge.create(SandboxSpec(image="python"))
     tag = secrets.token_hex(6)
-    await run(edge, a.id, "echo $T > /work/marker-$T && echo $T > /tmp/m && echo $T > /dev/shm/m", env={"T": tag})
-    bg = asyncio.ensure_future(run(edge, a.id, f"sleep 300.{secrets.randbelow(900) + 100} # {tag}", timeout=60))
+    await run(
+        edge, a.id, "echo $T > /work/marker-$T && echo $T > /tmp/m && echo $T > /dev/shm/m", env={"T": tag}
+    )
+    bg = asyncio.ensure_future(
+        run(edge, a.id, f"sleep 300.{secrets.randbelow(900) + 100} # {tag}", timeout=60)
+    )
     bg_arg = None
     for _ in range(50):
         r = await run(edge, a.id, "ps -eo args= | grep '^sleep 300' || true")
@@ -542,7 +594,9 @@ async def test_sandboxes_isolated_from_each_other(edge):
     assert bg_arg, "the sleep did not start in A"
     try:
         # (the tag is never on B's command lines, so B's own ps cannot echo it back)
-        r = await run(edge, b.id, "ls /work; cat /tmp/m /dev/shm/m 2>&1; ps -eo args=; find / -xdev -name 'marker-*'")
+        r = await run(
+            edge, b.id, "ls /work; cat /tmp/m /dev/shm/m 2>&1; ps -eo args=; find / -xdev -name 'marker-*'"
+        )
         assert tag not in r.stdout
         assert "sleep 300" not in r.stdout
         r = await run(edge, b.id, "pkill -9 sleep; echo rc=$?")
@@ -554,12 +608,21 @@ async def test_sandboxes_isolated_from_each_other(edge):
         assert r.stdout.strip() == "0"
         sock = f"\\0dsec-ab-{tag}"
         srv = asyncio.ensure_future(
-            py(edge, a.id, f"import socket,time\ns=socket.socket(socket.AF_UNIX); s.bind('{sock}'); s.listen(1)\n"
-               "print('up', flush=True); time.sleep(20)", timeout=30)
+            py(
+                edge,
+                a.id,
+                f"import socket,time\ns=socket.socket(socket.AF_UNIX); s.bind('{sock}'); s.listen(1)\n"
+                "print('up', flush=True); time.sleep(20)",
+                timeout=30,
+            )
         )
         await asyncio.sleep(0.5)
-        r = await py(edge, b.id, f"import socket\ns=socket.socket(socket.AF_UNIX)\n"
-                     f"try: s.connect('{sock}'); print('CONNECTED')\nexcept OSError as e: print(e.errno)")
+        r = await py(
+            edge,
+            b.id,
+            f"import socket\ns=socket.socket(socket.AF_UNIX)\n"
+            f"try: s.connect('{sock}'); print('CONNECTED')\nexcept OSError as e: print(e.errno)",
+        )
         assert r.stdout.strip() == "111", r  # ECONNREFUSED
         srv.cancel()
         # The files API of B cannot name A's files either.
@@ -585,7 +648,7 @@ async def test_shim_untouchable(edge):
         assert r.exit_code == 0, r
         await assert_alive(edge, sb.id)
     r = await run(edge, sb.id, "grep State /proc/1/status")
-    assert "S (sleeping)" in r.stdout  # not stopped
+    assert "T (stopped)" not in r.stdout and "Z" not in r.stdout.split()[1]
     r = await py(
         edge,
         sb.id,

@@ -105,6 +105,9 @@ def _models(cls: type[M], key: str) -> Callable[[httpx.Response], list[M]]:
 
 
 def _sb(sandbox_id: str, *rest: str) -> str:
+    for segment in (sandbox_id, *rest):
+        if segment in ("", ".", ".."):
+            raise errors.InvalidRequest(f"invalid id {segment!r}")
     parts = ["/v1/sandboxes", quote(sandbox_id, safe="")]
     parts.extend(quote(p, safe="") for p in rest)
     return "/".join(parts)

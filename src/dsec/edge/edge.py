@@ -101,6 +101,9 @@ class Edge:
         self._tasks: list[asyncio.Task[None]] = []
         self._dirty_active: dict[str, float] = {}
         self.pools = WarmPools(self._create_for_pool, self.stop)
+        # Exec cgroups outlive an edge process when background jobs stay in them:
+        # names carry this process's epoch so a restarted edge never collides.
+        self._epoch = secrets.token_hex(3)
 
     # --- lifecycle of the edge itself ------------------------------------------
 
@@ -342,6 +345,9 @@ class Edge:
 
     # --- exec ----------------------------------------------------------------------
 
+    def _group_name(self, sb: Sandbox) -> str:
+        return f"dsec-x{self._epoch}-{next(sb.counter)}"
+
     def _env(self, sb: Sandbox, extra: dict[str, str]) -> dict[str, str]:
         return {
             "PATH": DEFAULT_PATH,
@@ -365,7 +371,7 @@ class Edge:
         res = await run_process(
             sb.container,
             self.cgroups,
-            f"dsec-x{next(sb.counter)}",
+            self._group_name(sb),
             argv,
             self._env(sb, req.env),
             cwd=req.cwd or sb.record.spec.workdir,
@@ -385,7 +391,7 @@ class Edge:
         queue: asyncio.Queue[tuple[str, bytes | ExecResult]] = asyncio.Queue()
         task = asyncio.create_task(
             run_process(
-                sb.container, self.cgroups, f"dsec-x{next(sb.counter)}", argv, self._env(sb, req.env),
+                sb.container, self.cgroups, self._group_name(sb), argv, self._env(sb, req.env),
                 cwd=req.cwd or sb.record.spec.workdir, uid=uid, gid=gid,
                 stdin=req.stdin.encode() if req.stdin is not None else None,
                 timeout=req.timeout, cap=req.max_output_bytes,
@@ -419,7 +425,7 @@ class Edge:
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC) if req.kind == "python" else (-1, -1)
         stdio = (in_r, out_w, err_w if err_w >= 0 else out_w)
-        sid = f"s{next(sb.counter)}"
+        sid = f"s{self._epoch}{next(sb.counter)}"
         try:
             proc = await spawn(
                 sb.container,
@@ -512,7 +518,7 @@ class Edge:
         res = await run_process(
             sb.container,
             self.cgroups,
-            f"dsec-x{next(sb.counter)}",
+            self._group_name(sb),
             ["tar", "-x", "-C", path, "-f", "-"],
             self._env(sb, {}),
             cwd="/",
@@ -535,7 +541,7 @@ class Edge:
         res = await run_process(
             sb.container,
             self.cgroups,
-            f"dsec-x{next(sb.counter)}",
+            self._group_name(sb),
             ["tar", "-c", "-C", parent, "-f", "-", name],
             self._env(sb, {}),
             cwd="/",

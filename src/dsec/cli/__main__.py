@@ -1,0 +1,3 @@
+from dsec.cli.main import app
+
+app()

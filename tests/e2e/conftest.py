@@ -1,0 +1,94 @@
+"""Real service processes on free ports: `dsec up`, or `dsec apiserver` + `dsec edge`s."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dsec.service import free_port
+
+from ..conftest import LAYERS
+
+DSEC = [sys.executable, "-m", "dsec.cli"]
+
+
+@dataclass
+class Service:
+    url: str
+    token: str
+    data_dir: Path
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def stop(self, name: str, sig: int = signal.SIGTERM) -> None:
+        p = self.procs.pop(name)
+        p.send_signal(sig)
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def wait_healthy(url: str, timeout: float = 120.0, edges: int = 1) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            r = httpx.get(url + "/v1/health", timeout=2)
+            if r.status_code == 200 and r.json().get("edges", 0) >= edges:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} did not become healthy")
+
+
+def _env(tmp: Path, run_name: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        DSEC_EDGE_LAYERS_DIR=str(LAYERS),
+        DSEC_EDGE_RUN_DIR=f"/run/{run_name}",
+        DSEC_CONFIG=str(tmp / "client.json"),
+        DSEC_EDGE_RECONCILE_INTERVAL_S="3600",
+    )
+    return env
+
+
+def start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as f:
+        return subprocess.Popen([*DSEC, *args], env=env, stdout=f, stderr=subprocess.STDOUT)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory, python_image: str) -> Iterator[Service]:
+    """`dsec up` as a user runs it."""
+    tmp = tmp_path_factory.mktemp("dsec-up")
+    port = free_port()
+    env = _env(tmp, f"dsec-e2e-{tmp.name}")
+    data = tmp / "data"
+    proc = start(["up", "--port", str(port), "--data-dir", str(data)], env, tmp / "up.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url)
+    except TimeoutError:
+        proc.kill()
+        raise RuntimeError((tmp / "up.log").read_text()[-3000:]) from None
+    cfg = json.loads((tmp / "client.json").read_text())
+    svc = Service(url, cfg["token"], data, {"up": proc}, env)
+    os.environ["DSEC_CONFIG"] = str(tmp / "client.json")
+    yield svc
+    os.environ.pop("DSEC_CONFIG", None)
+    for name in list(svc.procs):
+        svc.stop(name)
+    # uvicorn re-raises the signal after a graceful shutdown
+    assert proc.returncode in (0, -15), (tmp / "up.log").read_text()[-3000:]

@@ -1,0 +1,102 @@
+"""Edge restarts: kill -9 the edge while sandboxes run; a new edge adopts them; nothing leaks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dsec.config import EdgeSettings
+from dsec.edge import Edge
+from dsec.models import ExecRequest, SandboxSpec
+
+pytestmark = [pytest.mark.root, pytest.mark.asyncio]
+
+CHILD = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from dsec.config import EdgeSettings
+    from dsec.edge import Edge
+    from dsec.models import ExecRequest, SandboxSpec
+
+    async def main():
+        edge = Edge(EdgeSettings.model_validate_json(sys.argv[1]))
+        await edge.start()
+        ids = []
+        for i in range(3):
+            sb = await edge.create(SandboxSpec(image="python"))
+            await edge.exec(sb.id, ExecRequest(cmd=f"echo {i} > /work/mark; sleep 1000 &"))
+            ids.append(sb.id)
+        # one sandbox dies while the edge is down: it must be reaped, not adopted
+        print(json.dumps(ids), flush=True)
+        await asyncio.sleep(3600)
+
+    asyncio.run(main())
+    """
+)
+
+
+def dsec_mounts(prefix: str) -> list[str]:
+    return [line for line in Path("/proc/mounts").read_text().splitlines() if f"dsec-{prefix}" in line]
+
+
+def dsec_cgroups(prefix: str) -> list[Path]:
+    return [p for p in Path("/sys/fs/cgroup").glob("*/dsec/*") if p.name.startswith(prefix)]
+
+
+async def test_kill_edge_then_adopt(edge_dirs, python_image):
+    settings = EdgeSettings(name="dur", reconcile_interval_s=3600, **edge_dirs)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, settings.model_dump_json()], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        ids = json.loads(line)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+    assert len(dsec_mounts("dur-")) == 2 * len(ids)
+
+    # While no edge runs, one sandbox dies (its init is killed from the host).
+    victim = ids[2]
+    pid = int((settings.edge_run_dir / "sandboxes" / victim / "pid").read_text())
+    os.kill(pid, signal.SIGKILL)
+
+    edge = Edge(settings)
+    await edge.start()
+    try:
+        assert sorted(edge.sandboxes) == sorted(ids[:2])
+        for i, sid in enumerate(ids[:2]):
+            r = await edge.exec(sid, ExecRequest(cmd="cat /work/mark; pgrep -c sleep"))
+            assert r.stdout == f"{i}\n1\n"
+        # the dead one was reaped completely
+        assert not dsec_mounts(victim)
+        assert not any(p.name == victim for p in dsec_cgroups("dur-"))
+        sb = await edge.create(SandboxSpec(image="python"))
+        assert (await edge.exec(sb.id, ExecRequest(cmd="echo new"))).stdout == "new\n"
+    finally:
+        await edge.close()
+    assert not dsec_mounts("dur-")
+    assert not dsec_cgroups("dur-")
+    assert not list((settings.edge_run_dir / "sandboxes").iterdir())
+
+
+async def test_reconciler_removes_orphans(edge):
+    """Resources no record claims (a crash between steps) are removed by the reconciler."""
+    sb = await edge.create(SandboxSpec(image="python"))
+    # Forget the sandbox without stopping it, as if the record were lost.
+    s = edge.sandboxes.pop(sb.id)
+    edge._detach(s)  # noqa: SLF001
+    edge.store.delete(sb.id)
+    assert dsec_mounts(sb.id)
+    removed = await edge.reconcile()
+    assert removed["sandboxes"] >= 1
+    assert not dsec_mounts(sb.id)
+    assert not any(p.name == sb.id for p in dsec_cgroups(edge.name))
