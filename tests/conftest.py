@@ -37,7 +37,11 @@ def python_image() -> str:
 @pytest.fixture
 def edge_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
     base = tmp_path_factory.mktemp("dsec-edge")
-    yield {"data_dir": base / "data", "run_dir": Path("/run") / f"dsec-test-{base.name}", "layers_dir": LAYERS}
+    yield {
+        "data_dir": base / "data",
+        "run_dir": Path("/run") / f"dsec-test-{base.name}",
+        "layers_dir": LAYERS,
+    }
     shutil.rmtree(Path("/run") / f"dsec-test-{base.name}", ignore_errors=True)
 
 

@@ -83,7 +83,11 @@ def up_app(
         iam.close()
 
     app = create_api_app(
-        iam=iam, cluster_token=cluster, local_edges=[LocalEdge(edge, url)], extra_lifespan=start, on_shutdown=stop
+        iam=iam,
+        cluster_token=cluster,
+        local_edges=[LocalEdge(edge, url)],
+        extra_lifespan=start,
+        on_shutdown=stop,
     )
     return app, token
 

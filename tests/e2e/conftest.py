@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -90,5 +91,6 @@ def service(tmp_path_factory: pytest.TempPathFactory, python_image: str) -> Iter
     os.environ.pop("DSEC_CONFIG", None)
     for name in list(svc.procs):
         svc.stop(name)
+    shutil.rmtree(env["DSEC_EDGE_RUN_DIR"], ignore_errors=True)
     # uvicorn re-raises the signal after a graceful shutdown
     assert proc.returncode in (0, -15), (tmp / "up.log").read_text()[-3000:]

@@ -79,13 +79,17 @@ async def test_bash_session_keeps_cwd_env_vars(edge):
 async def test_python_session_keeps_variables(edge):
     sb = await edge.create(SandboxSpec(image="python"))
     s = await edge.session_create(sb.id, SessionCreate(kind="python"))
-    r = await edge.session_run(sb.id, s.id, SessionRun(code="import numpy as np\nx = np.arange(4)\nprint('hi')"))
+    r = await edge.session_run(
+        sb.id, s.id, SessionRun(code="import numpy as np\nx = np.arange(4)\nprint('hi')")
+    )
     assert (r.output, r.error) == ("hi\n", None)
     r = await edge.session_run(sb.id, s.id, SessionRun(code="x.sum()"))
     assert r.output.strip() == "np.int64(6)" or r.output.strip() == "6"
     r = await edge.session_run(sb.id, s.id, SessionRun(code="1/0"))
     assert r.exit_code == 1 and "ZeroDivisionError" in (r.error or "")
-    r = await edge.session_run(sb.id, s.id, SessionRun(code="import time\nwhile True: time.sleep(0.01)", timeout=0.5))
+    r = await edge.session_run(
+        sb.id, s.id, SessionRun(code="import time\nwhile True: time.sleep(0.01)", timeout=0.5)
+    )
     assert r.timed_out and "KeyboardInterrupt" in (r.error or "")
     r = await edge.session_run(sb.id, s.id, SessionRun(code="print(len(x))"))
     assert r.output == "4\n"

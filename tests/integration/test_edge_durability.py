@@ -93,7 +93,7 @@ async def test_reconciler_removes_orphans(edge):
     sb = await edge.create(SandboxSpec(image="python"))
     # Forget the sandbox without stopping it, as if the record were lost.
     s = edge.sandboxes.pop(sb.id)
-    edge._detach(s)  # noqa: SLF001
+    edge._detach(s)
     edge.store.delete(sb.id)
     assert dsec_mounts(sb.id)
     removed = await edge.reconcile()

@@ -283,6 +283,16 @@ def test_read_of_binary_file_asks_for_read_bytes(client: Client, fake: FakeDsec)
     assert sb.files.read_bytes("/b") == raw
 
 
+def test_oversized_write_is_refused_before_sending(client: Client, fake: FakeDsec) -> None:
+    files = client.sandbox("sb1").files
+    with pytest.raises(errors.PayloadTooLarge, match="upload") as ei:
+        files.write("/work/big", b"x" * (100 * 1024 * 1024))  # 133 MiB as base64
+    assert isinstance(ei.value, errors.InvalidRequest)
+    with pytest.raises(errors.PayloadTooLarge):
+        files.write("/work/big", "x" * (128 * 1024 * 1024 + 1))
+    assert fake.requests == []
+
+
 def test_get_list_and_cluster_calls(client: Client, fake: FakeDsec) -> None:
     fake.on("GET", "/v1/sandboxes/sb1", httpx.Response(200, json=info()))
     fake.on("GET", "/v1/sandboxes", httpx.Response(200, json={"sandboxes": [info(), info("sb2")]}))

@@ -81,7 +81,9 @@ class Metrics:
         self.exec_latency = Histogram(
             "dsec_exec_seconds", "Exec round trip inside the apiserver", registry=r, buckets=LATENCY_BUCKETS
         )
-        self.failures = Counter("dsec_failures_total", "Failed operations by reason", ["op", "reason"], registry=r)
+        self.failures = Counter(
+            "dsec_failures_total", "Failed operations by reason", ["op", "reason"], registry=r
+        )
         self.live = Gauge("dsec_live_sandboxes", "Live sandboxes", ["edge", "image", "project"], registry=r)
         self.pool_ready = Gauge("dsec_pool_ready", "Ready sandboxes in warm pools", ["edge"], registry=r)
         self.edges = Gauge("dsec_edges_healthy", "Healthy edges", registry=r)
@@ -171,15 +173,23 @@ def create_api_app(
     open_paths = {"/v1/health", "/v1/version", "/v1/edges/register"}
 
     @app.middleware("http")
-    async def _authenticate_first(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+    async def _authenticate_first(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
         # Authenticate before the body is even parsed: a caller without a valid
         # token learns nothing about what its request would have done.
         path = request.url.path
-        if path.startswith("/v1/") and path not in open_paths and not path.startswith(("/v1/run_code", "/swerex/")):
+        if (
+            path.startswith("/v1/")
+            and path not in open_paths
+            and not path.startswith(("/v1/run_code", "/swerex/"))
+        ):
             try:
                 principal(request)
             except errors.AuthError as exc:
-                return JSONResponse(exc.to_wire(), status_code=exc.status, headers={"WWW-Authenticate": "Bearer"})
+                return JSONResponse(
+                    exc.to_wire(), status_code=exc.status, headers={"WWW-Authenticate": "Bearer"}
+                )
         return await call_next(request)
 
     async def resolve(request: Request, sid: str) -> Target:
@@ -203,7 +213,9 @@ def create_api_app(
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         _refresh_gauges(st)
-        return PlainTextResponse(generate_latest(st.metrics.registry).decode(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(
+            generate_latest(st.metrics.registry).decode(), media_type="text/plain; version=0.0.4"
+        )
 
     # --- sandboxes -------------------------------------------------------------------
 
@@ -409,7 +421,11 @@ def create_api_app(
     async def list_projects(request: Request) -> dict[str, Any]:
         p = principal(request)
         scope = iam.visible_projects(p)
-        return {"projects": [x.model_dump(mode="json") for x in iam.list_projects() if scope is None or x.name in scope]}
+        return {
+            "projects": [
+                x.model_dump(mode="json") for x in iam.list_projects() if scope is None or x.name in scope
+            ]
+        }
 
     @app.post("/v1/principals")
     async def create_principal(body: PrincipalCreate, request: Request) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import builtins
 import json
 import tempfile
 from abc import ABC, abstractmethod
@@ -60,17 +61,21 @@ class EdgeAPI(ABC):
     @abstractmethod
     async def get(self, sid: str, projects: Projects) -> SandboxInfo: ...
     @abstractmethod
-    async def list(self, labels: dict[str, str], project: str | None, projects: Projects) -> list[SandboxInfo]: ...
+    async def list(
+        self, labels: dict[str, str], project: str | None, projects: Projects
+    ) -> list[SandboxInfo]: ...
     @abstractmethod
     async def stop(self, sid: str, projects: Projects) -> None: ...
     @abstractmethod
     async def exec(self, sid: str, req: ExecRequest, projects: Projects) -> ExecResult: ...
     @abstractmethod
-    def exec_stream(self, sid: str, req: ExecRequest, projects: Projects) -> AsyncIterator[tuple[str, Any]]: ...
+    def exec_stream(
+        self, sid: str, req: ExecRequest, projects: Projects
+    ) -> AsyncIterator[tuple[str, Any]]: ...
     @abstractmethod
     async def session_create(self, sid: str, req: SessionCreate, projects: Projects) -> SessionInfo: ...
     @abstractmethod
-    async def session_list(self, sid: str, projects: Projects) -> list[SessionInfo]: ...
+    async def session_list(self, sid: str, projects: Projects) -> builtins.list[SessionInfo]: ...
     @abstractmethod
     async def session_run(self, sid: str, ses: str, req: SessionRun, projects: Projects) -> SessionResult: ...
     @abstractmethod
@@ -84,7 +89,7 @@ class EdgeAPI(ABC):
     @abstractmethod
     async def stat_file(self, sid: str, path: str, projects: Projects) -> FileStat: ...
     @abstractmethod
-    async def list_dir(self, sid: str, path: str, projects: Projects) -> list[FileStat]: ...
+    async def list_dir(self, sid: str, path: str, projects: Projects) -> builtins.list[FileStat]: ...
     @abstractmethod
     async def delete_file(self, sid: str, path: str, recursive: bool, projects: Projects) -> None: ...
     @abstractmethod
@@ -98,12 +103,12 @@ class EdgeAPI(ABC):
     @abstractmethod
     async def prewarm(self, spec: PoolSpec, count: int) -> PoolInfo: ...
     @abstractmethod
-    async def pools(self) -> list[PoolInfo]: ...
+    async def pools(self) -> builtins.list[PoolInfo]: ...
 
     @abstractmethod
-    async def images(self) -> list[dict[str, Any]]: ...
+    async def images(self) -> builtins.list[dict[str, Any]]: ...
     @abstractmethod
-    async def layers(self) -> list[dict[str, Any]]: ...
+    async def layers(self) -> builtins.list[dict[str, Any]]: ...
     @abstractmethod
     async def build_image(self, recipe: str) -> dict[str, Any]: ...
     @abstractmethod
@@ -140,7 +145,9 @@ class LocalEdge(EdgeAPI):
         self._check(sid, projects)
         return self.edge.get(sid)
 
-    async def list(self, labels: dict[str, str], project: str | None, projects: Projects) -> list[SandboxInfo]:
+    async def list(
+        self, labels: dict[str, str], project: str | None, projects: Projects
+    ) -> list[SandboxInfo]:
         return [i for i in self.edge.list(labels, project) if projects is None or i.spec.project in projects]
 
     async def stop(self, sid: str, projects: Projects) -> None:
@@ -151,7 +158,9 @@ class LocalEdge(EdgeAPI):
         self._check(sid, projects)
         return await self.edge.exec(sid, req)
 
-    async def exec_stream(self, sid: str, req: ExecRequest, projects: Projects) -> AsyncIterator[tuple[str, Any]]:
+    async def exec_stream(
+        self, sid: str, req: ExecRequest, projects: Projects
+    ) -> AsyncIterator[tuple[str, Any]]:
         self._check(sid, projects)
         async for kind, item in self.edge.exec_stream(sid, req):
             yield kind, (item.decode(errors="replace") if isinstance(item, bytes) else item)
@@ -160,7 +169,7 @@ class LocalEdge(EdgeAPI):
         self._check(sid, projects)
         return await self.edge.session_create(sid, req)
 
-    async def session_list(self, sid: str, projects: Projects) -> list[SessionInfo]:
+    async def session_list(self, sid: str, projects: Projects) -> builtins.list[SessionInfo]:
         self._check(sid, projects)
         return self.edge.session_list(sid)
 
@@ -190,7 +199,7 @@ class LocalEdge(EdgeAPI):
         self._check(sid, projects)
         return self.edge.stat_file(sid, path)
 
-    async def list_dir(self, sid: str, path: str, projects: Projects) -> list[FileStat]:
+    async def list_dir(self, sid: str, path: str, projects: Projects) -> builtins.list[FileStat]:
         self._check(sid, projects)
         return self.edge.list_dir(sid, path)
 
@@ -215,20 +224,22 @@ class LocalEdge(EdgeAPI):
     async def prewarm(self, spec: PoolSpec, count: int) -> PoolInfo:
         return self.edge.prewarm(spec, count)
 
-    async def pools(self) -> list[PoolInfo]:
+    async def pools(self) -> builtins.list[PoolInfo]:
         return self.edge.pools.list()
 
-    async def images(self) -> list[dict[str, Any]]:
+    async def images(self) -> builtins.list[dict[str, Any]]:
         return [_image_dict(i) for i in self.edge.layers.list_images()]
 
-    async def layers(self) -> list[dict[str, Any]]:
+    async def layers(self) -> builtins.list[dict[str, Any]]:
         return [layer.model_dump(mode="json") for layer in self.edge.layers.list_layers()]
 
     async def build_image(self, recipe: str) -> dict[str, Any]:
         from dsec.layers import build_recipe_image, load_recipe
 
         load_recipe(recipe)  # unknown recipe -> ImageNotFound before any work
-        image = await asyncio.get_running_loop().run_in_executor(None, build_recipe_image, self.edge.layers, recipe)
+        image = await asyncio.get_running_loop().run_in_executor(
+            None, build_recipe_image, self.edge.layers, recipe
+        )
         return _image_dict(image)
 
     async def import_image(self, name: str, data: bytes) -> dict[str, Any]:
@@ -284,9 +295,13 @@ class HttpEdge(EdgeAPI):
         return SandboxInfo.model_validate_json(r.content)
 
     async def get(self, sid: str, projects: Projects) -> SandboxInfo:
-        return SandboxInfo.model_validate_json((await self._call("GET", f"/v1/sandboxes/{sid}", projects)).content)
+        return SandboxInfo.model_validate_json(
+            (await self._call("GET", f"/v1/sandboxes/{sid}", projects)).content
+        )
 
-    async def list(self, labels: dict[str, str], project: str | None, projects: Projects) -> list[SandboxInfo]:
+    async def list(
+        self, labels: dict[str, str], project: str | None, projects: Projects
+    ) -> list[SandboxInfo]:
         params: dict[str, Any] = {"label": [f"{k}={v}" for k, v in labels.items()]}
         if project is not None:
             params["project"] = project
@@ -297,12 +312,19 @@ class HttpEdge(EdgeAPI):
         await self._call("DELETE", f"/v1/sandboxes/{sid}", projects)
 
     async def exec(self, sid: str, req: ExecRequest, projects: Projects) -> ExecResult:
-        r = await self._call("POST", f"/v1/sandboxes/{sid}/exec", projects, json_body=req.model_dump(mode="json"))
+        r = await self._call(
+            "POST", f"/v1/sandboxes/{sid}/exec", projects, json_body=req.model_dump(mode="json")
+        )
         return ExecResult.model_validate_json(r.content)
 
-    async def exec_stream(self, sid: str, req: ExecRequest, projects: Projects) -> AsyncIterator[tuple[str, Any]]:
+    async def exec_stream(
+        self, sid: str, req: ExecRequest, projects: Projects
+    ) -> AsyncIterator[tuple[str, Any]]:
         async with self.http.stream(
-            "POST", f"/v1/sandboxes/{sid}/exec/stream", headers=self._hdr(projects), json=req.model_dump(mode="json")
+            "POST",
+            f"/v1/sandboxes/{sid}/exec/stream",
+            headers=self._hdr(projects),
+            json=req.model_dump(mode="json"),
         ) as r:
             if r.status_code >= 400:
                 await r.aread()
@@ -321,10 +343,12 @@ class HttpEdge(EdgeAPI):
                         yield event, data
 
     async def session_create(self, sid: str, req: SessionCreate, projects: Projects) -> SessionInfo:
-        r = await self._call("POST", f"/v1/sandboxes/{sid}/sessions", projects, json_body=req.model_dump(mode="json"))
+        r = await self._call(
+            "POST", f"/v1/sandboxes/{sid}/sessions", projects, json_body=req.model_dump(mode="json")
+        )
         return SessionInfo.model_validate_json(r.content)
 
-    async def session_list(self, sid: str, projects: Projects) -> list[SessionInfo]:
+    async def session_list(self, sid: str, projects: Projects) -> builtins.list[SessionInfo]:
         r = await self._call("GET", f"/v1/sandboxes/{sid}/sessions", projects)
         return [SessionInfo.model_validate(x) for x in r.json()["sessions"]]
 
@@ -345,14 +369,16 @@ class HttpEdge(EdgeAPI):
         await self._call("PUT", f"/v1/sandboxes/{sid}/files", projects, json_body=req.model_dump(mode="json"))
 
     async def edit_file(self, sid: str, req: FileEdit, projects: Projects) -> int:
-        r = await self._call("POST", f"/v1/sandboxes/{sid}/files/edit", projects, json_body=req.model_dump(mode="json"))
+        r = await self._call(
+            "POST", f"/v1/sandboxes/{sid}/files/edit", projects, json_body=req.model_dump(mode="json")
+        )
         return int(r.json()["size"])
 
     async def stat_file(self, sid: str, path: str, projects: Projects) -> FileStat:
         r = await self._call("GET", f"/v1/sandboxes/{sid}/files/stat", projects, params={"path": path})
         return FileStat.model_validate_json(r.content)
 
-    async def list_dir(self, sid: str, path: str, projects: Projects) -> list[FileStat]:
+    async def list_dir(self, sid: str, path: str, projects: Projects) -> builtins.list[FileStat]:
         r = await self._call("GET", f"/v1/sandboxes/{sid}/files/list", projects, params={"path": path})
         return [FileStat.model_validate(x) for x in r.json()["entries"]]
 
@@ -364,7 +390,9 @@ class HttpEdge(EdgeAPI):
         await self._call("PUT", f"/v1/sandboxes/{sid}/archive", projects, params={"path": path}, content=data)
 
     async def download_tar(self, sid: str, path: str, projects: Projects) -> bytes:
-        return (await self._call("GET", f"/v1/sandboxes/{sid}/archive", projects, params={"path": path})).content
+        return (
+            await self._call("GET", f"/v1/sandboxes/{sid}/archive", projects, params={"path": path})
+        ).content
 
     async def status(self) -> EdgeStatus:
         r = await self._call("GET", "/v1/edge/status")
@@ -375,23 +403,27 @@ class HttpEdge(EdgeAPI):
         return PoolInfo.model_validate_json(r.content)
 
     async def prewarm(self, spec: PoolSpec, count: int) -> PoolInfo:
-        r = await self._call("POST", "/v1/pools/prewarm", json_body={"spec": spec.model_dump(mode="json"), "count": count})
+        r = await self._call(
+            "POST", "/v1/pools/prewarm", json_body={"spec": spec.model_dump(mode="json"), "count": count}
+        )
         return PoolInfo.model_validate_json(r.content)
 
-    async def pools(self) -> list[PoolInfo]:
+    async def pools(self) -> builtins.list[PoolInfo]:
         return [PoolInfo.model_validate(x) for x in (await self._call("GET", "/v1/pools")).json()["pools"]]
 
-    async def images(self) -> list[dict[str, Any]]:
+    async def images(self) -> builtins.list[dict[str, Any]]:
         return list((await self._call("GET", "/v1/images")).json()["images"])
 
-    async def layers(self) -> list[dict[str, Any]]:
+    async def layers(self) -> builtins.list[dict[str, Any]]:
         return list((await self._call("GET", "/v1/layers")).json()["layers"])
 
     async def build_image(self, recipe: str) -> dict[str, Any]:
         return dict((await self._call("POST", "/v1/images/build", json_body={"recipe": recipe})).json())
 
     async def import_image(self, name: str, data: bytes) -> dict[str, Any]:
-        return dict((await self._call("POST", "/v1/images/import", params={"name": name}, content=data)).json())
+        return dict(
+            (await self._call("POST", "/v1/images/import", params={"name": name}, content=data)).json()
+        )
 
 
 def _image_dict(image: Any) -> dict[str, Any]:

@@ -45,7 +45,8 @@ class EdgeView:
         extra = len(self.recent)
         by_count = (s.used.get("sandboxes", 0) + extra) / max(s.capacity.get("sandboxes", 1), 1)
         by_cpu = (s.used.get("cpu", 0) + extra * spec.cpu) / max(s.capacity.get("cpu", 1), 1e-9)
-        by_mem = (s.used.get("memory_mb", 0) + extra * spec.memory_mb) / max(s.capacity.get("memory_mb", 1), 1)
+        mem_cap = max(s.capacity.get("memory_mb", 1), 1)
+        by_mem = (s.used.get("memory_mb", 0) + extra * spec.memory_mb) / mem_cap
         return max(by_count, by_cpu, by_mem)
 
 
@@ -67,7 +68,9 @@ class EdgeDirectory:
         name = edge_of(sandbox_id)
         view = self.views.get(name)
         if view is None:
-            raise errors.SandboxNotFound(f"sandbox {sandbox_id} belongs to edge {name!r}, which is not registered")
+            raise errors.SandboxNotFound(
+                f"sandbox {sandbox_id} belongs to edge {name!r}, which is not registered"
+            )
         return view.api
 
     def all(self) -> Iterable[EdgeAPI]:
@@ -106,7 +109,9 @@ class EdgeDirectory:
         """Edges to try, best first: filter, prefer warm ones, then power of k choices."""
         healthy = [v for v in self.views.values() if v.healthy]
         if not healthy:
-            raise errors.Unavailable("no healthy edge is registered; start `dsec edge` or wait for it to register")
+            raise errors.Unavailable(
+                "no healthy edge is registered; start `dsec edge` or wait for it to register"
+            )
         able = [v for v in healthy if v.status is not None and spec.image in v.status.images]
         if not able:
             raise errors.ImageNotFound(

@@ -71,10 +71,15 @@ def install_body_limit(app: FastAPI, limit: int) -> None:
     @app.middleware("http")
     async def _limit(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         length = request.headers.get("content-length")
-        cap = MAX_ARCHIVE if request.url.path.endswith("/archive") or "/images/import" in request.url.path else limit
+        cap = (
+            MAX_ARCHIVE
+            if request.url.path.endswith("/archive") or "/images/import" in request.url.path
+            else limit
+        )
         if length is not None and length.isdigit() and int(length) > cap:
             err = errors.PayloadTooLarge(
-                f"request body of {length} bytes exceeds the {cap}-byte limit; send large files as an archive upload"
+                f"request body of {length} bytes exceeds the {cap}-byte limit; "
+                "send large files as an archive upload"
             )
             return JSONResponse(err.to_wire(), status_code=err.status)
         return await call_next(request)

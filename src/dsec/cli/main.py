@@ -17,14 +17,18 @@ from rich.table import Table
 from dsec import errors
 
 app = typer.Typer(help="dsec: elastic sandboxes for agentic RL.", no_args_is_help=True, add_completion=False)
-image_app = typer.Typer(help="Build, import and list images (on this machine's layer store).", no_args_is_help=True)
+image_app = typer.Typer(
+    help="Build, import and list images (on this machine's layer store).", no_args_is_help=True
+)
 sandbox_app = typer.Typer(help="Create, list, run in and remove sandboxes.", no_args_is_help=True)
 app.add_typer(image_app, name="image")
 app.add_typer(sandbox_app, name="sandbox")
 console = Console()
 err_console = Console(stderr=True)
 
-DataDir = Annotated[Path, typer.Option("--data-dir", envvar="DSEC_DATA_DIR", help="state: layers, IAM, records")]
+DataDir = Annotated[
+    Path, typer.Option("--data-dir", envvar="DSEC_DATA_DIR", help="state: layers, IAM, records")
+]
 JsonOut = Annotated[bool, typer.Option("--json", help="machine-readable output")]
 
 
@@ -34,7 +38,9 @@ def _fail(e: errors.DsecError) -> None:
 
 
 def _logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING, format="%(asctime)s %(name)s %(message)s"
+    )
 
 
 @app.command()
@@ -64,7 +70,9 @@ def apiserver(
     host: str = "127.0.0.1",
     port: int = 8420,
     data_dir: DataDir = Path("/var/lib/dsec"),
-    edge: Annotated[list[str], typer.Option(help="a static edge as name=url (edges also self-register)")] = [],  # noqa: B006
+    edge: Annotated[
+        list[str], typer.Option(help="a static edge as name=url (edges also self-register)")
+    ] = [],  # noqa: B006
     verbose: bool = False,
 ) -> None:
     """Run an apiserver only; edges register with it."""
@@ -136,7 +144,9 @@ def image_build(
 
 
 @image_app.command("import")
-def image_import(name: str, archive: Path, data_dir: DataDir = Path("/var/lib/dsec"), as_json: JsonOut = False) -> None:
+def image_import(
+    name: str, archive: Path, data_dir: DataDir = Path("/var/lib/dsec"), as_json: JsonOut = False
+) -> None:
     """Import a `docker save` tar or an OCI layout (directory or tar) as an image."""
     from dsec.layers import import_oci_archive
 
@@ -144,7 +154,10 @@ def image_import(name: str, archive: Path, data_dir: DataDir = Path("/var/lib/ds
         image = import_oci_archive(_store(data_dir), name, archive)
     except errors.DsecError as e:
         _fail(e)
-    print(image.model_dump_json()) if as_json else console.print(f"imported {name}: {len(image.layers)} layers")
+    if as_json:
+        print(image.model_dump_json())
+    else:
+        console.print(f"imported {name}: {len(image.layers)} layers")
 
 
 @image_app.command("ls")
@@ -189,8 +202,13 @@ def sandbox_create(
                 sbs = [c.create(image, **kw)]
             else:
                 sbs = []
-                with Progress(TextColumn("creating"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                              console=err_console, disable=as_json) as bar:
+                with Progress(
+                    TextColumn("creating"),
+                    BarColumn(),
+                    TextColumn("{task.completed}/{task.total}"),
+                    console=err_console,
+                    disable=as_json,
+                ) as bar:
                     task = bar.add_task("create", total=count)
                     for start in range(0, count, 64):
                         n = min(64, count - start)
@@ -281,13 +299,19 @@ def status(as_json: JsonOut = False) -> None:
     except errors.DsecError as e:
         _fail(e)
     if as_json:
-        print(json.dumps({"health": health, "edges": [e.model_dump(mode="json") for e in edges]}))
+        print(json.dumps({"health": health, "edges": [ed.model_dump(mode="json") for ed in edges]}))
         return
     console.print(f"service: {health.get('status')}  edges healthy: {health.get('edges')}")
     t = Table("edge", "sandboxes", "pooled", "cpu used", "memory used (MB)", "images")
-    for e in edges:
-        t.add_row(e.name, str(e.sandboxes), str(int(e.used.get("pooled", 0))), f"{e.used.get('cpu', 0):g}",
-                  str(int(e.used.get("memory_mb", 0))), ", ".join(e.images))
+    for ed in edges:
+        t.add_row(
+            ed.name,
+            str(ed.sandboxes),
+            str(int(ed.used.get("pooled", 0))),
+            f"{ed.used.get('cpu', 0):g}",
+            str(int(ed.used.get("memory_mb", 0))),
+            ", ".join(ed.images),
+        )
     console.print(t)
 
 

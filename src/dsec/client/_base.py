@@ -33,6 +33,7 @@ from dsec.models import (
     FileEdit,
     FileStat,
     FileWrite,
+    MiB,
     SandboxInfo,
     SandboxSpec,
     SessionCreate,
@@ -51,6 +52,7 @@ BACKOFF_CAP_S = 2.0
 EXEC_TIMEOUT_MARGIN_S = 30.0  # HTTP read timeout beyond a command's own timeout
 MAX_CONNECTIONS = 512
 MAX_KEEPALIVE = 128
+WRITE_MAX = 128 * MiB  # FileWrite.content: characters on the wire (base64 for bytes)
 
 try:
     _VERSION = metadata.version("dsec")
@@ -377,6 +379,14 @@ def content_bytes(fc: FileContent) -> bytes:
 
 
 def file_write(sandbox_id: str, path: str, content: str | bytes, mode: int) -> Call[None]:
+    wire_len = 4 * -(-len(content) // 3) if isinstance(content, bytes) else len(content)
+    if wire_len > WRITE_MAX:
+        unit = "bytes" if isinstance(content, bytes) else "characters"
+        raise errors.PayloadTooLarge(
+            f"writing {len(content)} {unit} to {path} exceeds "
+            f"the {WRITE_MAX // MiB} MiB limit of files.write ({wire_len} on the wire); "
+            "use files.upload or files.upload_tar for large files"
+        )
     if isinstance(content, bytes):
         body = _validated(
             FileWrite,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import builtins
 import contextlib
 import io
 import itertools
@@ -99,6 +100,8 @@ class Edge:
         self._creating: dict[str, SandboxSpec] = {}
         self._toolkit: list[str] = []
         self._tasks: list[asyncio.Task[None]] = []
+        # Stops started from exit callbacks; held so they are not garbage-collected mid-run.
+        self._exit_stops: set[asyncio.Future[None]] = set()
         self._dirty_active: dict[str, float] = {}
         self.pools = WarmPools(self._create_for_pool, self.stop)
         # Exec cgroups outlive an edge process when background jobs stay in them:
@@ -173,7 +176,8 @@ class Edge:
         mem = sum(s.memory_mb for s in live) + spec.memory_mb
         if cpu > self.settings.capacity_cpu or mem > self.settings.capacity_memory_mb:
             raise errors.CapacityExhausted(
-                f"edge {self.name} has no room for cpu={spec.cpu} memory_mb={spec.memory_mb}; try another edge"
+                f"edge {self.name} has no room for cpu={spec.cpu} memory_mb={spec.memory_mb}; "
+                "try another edge"
             )
 
     def _image(self, name: str) -> Image:
@@ -269,7 +273,9 @@ class Edge:
             if not sb.stopping and sb.id in self.sandboxes:
                 log.warning("sandbox %s exited unexpectedly", sb.id)
                 sb.record.reason = "sandbox init exited"
-                asyncio.ensure_future(self.stop(sb.id))
+                stopping = asyncio.ensure_future(self.stop(sb.id))
+                self._exit_stops.add(stopping)
+                stopping.add_done_callback(self._exit_stops.discard)
 
         sb.container.exited.add_done_callback(on_exit)
 
@@ -383,7 +389,9 @@ class Edge:
         )
         return res.to_exec_result()
 
-    async def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[tuple[str, bytes | ExecResult]]:
+    async def exec_stream(
+        self, sandbox_id: str, req: ExecRequest
+    ) -> AsyncIterator[tuple[str, bytes | ExecResult]]:
         """Like exec, yielding ("stdout" | "stderr", chunk) as output arrives, then ("result", ExecResult)."""
         sb = self._get(sandbox_id)
         argv = ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) else list(req.cmd)
@@ -476,7 +484,7 @@ class Edge:
             s.close()
             raise
 
-    def session_list(self, sandbox_id: str) -> list[SessionInfo]:
+    def session_list(self, sandbox_id: str) -> builtins.list[SessionInfo]:
         sb = self._get(sandbox_id)
         return [SessionInfo(id=s.id, kind=s.kind, created_at=s.created_at) for s in sb.sessions.values()]
 
@@ -500,7 +508,7 @@ class Edge:
     def stat_file(self, sandbox_id: str, path: str) -> FileStat:
         return self._get(sandbox_id).files.stat(path)
 
-    def list_dir(self, sandbox_id: str, path: str) -> list[FileStat]:
+    def list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileStat]:
         return self._get(sandbox_id).files.list(path)
 
     def delete_file(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
@@ -569,7 +577,7 @@ class Edge:
             except Exception:  # keep reaping whatever one failure was
                 log.exception("idle reaper failed")
 
-    async def reap_idle(self) -> list[str]:
+    async def reap_idle(self) -> builtins.list[str]:
         now = time.time()
         idle = [
             sid

@@ -148,7 +148,8 @@ class SandboxFiles:
         if count != 1:
             where = "does not occur" if count == 0 else f"occurs {count} times"
             raise errors.EditMismatch(
-                f"the old string {where} in {path}; it must match exactly once (add surrounding lines to make it unique)",
+                f"the old string {where} in {path}; it must match exactly once "
+                "(add surrounding lines to make it unique)",
                 occurrences=count,
             )
         with self._open(path, os.O_PATH) as fd:

@@ -15,8 +15,9 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import BaseModel, Field
 
@@ -90,7 +91,7 @@ class WarmPools:
     def __init__(
         self,
         create: Callable[[SandboxSpec], Awaitable[str]],
-        destroy: Callable[[str], Awaitable[None]],
+        destroy: Callable[[str], Coroutine[Any, Any, None]],
         *,
         window_s: float = 30.0,
         headroom: float = 1.25,
@@ -136,8 +137,13 @@ class WarmPools:
         return self.info(pool)
 
     def info(self, pool: Pool) -> PoolInfo:
-        return PoolInfo(spec=pool.spec, ready=len(pool.ready), target=pool.target(time.monotonic(), self.headroom),
-                        claims=pool.claims, misses=pool.misses)
+        return PoolInfo(
+            spec=pool.spec,
+            ready=len(pool.ready),
+            target=pool.target(time.monotonic(), self.headroom),
+            claims=pool.claims,
+            misses=pool.misses,
+        )
 
     def list(self) -> list[PoolInfo]:
         return [self.info(p) for p in self.pools.values()]

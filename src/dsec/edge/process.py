@@ -10,9 +10,10 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from dsec.backends.container import Container
-from dsec.errors import InternalError, InvalidRequest
+from dsec.errors import InternalError, InvalidRequest, QuotaExceeded
 from dsec.isolation.cgroups import CgroupHost, ExecGroup
 from dsec.models import ExecResult
 
@@ -146,6 +147,11 @@ async def spawn(
             ) from e
         if e.errno in (errno.EACCES, errno.ENOEXEC):
             raise InvalidRequest(f"cannot run {argv[0]!r}: {e.strerror}") from e
+        if e.errno == errno.EAGAIN:
+            raise QuotaExceeded(
+                "the sandbox is at its pids limit (something inside keeps forking); "
+                "kill those processes or stop the sandbox"
+            ) from e
         raise InternalError(f"starting {argv[0]!r} failed: {e.strerror}") from e
     except BaseException:
         group.remove()
@@ -199,9 +205,8 @@ async def run_process(
     status: int | None = None
     try:
         waiter = asyncio.ensure_future(capped.wait())
-        done, _ = await asyncio.wait(
-            {proc.exited, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
-        )
+        watched: set[asyncio.Future[Any]] = {proc.exited, waiter}
+        done, _ = await asyncio.wait(watched, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
         if proc.exited not in done:
             timed_out = not capped.is_set()
@@ -232,6 +237,12 @@ async def run_process(
     )
 
 
+def _resolve_once(fut: asyncio.Future[None]) -> None:
+    """Writer callback: mark `fut` done unless it already is."""
+    if not fut.done():
+        fut.set_result(None)
+
+
 async def _feed(fd: int, data: bytes) -> None:
     """Write `data` to the child's stdin, then close it (EOF)."""
     try:
@@ -245,7 +256,7 @@ async def _feed(fd: int, data: bytes) -> None:
                     view = view[n:]
                 except BlockingIOError:
                     ready: asyncio.Future[None] = loop.create_future()
-                    loop.add_writer(fd, lambda: ready.done() or ready.set_result(None))
+                    loop.add_writer(fd, _resolve_once, ready)
                     try:
                         await ready
                     finally:

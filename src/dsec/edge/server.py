@@ -97,7 +97,9 @@ def create_edge_app(
         if request.url.path != "/v1/health":
             got = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
             if not secrets.compare_digest(got.encode(), token.encode()):
-                err = errors.AuthError("this edge accepts only the cluster token; talk to an apiserver instead")
+                err = errors.AuthError(
+                    "this edge accepts only the cluster token; talk to an apiserver instead"
+                )
                 from fastapi.responses import JSONResponse
 
                 return JSONResponse(err.to_wire(), status_code=err.status)

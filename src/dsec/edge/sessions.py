@@ -142,13 +142,16 @@ class Session:
             return self.out.buf.rfind(token) >= 0 and self.out.buf.endswith(b"\n")
 
         timed_out = False
-        if not await self._wait_for(self.out, done, timeout):
-            if self.out.fd >= 0 and not self.proc.exited.done():
-                timed_out = True
-                await asyncio.get_running_loop().run_in_executor(
-                    None, kill_except, self.proc.group, self.root_pid
-                )
-                await self._wait_for(self.out, done, 5.0)
+        if (
+            not await self._wait_for(self.out, done, timeout)
+            and self.out.fd >= 0
+            and not self.proc.exited.done()
+        ):
+            timed_out = True
+            await asyncio.get_running_loop().run_in_executor(
+                None, kill_except, self.proc.group, self.root_pid
+            )
+            await self._wait_for(self.out, done, 5.0)
         buf = bytes(self.out.buf)
         self.out.buf.clear()
         idx = buf.rfind(token)
@@ -190,12 +193,11 @@ class Session:
             return self.out.buf.endswith(b"\n")
 
         timed_out = False
-        if not await self._wait_for(self.out, done, timeout):
-            if self.out.fd >= 0:
-                timed_out = True
-                self.proc_signal(signal.SIGINT)
-                if not await self._wait_for(self.out, done, 2.0):
-                    await asyncio.get_running_loop().run_in_executor(None, self.proc.group.kill)
+        if not await self._wait_for(self.out, done, timeout) and self.out.fd >= 0:
+            timed_out = True
+            self.proc_signal(signal.SIGINT)
+            if not await self._wait_for(self.out, done, 2.0):
+                await asyncio.get_running_loop().run_in_executor(None, self.proc.group.kill)
         self.err.drain()
         line = bytes(self.out.buf)
         self.out.buf.clear()

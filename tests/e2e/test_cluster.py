@@ -1,0 +1,77 @@
+"""apiserver and edges as separate processes: placement across two edges, retries, restarts."""
+
+from __future__ import annotations
+
+import glob
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from dsec import errors
+from dsec.client import Client
+from dsec.service import free_port
+
+from .conftest import _env, start, wait_healthy
+
+pytestmark = [pytest.mark.root, pytest.mark.e2e]
+
+
+def test_two_edges_share_load_and_survive_apiserver_restart(tmp_path, python_image):
+    data = tmp_path / "data"
+    env = _env(tmp_path, f"dsec-e2e-{tmp_path.name}")
+    api_port = free_port()
+    url = f"http://127.0.0.1:{api_port}"
+    procs = {"api": start(["apiserver", "--port", str(api_port), "--data-dir", str(data)], env, tmp_path / "api.log")}
+    edges = {"ea": 3, "eb": 6}
+    try:
+        deadline = time.monotonic() + 30
+        while not (data / "cluster-token").exists() or not (data / "admin-token").exists():
+            assert time.monotonic() < deadline, (tmp_path / "api.log").read_text()
+            time.sleep(0.05)
+        token = (data / "cluster-token").read_text().strip()
+        admin = (data / "admin-token").read_text().strip()
+        for name, cap in edges.items():
+            port = free_port()
+            procs[name] = start(
+                ["edge", "--apiserver", url, "--name", name, "--port", str(port), "--data-dir", str(data),
+                 "--run-dir", f"/run/dsec-e2e-{tmp_path.name}-{name}", "--token", token,
+                 "--max-sandboxes", str(cap), "--no-keep-sandboxes"],
+                env, tmp_path / f"{name}.log",
+            )
+        wait_healthy(url, edges=2)
+        with Client(url, admin) as c:
+            sbs = [c.create("python", memory_mb=128) for _ in range(9)]
+            per_edge = Counter(s.id.split("-")[0] for s in sbs)
+            # placement spreads by load and never over-fills an edge: each edge has the final say
+            assert per_edge == {"ea": 3, "eb": 6}, per_edge
+            with pytest.raises(errors.CapacityExhausted) as exc:
+                c.create("python", memory_mb=128)
+            assert exc.value.status == 503
+            for s in sbs:
+                assert s.exec("hostname").stdout.strip() == s.id
+
+            # restart the apiserver: it keeps no per-sandbox state, edges re-register
+            old = procs.pop("api")
+            old.terminate()
+            old.wait(60)
+            procs["api"] = start(["apiserver", "--port", str(api_port), "--data-dir", str(data)], env,
+                                 tmp_path / "api.log")
+            wait_healthy(url, edges=2)
+        # a new connection (the old keep-alive ones died with the old apiserver process)
+        with Client(url, admin) as c2:
+            for s in sbs:
+                assert c2.sandbox(s.id).exec("echo still here").stdout == "still here\n"
+            c2.stop_many([s.id for s in sbs])
+            assert c2.list() == []
+    finally:
+        for p in procs.values():
+            p.terminate()
+        for p in procs.values():
+            p.wait(60)
+    for name in edges:
+        shutil.rmtree(f"/run/dsec-e2e-{tmp_path.name}-{name}", ignore_errors=True)
+        assert not glob.glob(f"/sys/fs/cgroup/*/dsec/{name}-*")
+        assert not [m for m in Path("/proc/mounts").read_text().splitlines() if f"dsec-{name}-" in m]
