@@ -4,6 +4,6 @@ from dsec.errors import DsecError
 
 __version__ = "0.1.0"
 
-from dsec.client import AsyncClient, AsyncSandbox, Client, Sandbox  # noqa: E402 - after __version__
+from dsec.client import AsyncClient, AsyncSandbox, Client, Sandbox
 
 __all__ = ["AsyncClient", "AsyncSandbox", "Client", "DsecError", "Sandbox", "__version__"]

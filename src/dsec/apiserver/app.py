@@ -32,6 +32,8 @@ from dsec.edge.pools import PoolInfo, PoolSpec
 from dsec.iam import IAM, Principal, Quota
 from dsec.models import EdgeStatus, SandboxInfo, SandboxSpec
 
+_PrincipalFn = Callable[[Request], Principal]
+
 LATENCY_BUCKETS = (0.001, 0.002, 0.004, 0.008, 0.015, 0.03, 0.06, 0.125, 0.25, 0.5, 1, 2, 5, 10)
 
 
@@ -170,6 +172,31 @@ def create_api_app(
             raise errors.Forbidden("this call needs an admin token")
         return p
 
+    _install_auth_first(app, principal)
+
+    async def resolve(request: Request, sid: str) -> Target:
+        p = principal(request)
+        return Target(directory.edge_for(sid), iam.visible_projects(p))
+
+    app.state.resolve = resolve
+    app.include_router(sandbox_router(st.metrics.exec_latency.observe))
+
+    _install_public_routes(app, st)
+    _install_sandbox_routes(app, st, principal)
+    _install_sandbox_stop_routes(app, st, principal)
+    _install_image_pool_routes(app, st, principal, require_admin)
+    _install_edge_routes(app, st, principal)
+    _install_iam_routes(app, st, principal, require_admin)
+
+    @app.exception_handler(errors.AuthError)
+    async def _auth_error(_: Request, exc: errors.AuthError) -> JSONResponse:
+        return JSONResponse(exc.to_wire(), status_code=exc.status, headers={"WWW-Authenticate": "Bearer"})
+
+    return app
+
+
+def _install_auth_first(app: FastAPI, principal: _PrincipalFn) -> None:
+    """Middleware that authenticates every guarded /v1 call before its body is parsed."""
     open_paths = {"/v1/health", "/v1/version", "/v1/edges/register"}
 
     @app.middleware("http")
@@ -192,12 +219,10 @@ def create_api_app(
                 )
         return await call_next(request)
 
-    async def resolve(request: Request, sid: str) -> Target:
-        p = principal(request)
-        return Target(directory.edge_for(sid), iam.visible_projects(p))
 
-    app.state.resolve = resolve
-    app.include_router(sandbox_router(st.metrics.exec_latency.observe))
+def _install_public_routes(app: FastAPI, st: ApiServerState) -> None:
+    """Health, version and metrics: no token needed."""
+    directory = st.directory
 
     # --- public, unauthenticated ---------------------------------------------------
 
@@ -216,6 +241,11 @@ def create_api_app(
         return PlainTextResponse(
             generate_latest(st.metrics.registry).decode(), media_type="text/plain; version=0.0.4"
         )
+
+
+def _install_sandbox_routes(app: FastAPI, st: ApiServerState, principal: _PrincipalFn) -> None:
+    """Create and list sandboxes."""
+    iam, directory = st.iam, st.directory
 
     # --- sandboxes -------------------------------------------------------------------
 
@@ -289,6 +319,11 @@ def create_api_app(
         out = [i.model_dump(mode="json") for lst in lists if isinstance(lst, list) for i in lst]
         return {"sandboxes": out}
 
+
+def _install_sandbox_stop_routes(app: FastAPI, st: ApiServerState, principal: _PrincipalFn) -> None:
+    """Stop one or many sandboxes."""
+    iam, directory = st.iam, st.directory
+
     async def stop_one(p: Principal, sid: str) -> None:
         edge = directory.edge_for(sid)
         await edge.stop(sid, iam.visible_projects(p))
@@ -309,6 +344,16 @@ def create_api_app(
                                                                                        "message": str(r)})
                   for sid, r in zip(body.ids, results, strict=True) if r is not None}
         return {"stopped": stopped, "errors": failed}
+
+
+def _install_image_pool_routes(
+    app: FastAPI,
+    st: ApiServerState,
+    principal: _PrincipalFn,
+    require_admin: _PrincipalFn,
+) -> None:
+    """Images, layers and warm pools across every edge."""
+    iam, directory = st.iam, st.directory
 
     # --- images, pools, edges ------------------------------------------------------------
 
@@ -374,6 +419,11 @@ def create_api_app(
         )
         return {"pools": [i.model_dump(mode="json") for i in infos], "count": body.count}
 
+
+def _install_edge_routes(app: FastAPI, st: ApiServerState, principal: _PrincipalFn) -> None:
+    """Edge listing and registration, and the event stream."""
+    directory, cluster_token = st.directory, st.cluster_token
+
     @app.get("/v1/edges")
     async def edges(request: Request) -> dict[str, Any]:
         principal(request)
@@ -410,6 +460,16 @@ def create_api_app(
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
+
+def _install_iam_routes(
+    app: FastAPI,
+    st: ApiServerState,
+    principal: _PrincipalFn,
+    require_admin: _PrincipalFn,
+) -> None:
+    """Projects and principals."""
+    iam = st.iam
+
     # --- IAM -----------------------------------------------------------------------------
 
     @app.post("/v1/projects")
@@ -432,12 +492,6 @@ def create_api_app(
         require_admin(request)
         p, token = iam.create_principal(body.name, body.projects, admin=body.admin)
         return {"principal": p.model_dump(mode="json"), "token": token}
-
-    @app.exception_handler(errors.AuthError)
-    async def _auth_error(_: Request, exc: errors.AuthError) -> JSONResponse:
-        return JSONResponse(exc.to_wire(), status_code=exc.status, headers={"WWW-Authenticate": "Bearer"})
-
-    return app
 
 
 async def _place(st: ApiServerState, spec: SandboxSpec) -> SandboxInfo:

@@ -105,6 +105,14 @@ def sandbox_router(observe_exec: ExecObserver | None = None) -> APIRouter:
         t = await _target(request, sid)
         return await t.edge.get(sid, t.projects)
 
+    _add_exec_routes(r, observe_exec)
+    _add_session_routes(r)
+    _add_file_routes(r)
+    _add_archive_routes(r)
+    return r
+
+
+def _add_exec_routes(r: APIRouter, observe_exec: ExecObserver | None) -> None:
     @r.post("/exec", response_model=ExecResult)
     async def exec_(sid: str, body: ExecRequest, request: Request) -> ExecResult:
         t0 = time.perf_counter()
@@ -120,6 +128,8 @@ def sandbox_router(observe_exec: ExecObserver | None = None) -> APIRouter:
         await t.edge.get(sid, t.projects)  # fail before the stream starts
         return sse(t.edge.exec_stream(sid, body, t.projects))
 
+
+def _add_session_routes(r: APIRouter) -> None:
     @r.post("/sessions", response_model=SessionInfo, status_code=201)
     async def session_create(sid: str, body: SessionCreate, request: Request) -> SessionInfo:
         t = await _target(request, sid)
@@ -141,6 +151,8 @@ def sandbox_router(observe_exec: ExecObserver | None = None) -> APIRouter:
         await t.edge.session_close(sid, ses, t.projects)
         return Response(status_code=204)
 
+
+def _add_file_routes(r: APIRouter) -> None:
     @r.get("/files", response_model=FileContent)
     async def read_file(sid: str, path: str, request: Request) -> FileContent:
         t = await _target(request, sid)
@@ -173,6 +185,8 @@ def sandbox_router(observe_exec: ExecObserver | None = None) -> APIRouter:
         await t.edge.delete_file(sid, path, recursive, t.projects)
         return Response(status_code=204)
 
+
+def _add_archive_routes(r: APIRouter) -> None:
     @r.put("/archive", status_code=204)
     async def upload(sid: str, path: str, request: Request) -> Response:
         t = await _target(request, sid)
@@ -189,5 +203,3 @@ def sandbox_router(observe_exec: ExecObserver | None = None) -> APIRouter:
         t = await _target(request, sid)
         data = await t.edge.download_tar(sid, path, t.projects)
         return Response(content=data, media_type="application/x-tar")
-
-    return r

@@ -92,6 +92,21 @@ def create_edge_app(
     install_error_handlers(app)
     install_body_limit(app, 160 * 1024 * 1024)
 
+    _install_cluster_auth(app, token)
+
+    async def resolve(request: Request, sid: str) -> Target:
+        return Target(local, _projects(request))
+
+    app.state.resolve = resolve
+    app.include_router(sandbox_router())
+    _install_sandbox_routes(app, edge, local)
+    _install_pool_image_routes(app, local)
+    return app
+
+
+def _install_cluster_auth(app: FastAPI, token: str) -> None:
+    """Middleware: every call but the health check must carry the cluster token."""
+
     @app.middleware("http")
     async def _auth(request: Request, call_next: Any) -> Response:
         if request.url.path != "/v1/health":
@@ -106,12 +121,8 @@ def create_edge_app(
         response: Response = await call_next(request)
         return response
 
-    async def resolve(request: Request, sid: str) -> Target:
-        return Target(local, _projects(request))
 
-    app.state.resolve = resolve
-    app.include_router(sandbox_router())
-
+def _install_sandbox_routes(app: FastAPI, edge: Edge, local: LocalEdge) -> None:
     @app.get("/v1/health")
     async def health() -> dict[str, str]:
         return {"status": "ok", "edge": edge.name}
@@ -136,6 +147,8 @@ def create_edge_app(
         await local.stop(sid, _projects(request))
         return Response(status_code=204)
 
+
+def _install_pool_image_routes(app: FastAPI, local: LocalEdge) -> None:
     @app.get("/v1/pools")
     async def pools() -> dict[str, list[PoolInfo]]:
         return {"pools": await local.pools()}
@@ -163,5 +176,3 @@ def create_edge_app(
     @app.post("/v1/images/import")
     async def import_(name: str, request: Request) -> dict[str, Any]:
         return await local.import_image(name, await request.body())
-
-    return app

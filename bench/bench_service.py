@@ -1,0 +1,118 @@
+"""Service benchmarks through the SDK and HTTP against a real `dsec up`, with baselines
+measured in the same run. Run as root:
+
+    .venv/bin/python bench/bench_service.py [--n 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from dsec.client import AsyncClient, Client
+from dsec.service import free_port
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p * len(xs)))] * 1000
+
+
+def line(name: str, xs: list[float]) -> str:
+    return f"| {name} | {pct(xs, 0.5):.2f} | {pct(xs, 0.95):.2f} |"
+
+
+def main(n: int) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="dsec-bench-"))
+    port = free_port()
+    env = dict(os.environ, DSEC_EDGE_LAYERS_DIR="/var/lib/dsec/layers", DSEC_EDGE_RUN_DIR=f"/run/dsec-bench-{port}",
+               DSEC_CONFIG=str(tmp / "client.json"))
+    proc = subprocess.Popen([sys.executable, "-m", "dsec.cli", "up", "--port", str(port), "--data-dir", str(tmp)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/v1/health").json().get("edges"):
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        token = (tmp / "admin-token").read_text().strip()
+        out = ["| operation (SDK + HTTP) | p50 ms | p95 ms |", "|---|---|---|"]
+        with Client(url, token) as c:
+            c.create().stop()
+            cold = []
+            for _ in range(n):
+                t = time.perf_counter()
+                sb = c.create()
+                sb.exec(["true"])
+                sb.stop()
+                cold.append(time.perf_counter() - t)
+            out.append(line("create -> exec true -> stop, cold", cold))
+            httpx.post(url + "/v1/pools", json={"image": "python", "min_size": 16, "max_size": 64},
+                       headers={"Authorization": f"Bearer {token}"})
+            time.sleep(3)
+            warm = []
+            for _ in range(n):
+                t = time.perf_counter()
+                sb = c.create()
+                sb.exec(["true"])
+                sb.stop()
+                warm.append(time.perf_counter() - t)
+                time.sleep(0.05)  # let the pool refill between RL-step-like requests
+            out.append(line("create -> exec true -> stop, warm pool", warm))
+            sb = c.create()
+            rtt = []
+            for _ in range(n * 4):
+                t = time.perf_counter()
+                sb.exec(["true"])
+                rtt.append(time.perf_counter() - t)
+            sb.stop()
+            out.append(line("exec true round trip", rtt))
+
+        async def burst(count: int) -> tuple[float, list[str]]:
+            async with AsyncClient(url, token) as ac:
+                t = time.perf_counter()
+                sbs = await ac.create_many(count, "python", memory_mb=128, concurrency=16)
+                return time.perf_counter() - t, [s.id for s in sbs]
+
+        took, ids = asyncio.run(burst(200))
+        out.append("")
+        out.append(f"Burst: 200 sandboxes created in {took:.2f} s = {200 / took:.0f} sandboxes/s (batch API).")
+        with Client(url, token) as c:
+            c.stop_many(ids)
+        rootfs = next(Path("/var/lib/dsec/layers/layers/python").iterdir()) / "tree"
+        podman = []
+        for _ in range(max(5, n // 5)):
+            t = time.perf_counter()
+            subprocess.run(["podman", "--cgroup-manager=cgroupfs", "--runtime", "runc", "run", "--rm",
+                            "--network=none", "--ulimit", "nofile=20000:20000", "--ulimit", "nproc=32768:32768",
+                            "--rootfs", f"{rootfs}:O", "/bin/true"],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            podman.append(time.perf_counter() - t)
+        out.append(line("baseline: podman run --rm (runc) true, same rootfs", podman).replace("| baseline", "| baseline"))
+        out.append(f"\ndsec cold create+exec+stop is {pct(podman, .5) / pct(cold, .5):.1f}x faster than podman "
+                   f"(p50); warm pool {pct(podman, .5) / pct(warm, .5):.1f}x.")
+        print("\n".join(out))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(f"/run/dsec-bench-{port}", ignore_errors=True)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=50)
+    main(ap.parse_args().n)
