@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import os
 import shutil
-import statistics
 import subprocess
 import tempfile
 import time
@@ -70,9 +69,25 @@ async def main(n: int, idle: int) -> None:
                            "--unshare-all", "--die-with-parent", "/bin/true"], n)
         podman = []
         if shutil.which("podman"):
-            podman = timed_cmd(["podman", "--cgroup-manager=cgroupfs", "--runtime", "runc", "run", "--rm", "--network=none",
-                                "--ulimit", "nofile=20000:20000", "--ulimit", "nproc=32768:32768",
-                                "--rootfs", f"{rootfs}:O", "/bin/true"], max(5, n // 5))
+            podman = timed_cmd(
+                [
+                    "podman",
+                    "--cgroup-manager=cgroupfs",
+                    "--runtime",
+                    "runc",
+                    "run",
+                    "--rm",
+                    "--network=none",
+                    "--ulimit",
+                    "nofile=20000:20000",
+                    "--ulimit",
+                    "nproc=32768:32768",
+                    "--rootfs",
+                    f"{rootfs}:O",
+                    "/bin/true",
+                ],
+                max(5, n // 5),
+            )
         base = pct(floor_unshare, 0.5)
         lines.append(row("unshare pid/mnt/net/ipc/uts + /proc, run true (floor)", floor_unshare, base))
         lines.append(row("bwrap on the python rootfs, run true", bwrap, base))
@@ -90,7 +105,9 @@ async def main(n: int, idle: int) -> None:
             await edge.exec(sb.id, ExecRequest(cmd=["true"]))
             execs.append(time.perf_counter() - t)
         host = timed_cmd(["/bin/true"], n * 4)
-        crun_exec = timed_cmd(["crun", "--root", str(run_dir / "bench" / "runtime"), "exec", sb.id, "true"], n)
+        crun_exec = timed_cmd(
+            ["crun", "--root", str(run_dir / "bench" / "runtime"), "exec", sb.id, "true"], n
+        )
         await edge.stop(sb.id)
         base = pct(host, 0.5)
         lines.append(row("fork+exec /bin/true on the host (floor)", host, base))

@@ -35,10 +35,18 @@ def line(name: str, xs: list[float]) -> str:
 def main(n: int) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="dsec-bench-"))
     port = free_port()
-    env = dict(os.environ, DSEC_EDGE_LAYERS_DIR="/var/lib/dsec/layers", DSEC_EDGE_RUN_DIR=f"/run/dsec-bench-{port}",
-               DSEC_CONFIG=str(tmp / "client.json"))
-    proc = subprocess.Popen([sys.executable, "-m", "dsec.cli", "up", "--port", str(port), "--data-dir", str(tmp)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = dict(
+        os.environ,
+        DSEC_EDGE_LAYERS_DIR="/var/lib/dsec/layers",
+        DSEC_EDGE_RUN_DIR=f"/run/dsec-bench-{port}",
+        DSEC_CONFIG=str(tmp / "client.json"),
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsec.cli", "up", "--port", str(port), "--data-dir", str(tmp)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(600):
@@ -89,21 +97,46 @@ def main(n: int) -> None:
 
         took, ids = asyncio.run(burst(200))
         out.append("")
-        out.append(f"Burst: 200 sandboxes created in {took:.2f} s = {200 / took:.0f} sandboxes/s (batch API).")
+        out.append(
+            f"Burst: 200 sandboxes created in {took:.2f} s = {200 / took:.0f} sandboxes/s (batch API)."
+        )
         with Client(url, token) as c:
             c.stop_many(ids)
         rootfs = next(Path("/var/lib/dsec/layers/layers/python").iterdir()) / "tree"
         podman = []
         for _ in range(max(5, n // 5)):
             t = time.perf_counter()
-            subprocess.run(["podman", "--cgroup-manager=cgroupfs", "--runtime", "runc", "run", "--rm",
-                            "--network=none", "--ulimit", "nofile=20000:20000", "--ulimit", "nproc=32768:32768",
-                            "--rootfs", f"{rootfs}:O", "/bin/true"],
-                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            subprocess.run(
+                [
+                    "podman",
+                    "--cgroup-manager=cgroupfs",
+                    "--runtime",
+                    "runc",
+                    "run",
+                    "--rm",
+                    "--network=none",
+                    "--ulimit",
+                    "nofile=20000:20000",
+                    "--ulimit",
+                    "nproc=32768:32768",
+                    "--rootfs",
+                    f"{rootfs}:O",
+                    "/bin/true",
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             podman.append(time.perf_counter() - t)
-        out.append(line("baseline: podman run --rm (runc) true, same rootfs", podman).replace("| baseline", "| baseline"))
-        out.append(f"\ndsec cold create+exec+stop is {pct(podman, .5) / pct(cold, .5):.1f}x faster than podman "
-                   f"(p50); warm pool {pct(podman, .5) / pct(warm, .5):.1f}x.")
+        out.append(
+            line("baseline: podman run --rm (runc) true, same rootfs", podman).replace(
+                "| baseline", "| baseline"
+            )
+        )
+        out.append(
+            f"\ndsec cold create+exec+stop is {pct(podman, 0.5) / pct(cold, 0.5):.1f}x faster than podman "
+            f"(p50); warm pool {pct(podman, 0.5) / pct(warm, 0.5):.1f}x."
+        )
         print("\n".join(out))
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -37,12 +38,9 @@ def python_image() -> str:
 @pytest.fixture
 def edge_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
     base = tmp_path_factory.mktemp("dsec-edge")
-    yield {
-        "data_dir": base / "data",
-        "run_dir": Path("/run") / f"dsec-test-{base.name}",
-        "layers_dir": LAYERS,
-    }
-    shutil.rmtree(Path("/run") / f"dsec-test-{base.name}", ignore_errors=True)
+    run_dir = Path("/run") / f"dsec-test-{secrets.token_hex(4)}"  # unique across concurrent pytest runs
+    yield {"data_dir": base / "data", "run_dir": run_dir, "layers_dir": LAYERS}
+    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 @pytest.fixture
@@ -50,7 +48,8 @@ async def edge(python_image: str, edge_dirs: dict[str, Path]) -> AsyncIterator[o
     from dsec.config import EdgeSettings
     from dsec.edge import Edge
 
-    e = Edge(EdgeSettings(name="t0", reconcile_interval_s=3600, **edge_dirs))
+    # A unique name: edges own the `<name>-*` cgroups on the host, and test runs may overlap.
+    e = Edge(EdgeSettings(name="t" + secrets.token_hex(4), reconcile_interval_s=3600, **edge_dirs))
     await e.start()
     try:
         yield e

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -61,6 +62,7 @@ def _env(tmp: Path, run_name: str) -> dict[str, str]:
         DSEC_EDGE_RUN_DIR=f"/run/{run_name}",
         DSEC_CONFIG=str(tmp / "client.json"),
         DSEC_EDGE_RECONCILE_INTERVAL_S="3600",
+        DSEC_EDGE_NAME="e" + secrets.token_hex(4),
     )
     return env
 

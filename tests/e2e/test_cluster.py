@@ -24,7 +24,11 @@ def test_two_edges_share_load_and_survive_apiserver_restart(tmp_path, python_ima
     env = _env(tmp_path, f"dsec-e2e-{tmp_path.name}")
     api_port = free_port()
     url = f"http://127.0.0.1:{api_port}"
-    procs = {"api": start(["apiserver", "--port", str(api_port), "--data-dir", str(data)], env, tmp_path / "api.log")}
+    procs = {
+        "api": start(
+            ["apiserver", "--port", str(api_port), "--data-dir", str(data)], env, tmp_path / "api.log"
+        )
+    }
     edges = {"ea": 3, "eb": 6}
     try:
         deadline = time.monotonic() + 30
@@ -36,10 +40,26 @@ def test_two_edges_share_load_and_survive_apiserver_restart(tmp_path, python_ima
         for name, cap in edges.items():
             port = free_port()
             procs[name] = start(
-                ["edge", "--apiserver", url, "--name", name, "--port", str(port), "--data-dir", str(data),
-                 "--run-dir", f"/run/dsec-e2e-{tmp_path.name}-{name}", "--token", token,
-                 "--max-sandboxes", str(cap), "--no-keep-sandboxes"],
-                env, tmp_path / f"{name}.log",
+                [
+                    "edge",
+                    "--apiserver",
+                    url,
+                    "--name",
+                    name,
+                    "--port",
+                    str(port),
+                    "--data-dir",
+                    str(data),
+                    "--run-dir",
+                    f"/run/dsec-e2e-{tmp_path.name}-{name}",
+                    "--token",
+                    token,
+                    "--max-sandboxes",
+                    str(cap),
+                    "--no-keep-sandboxes",
+                ],
+                env,
+                tmp_path / f"{name}.log",
             )
         wait_healthy(url, edges=2)
         with Client(url, admin) as c:
@@ -57,8 +77,9 @@ def test_two_edges_share_load_and_survive_apiserver_restart(tmp_path, python_ima
             old = procs.pop("api")
             old.terminate()
             old.wait(60)
-            procs["api"] = start(["apiserver", "--port", str(api_port), "--data-dir", str(data)], env,
-                                 tmp_path / "api.log")
+            procs["api"] = start(
+                ["apiserver", "--port", str(api_port), "--data-dir", str(data)], env, tmp_path / "api.log"
+            )
             wait_healthy(url, edges=2)
         # a new connection (the old keep-alive ones died with the old apiserver process)
         with Client(url, admin) as c2:

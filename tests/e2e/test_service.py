@@ -56,7 +56,9 @@ def test_context_manager_and_batch(service):
 
 
 def _admin(service) -> httpx.Client:
-    return httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {service.token}"}, timeout=60)
+    return httpx.Client(
+        base_url=service.url, headers={"Authorization": f"Bearer {service.token}"}, timeout=60
+    )
 
 
 def test_quota_is_never_over_admitted(service):
@@ -68,7 +70,8 @@ def test_quota_is_never_over_admitted(service):
     async def burst() -> list[object]:
         async with AsyncClient(service.url, tok) as c:
             return await asyncio.gather(
-                *(c.create("python", memory_mb=128, project="q20") for _ in range(200)), return_exceptions=True
+                *(c.create("python", memory_mb=128, project="q20") for _ in range(200)),
+                return_exceptions=True,
             )
 
     results = asyncio.run(burst())
@@ -110,14 +113,20 @@ def test_bad_input_is_refused_and_changes_nothing(service, tmp_path):
     with pytest.raises(errors.InvalidRequest):  # the SDK refuses before sending
         sb.files.write("/work/big", b"x" * (200 * 1024 * 1024))
     big = b'{"path": "/work/big", "content": "' + b"x" * (170 * 1024 * 1024) + b'"}'
-    r = httpx.put(f"{service.url}/v1/sandboxes/{sb.id}/files", content=big,
-                  headers={"Authorization": f"Bearer {service.token}", "Content-Type": "application/json"})
+    r = httpx.put(
+        f"{service.url}/v1/sandboxes/{sb.id}/files",
+        content=big,
+        headers={"Authorization": f"Bearer {service.token}", "Content-Type": "application/json"},
+    )
     assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
     with pytest.raises(errors.FileNotFound):
         sb.files.read("/work/big")
     for token in (None, "dsec_wrong"):
-        r = httpx.post(service.url + "/v1/sandboxes", json={"image": "python"},
-                       headers={"Authorization": f"Bearer {token}"} if token else {})
+        r = httpx.post(
+            service.url + "/v1/sandboxes",
+            json={"image": "python"},
+            headers={"Authorization": f"Bearer {token}"} if token else {},
+        )
         assert r.status_code == 401 and r.json()["error"]["code"] == "unauthenticated"
     # another project's sandbox is invisible
     with _admin(service) as http:
@@ -141,14 +150,21 @@ def test_async_and_sync_agree(service):
     with Client() as c:
         sb = c.create("python")
         sync = sb.exec(["python3", "-c", script])
-        sync_files = (sb.files.write("/work/x", "1"), sb.files.read("/work/x"), [f.name for f in sb.files.list("/work")])
+        sync_files = (
+            sb.files.write("/work/x", "1"),
+            sb.files.read("/work/x"),
+            [f.name for f in sb.files.list("/work")],
+        )
 
     async def go():
         async with AsyncClient() as ac:
             asb = ac.sandbox(sb.id)
             r = await asb.exec(["python3", "-c", script])
-            files = (await asb.files.write("/work/x", "1"), await asb.files.read("/work/x"),
-                     [f.name for f in await asb.files.list("/work")])
+            files = (
+                await asb.files.write("/work/x", "1"),
+                await asb.files.read("/work/x"),
+                [f.name for f in await asb.files.list("/work")],
+            )
             await asb.stop()
             return r, files
 
@@ -172,5 +188,6 @@ def test_no_leaks_after_shutdown(service):
     run_dir = service.env["DSEC_EDGE_RUN_DIR"]
     service.stop("up")
     assert not [m for m in Path("/proc/mounts").read_text().splitlines() if run_dir in m]
-    assert not glob.glob("/sys/fs/cgroup/*/dsec/n0-*")
-    assert not list(Path(run_dir, "n0", "sandboxes").iterdir())
+    name = service.env["DSEC_EDGE_NAME"]
+    assert not glob.glob(f"/sys/fs/cgroup/*/dsec/{name}-*")
+    assert not list(Path(run_dir, name, "sandboxes").iterdir())

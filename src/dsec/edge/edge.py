@@ -11,6 +11,7 @@ import asyncio
 import base64
 import builtins
 import contextlib
+import fcntl
 import io
 import itertools
 import logging
@@ -107,11 +108,27 @@ class Edge:
         # Exec cgroups outlive an edge process when background jobs stay in them:
         # names carry this process's epoch so a restarted edge never collides.
         self._epoch = secrets.token_hex(3)
+        self._lock_fd = -1
 
     # --- lifecycle of the edge itself ------------------------------------------
 
+    def _lock_name(self) -> None:
+        """One edge per name per host: the reconciler treats `<name>-*` cgroups as its own."""
+        lock_dir = Path("/run/dsec-edges")
+        lock_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock_dir / f"{self.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise errors.Conflict(
+                f"another edge named {self.name!r} runs on this host; give each edge its own --name"
+            ) from None
+        self._lock_fd = fd
+
     async def start(self) -> None:
         s = self.settings
+        self._lock_name()
         s.data_dir.mkdir(parents=True, exist_ok=True)
         shim = ensure_shim(s.data_dir / "bin")
         self._toolkit = [self._shim_layer(shim)]
@@ -149,6 +166,9 @@ class Edge:
             self.store.close()
             self.store = None
         self.cgroups.remove_parent_if_empty()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
     def _shim_layer(self, shim_path: os.PathLike[str]) -> str:
         """The toolkit layer every sandbox gets on top: /.dsec/shim."""
