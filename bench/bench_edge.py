@@ -12,33 +12,15 @@ import argparse
 import asyncio
 import os
 import shutil
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
+from _common import pct, podman_run_true, row, timed_cmd  # type: ignore[import-not-found]
+
 from dsec.config import EdgeSettings
 from dsec.edge import Edge
 from dsec.models import ExecRequest, SandboxSpec, SessionCreate, SessionRun
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p * len(xs)))] * 1000
-
-
-def row(name: str, xs: list[float], base: float | None = None) -> str:
-    ratio = f"{pct(xs, 0.5) / base:.2f}x" if base else ""
-    return f"| {name} | {pct(xs, 0.5):.2f} | {pct(xs, 0.95):.2f} | {ratio} |"
-
-
-def timed_cmd(argv: list[str], n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        out.append(time.perf_counter() - t)
-    return out
 
 
 def mem_available() -> int:
@@ -67,27 +49,7 @@ async def main(n: int, idle: int) -> None:
         floor_unshare = timed_cmd(["unshare", "-fpmniu", "--mount-proc", "true"], n)
         bwrap = timed_cmd(["bwrap", "--ro-bind", str(rootfs), "/", "--proc", "/proc", "--dev", "/dev",
                            "--unshare-all", "--die-with-parent", "/bin/true"], n)
-        podman = []
-        if shutil.which("podman"):
-            podman = timed_cmd(
-                [
-                    "podman",
-                    "--cgroup-manager=cgroupfs",
-                    "--runtime",
-                    "runc",
-                    "run",
-                    "--rm",
-                    "--network=none",
-                    "--ulimit",
-                    "nofile=20000:20000",
-                    "--ulimit",
-                    "nproc=32768:32768",
-                    "--rootfs",
-                    f"{rootfs}:O",
-                    "/bin/true",
-                ],
-                max(5, n // 5),
-            )
+        podman = podman_run_true(rootfs, max(5, n // 5))
         base = pct(floor_unshare, 0.5)
         lines.append(row("unshare pid/mnt/net/ipc/uts + /proc, run true (floor)", floor_unshare, base))
         lines.append(row("bwrap on the python rootfs, run true", bwrap, base))

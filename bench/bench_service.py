@@ -18,18 +18,10 @@ import time
 from pathlib import Path
 
 import httpx
+from _common import pct, podman_run_true, row  # type: ignore[import-not-found]
 
 from dsec.client import AsyncClient, Client
 from dsec.service import free_port
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p * len(xs)))] * 1000
-
-
-def line(name: str, xs: list[float]) -> str:
-    return f"| {name} | {pct(xs, 0.5):.2f} | {pct(xs, 0.95):.2f} |"
 
 
 def main(n: int) -> None:
@@ -67,7 +59,7 @@ def main(n: int) -> None:
                 sb.exec(["true"])
                 sb.stop()
                 cold.append(time.perf_counter() - t)
-            out.append(line("create -> exec true -> stop, cold", cold))
+            out.append(row("create -> exec true -> stop, cold", cold))
             httpx.post(url + "/v1/pools", json={"image": "python", "min_size": 16, "max_size": 64},
                        headers={"Authorization": f"Bearer {token}"})
             time.sleep(3)
@@ -79,7 +71,7 @@ def main(n: int) -> None:
                 sb.stop()
                 warm.append(time.perf_counter() - t)
                 time.sleep(0.05)  # let the pool refill between RL-step-like requests
-            out.append(line("create -> exec true -> stop, warm pool", warm))
+            out.append(row("create -> exec true -> stop, warm pool", warm))
             sb = c.create()
             rtt = []
             for _ in range(n * 4):
@@ -87,7 +79,7 @@ def main(n: int) -> None:
                 sb.exec(["true"])
                 rtt.append(time.perf_counter() - t)
             sb.stop()
-            out.append(line("exec true round trip", rtt))
+            out.append(row("exec true round trip", rtt))
 
         async def burst(count: int) -> tuple[float, list[str]]:
             async with AsyncClient(url, token) as ac:
@@ -103,36 +95,8 @@ def main(n: int) -> None:
         with Client(url, token) as c:
             c.stop_many(ids)
         rootfs = next(Path("/var/lib/dsec/layers/layers/python").iterdir()) / "tree"
-        podman = []
-        for _ in range(max(5, n // 5)):
-            t = time.perf_counter()
-            subprocess.run(
-                [
-                    "podman",
-                    "--cgroup-manager=cgroupfs",
-                    "--runtime",
-                    "runc",
-                    "run",
-                    "--rm",
-                    "--network=none",
-                    "--ulimit",
-                    "nofile=20000:20000",
-                    "--ulimit",
-                    "nproc=32768:32768",
-                    "--rootfs",
-                    f"{rootfs}:O",
-                    "/bin/true",
-                ],
-                check=True,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            podman.append(time.perf_counter() - t)
-        out.append(
-            line("baseline: podman run --rm (runc) true, same rootfs", podman).replace(
-                "| baseline", "| baseline"
-            )
-        )
+        podman = podman_run_true(Path(rootfs), max(5, n // 5))
+        out.append(row("baseline: podman run --rm (runc) true, same rootfs", podman))
         out.append(
             f"\ndsec cold create+exec+stop is {pct(podman, 0.5) / pct(cold, 0.5):.1f}x faster than podman "
             f"(p50); warm pool {pct(podman, 0.5) / pct(warm, 0.5):.1f}x."
