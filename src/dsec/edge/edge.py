@@ -22,16 +22,17 @@ import tarfile
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dsec import errors
 from dsec.backends.container import Container, ContainerBackend, ContainerPlan, mounts_under, unmount_all
 from dsec.config import EdgeSettings
 from dsec.edge.files import SandboxFiles
 from dsec.edge.pools import POOL_PROJECT, PoolInfo, PoolSpec, WarmPools
-from dsec.edge.process import PipeReader, run_process, spawn
+from dsec.edge.process import PipeReader, RawResult, run_process, spawn
 from dsec.edge.sessions import Session, session_argv
 from dsec.edge.store import EdgeStore, Record
 from dsec.isolation.cgroups import CgroupHost
@@ -390,11 +391,21 @@ class Edge:
         uid, gid, _ = self._resolve_user(sb.files, user)
         return uid, gid
 
-    async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
-        sb = self._get(sandbox_id)
+    def _run(
+        self,
+        sb: Sandbox,
+        req: ExecRequest,
+        *,
+        stdin: bytes | None = None,
+        cap: int | None = None,
+        sink: Callable[[str, bytes], None] | None = None,
+    ) -> Coroutine[Any, Any, RawResult]:
+        """The one path every process started on request takes (exec, streams, archives)."""
         argv = ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) else list(req.cmd)
         uid, gid = self._user(sb, req.user)
-        res = await run_process(
+        if stdin is None and req.stdin is not None:
+            stdin = req.stdin.encode()
+        return run_process(
             sb.container,
             self.cgroups,
             self._group_name(sb),
@@ -403,32 +414,30 @@ class Edge:
             cwd=req.cwd or sb.record.spec.workdir,
             uid=uid,
             gid=gid,
-            stdin=req.stdin.encode() if req.stdin is not None else None,
+            stdin=stdin,
             timeout=req.timeout,
-            cap=req.max_output_bytes,
+            cap=req.max_output_bytes if cap is None else cap,
+            sink=sink,
         )
-        return res.to_exec_result()
+
+    async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        return (await self._run(self._get(sandbox_id), req)).to_exec_result()
 
     async def exec_stream(
         self, sandbox_id: str, req: ExecRequest
     ) -> AsyncIterator[tuple[str, bytes | ExecResult]]:
         """Like exec, yielding ("stdout" | "stderr", chunk) as output arrives, then ("result", ExecResult)."""
         sb = self._get(sandbox_id)
-        argv = ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) else list(req.cmd)
-        uid, gid = self._user(sb, req.user)
         queue: asyncio.Queue[tuple[str, bytes | ExecResult]] = asyncio.Queue()
         task = asyncio.create_task(
-            run_process(
-                sb.container, self.cgroups, self._group_name(sb), argv, self._env(sb, req.env),
-                cwd=req.cwd or sb.record.spec.workdir, uid=uid, gid=gid,
-                stdin=req.stdin.encode() if req.stdin is not None else None,
-                timeout=req.timeout, cap=req.max_output_bytes,
-                sink=lambda kind, chunk: queue.put_nowait((kind, chunk)),
-            )
+            self._run(sb, req, sink=lambda kind, chunk: queue.put_nowait((kind, chunk)))
         )
         task.add_done_callback(
-            lambda t: queue.put_nowait(("result", t.result().to_exec_result()))
-            if not t.cancelled() and t.exception() is None else queue.put_nowait(("error", b""))
+            lambda t: (
+                queue.put_nowait(("result", t.result().to_exec_result()))
+                if not t.cancelled() and t.exception() is None
+                else queue.put_nowait(("error", b""))
+            )
         )
         try:
             while True:
@@ -543,19 +552,10 @@ class Edge:
         except (tarfile.TarError, EOFError) as e:
             raise errors.InvalidRequest(f"upload is not a readable tar archive: {e}") from e
         sb.files._mkdirs(path)
-        res = await run_process(
-            sb.container,
-            self.cgroups,
-            self._group_name(sb),
-            ["tar", "-x", "-C", path, "-f", "-"],
-            self._env(sb, {}),
-            cwd="/",
-            uid=sb.uid,
-            gid=sb.gid,
-            stdin=data,
-            timeout=600,
-            cap=65536,
+        tar = ExecRequest(
+            cmd=["tar", "-x", "-C", path, "-f", "-"], cwd="/", timeout=600, max_output_bytes=65536
         )
+        res = await self._run(sb, tar, stdin=data)
         if res.exit_code != 0:
             msg = res.stderr.decode(errors="replace").strip()[-500:]
             raise errors.InvalidRequest(f"unpacking the tar into {path} failed: {msg}")
@@ -566,19 +566,8 @@ class Edge:
         parent, name = (
             (path.rsplit("/", 1)[0] or "/", path.rsplit("/", 1)[1]) if st.type != "dir" else (path, ".")
         )
-        res = await run_process(
-            sb.container,
-            self.cgroups,
-            self._group_name(sb),
-            ["tar", "-c", "-C", parent, "-f", "-", name],
-            self._env(sb, {}),
-            cwd="/",
-            uid=sb.uid,
-            gid=sb.gid,
-            stdin=None,
-            timeout=600,
-            cap=1 << 30,
-        )
+        tar = ExecRequest(cmd=["tar", "-c", "-C", parent, "-f", "-", name], cwd="/", timeout=600)
+        res = await self._run(sb, tar, cap=1 << 30)
         if res.exit_code != 0 or res.truncated:
             msg = res.stderr.decode(errors="replace").strip()[-500:]
             raise errors.InternalError(f"packing {path} failed: {msg or 'more than 1 GiB'}")
