@@ -60,9 +60,13 @@ def main(n: int) -> None:
                 sb.stop()
                 cold.append(time.perf_counter() - t)
             out.append(row("create -> exec true -> stop, cold", cold))
-            httpx.post(url + "/v1/pools", json={"image": "python", "min_size": 16, "max_size": 64},
-                       headers={"Authorization": f"Bearer {token}"})
-            time.sleep(3)
+            # Announce the burst (as a trainer would before an RL step), then let the pool fill.
+            c.prewarm(n, "python")
+            deadline = time.monotonic() + 60
+            while sum(p.get("ready", 0) for p in httpx.get(
+                url + "/v1/pools", headers={"Authorization": f"Bearer {token}"}
+            ).json()["pools"]) < n and time.monotonic() < deadline:
+                time.sleep(0.2)
             warm = []
             for _ in range(n):
                 t = time.perf_counter()
@@ -70,7 +74,7 @@ def main(n: int) -> None:
                 sb.exec(["true"])
                 sb.stop()
                 warm.append(time.perf_counter() - t)
-                time.sleep(0.05)  # let the pool refill between RL-step-like requests
+                time.sleep(0.05)  # requests arrive spaced, as tool calls of many rollouts do
             out.append(row("create -> exec true -> stop, warm pool", warm))
             sb = c.create()
             rtt = []

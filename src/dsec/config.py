@@ -43,6 +43,8 @@ class EdgeSettings(BaseSettings):
     reconcile_interval_s: float = 60.0
     reaper_interval_s: float = 1.0
     default_image: str = "python"
+    # Host tuning: remount cgroup2 with favordynmods (see CgroupHost.favor_dynamic_changes).
+    cgroup_favordynmods: bool = True
 
     @field_validator("name")
     @classmethod

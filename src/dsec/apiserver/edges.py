@@ -152,7 +152,7 @@ class LocalEdge(EdgeAPI):
 
     async def stop(self, sid: str, projects: Projects) -> None:
         self._check(sid, projects)
-        await self.edge.stop(sid)
+        await self.edge.stop(sid, wait=False)  # gone at once; teardown continues in the background
 
     async def exec(self, sid: str, req: ExecRequest, projects: Projects) -> ExecResult:
         self._check(sid, projects)

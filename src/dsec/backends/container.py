@@ -320,6 +320,10 @@ class ContainerBackend:
 
         def on_exit() -> None:
             loop.remove_reader(pidfd)
+            # The edge is a child subreaper, so the shim became our child when the
+            # runtime exited: reap it, or it lingers as a zombie (and keeps cgroup refs).
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
             if not exited.done():
                 exited.set_result(None)
 
@@ -353,11 +357,13 @@ class ContainerBackend:
         with contextlib.suppress(Exception):
             asyncio.get_running_loop().remove_reader(container.pidfd)
         os.close(container.pidfd)
-        await self._teardown(container.id, container.dir)
+        # With PID 1 gone and reaped, the pid namespace is empty: the runtime has
+        # nothing left to stop, and removing its state ourselves saves a process.
+        await self._teardown(container.id, container.dir, use_runtime=not container.exited.done())
 
-    async def _teardown(self, sandbox_id: str, d: Path) -> None:
+    async def _teardown(self, sandbox_id: str, d: Path, *, use_runtime: bool = True) -> None:
         """Remove every host resource of a sandbox; safe to call on partial state."""
-        if (self.runtime_root / sandbox_id).exists():
+        if use_runtime and (self.runtime_root / sandbox_id).exists():
             proc = await asyncio.create_subprocess_exec(
                 self.runtime,
                 "--root",
@@ -370,7 +376,7 @@ class ContainerBackend:
                 stderr=asyncio.subprocess.DEVNULL,
             )
             await proc.wait()
-            shutil.rmtree(self.runtime_root / sandbox_id, ignore_errors=True)
+        shutil.rmtree(self.runtime_root / sandbox_id, ignore_errors=True)
         self.cgroups.remove_sandbox(sandbox_id)
         for m in (d / "rootfs", d / "up"):
             unmount_all(m)

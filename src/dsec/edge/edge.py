@@ -35,6 +35,7 @@ from dsec.edge.pools import POOL_PROJECT, PoolInfo, PoolSpec, WarmPools
 from dsec.edge.process import PipeReader, RawResult, run_process, spawn
 from dsec.edge.sessions import Session, session_argv
 from dsec.edge.store import EdgeStore, Record
+from dsec.isolation import linux
 from dsec.isolation.cgroups import CgroupHost
 from dsec.isolation.spec import DEFAULT_PATH, Limits
 from dsec.layers import LayerStore, import_dir_layer
@@ -103,13 +104,13 @@ class Edge:
         self._toolkit: list[str] = []
         self._tasks: list[asyncio.Task[None]] = []
         # Stops started from exit callbacks; held so they are not garbage-collected mid-run.
-        self._exit_stops: set[asyncio.Future[None]] = set()
         self._dirty_active: dict[str, float] = {}
         self.pools = WarmPools(self._create_for_pool, self.stop)
         # Exec cgroups outlive an edge process when background jobs stay in them:
         # names carry this process's epoch so a restarted edge never collides.
         self._epoch = secrets.token_hex(3)
         self._lock_fd = -1
+        self._terminating: dict[str, asyncio.Task[None]] = {}
 
     # --- lifecycle of the edge itself ------------------------------------------
 
@@ -130,6 +131,9 @@ class Edge:
     async def start(self) -> None:
         s = self.settings
         self._lock_name()
+        linux.become_subreaper()
+        if s.cgroup_favordynmods and not self.cgroups.favor_dynamic_changes():
+            log.info("cgroup2 favordynmods unavailable: the first exec after an idle moment may take ~10 ms")
         s.data_dir.mkdir(parents=True, exist_ok=True)
         shim = ensure_shim(s.data_dir / "bin")
         self._toolkit = [self._shim_layer(shim)]
@@ -162,6 +166,7 @@ class Edge:
             for sb in self.sandboxes.values():
                 self._detach(sb)
             self.sandboxes.clear()
+        await asyncio.gather(*list(self._terminating.values()), return_exceptions=True)
         if self.store is not None:
             self.store.touch_many(self._dirty_active)
             self.store.close()
@@ -189,6 +194,7 @@ class Edge:
 
     def _admit(self, spec: SandboxSpec) -> None:
         live = [sb.record.spec for sb in self.sandboxes.values()] + list(self._creating.values())
+        live += [SandboxSpec(cpu=0.01, memory_mb=16)] * len(self._terminating)  # counted until torn down
         if len(live) >= self.settings.max_sandboxes:
             raise errors.CapacityExhausted(
                 f"edge {self.name} is full ({len(live)} sandboxes); try another edge"
@@ -294,9 +300,7 @@ class Edge:
             if not sb.stopping and sb.id in self.sandboxes:
                 log.warning("sandbox %s exited unexpectedly", sb.id)
                 sb.record.reason = "sandbox init exited"
-                stopping = asyncio.ensure_future(self.stop(sb.id))
-                self._exit_stops.add(stopping)
-                stopping.add_done_callback(self._exit_stops.discard)
+                self._begin_stop(sb.id)
 
         sb.container.exited.add_done_callback(on_exit)
 
@@ -337,27 +341,44 @@ class Edge:
 
     # --- stop ----------------------------------------------------------------------
 
-    async def stop(self, sandbox_id: str) -> None:
-        assert self.backend is not None
+    async def stop(self, sandbox_id: str, *, wait: bool = True) -> None:
+        """Stop a sandbox. It is gone for every caller at once; with `wait=False` the
+        host resources are torn down in the background (close() waits for them)."""
+        task = self._begin_stop(sandbox_id)
+        if wait and task is not None:
+            await asyncio.shield(task)
+
+    def _begin_stop(self, sandbox_id: str) -> asyncio.Task[None] | None:
+        """Forget the sandbox now and start its teardown; the teardown task, if any."""
         sb = self.sandboxes.get(sandbox_id)
         if sb is None:
+            if sandbox_id in self._terminating:
+                return self._terminating[sandbox_id]
             raise errors.SandboxNotFound(f"sandbox {sandbox_id} does not exist on edge {self.name}")
         if sb.stopping:
-            return
+            return self._terminating.get(sandbox_id)
         sb.stopping = True
         self.pools.forget(sandbox_id)
+        self.sandboxes.pop(sandbox_id, None)
+        self._dirty_active.pop(sandbox_id, None)
+        if self.store is not None:
+            self.store.delete(sandbox_id)
+        task = asyncio.create_task(self._teardown(sb), name=f"dsec-stop-{sandbox_id}")
+        self._terminating[sandbox_id] = task
+        task.add_done_callback(lambda _: self._terminating.pop(sandbox_id, None))
+        return task
+
+    async def _teardown(self, sb: Sandbox) -> None:
+        assert self.backend is not None
+        for s in sb.sessions.values():
+            with contextlib.suppress(Exception):
+                s.close(kill=False)  # the whole pid namespace dies with the shim
+        sb.sessions.clear()
+        os.close(sb.root_fd)
         try:
-            for s in list(sb.sessions.values()):
-                with contextlib.suppress(Exception):
-                    s.close()
-            sb.sessions.clear()
-            os.close(sb.root_fd)
             await self.backend.destroy(sb.container)
-        finally:
-            self.sandboxes.pop(sandbox_id, None)
-            self._dirty_active.pop(sandbox_id, None)
-            if self.store is not None:
-                self.store.delete(sandbox_id)
+        except Exception:
+            log.exception("tearing down %s failed; the reconciler will retry", sb.id)
 
     def _detach(self, sb: Sandbox) -> None:
         """Forget a sandbox in this process but leave it running (for a later adopt)."""
@@ -628,7 +649,7 @@ class Edge:
     async def reconcile(self) -> dict[str, int]:
         """Remove host resources of this edge that no live sandbox claims."""
         assert self.backend is not None
-        known = set(self.sandboxes) | set(self._creating)
+        known = set(self.sandboxes) | set(self._creating) | set(self._terminating)
         mine = f"{self.name}-"
         orphans = (self.backend.runtime_ids() | self.backend.sandbox_dirs()) - known
         orphans |= {c for c in self.cgroups.listed_sandboxes() if c.startswith(mine)} - known

@@ -69,6 +69,7 @@ class Pool:
     misses: int = 0
     boost: int = 0
     boost_until: float = 0.0
+    last_take: float = 0.0
     recent: deque[tuple[float, int]] = field(default_factory=deque)  # (window start, claims in window)
 
     def record_demand(self, now: float, window_s: float) -> None:
@@ -95,8 +96,10 @@ class WarmPools:
         *,
         window_s: float = 30.0,
         headroom: float = 1.25,
-        parallel: int = 8,
+        parallel: int = 2,
+        quiet_s: float = 0.25,
     ) -> None:
+        self.quiet_s = quiet_s
         self._create = create
         self._destroy = destroy
         self.window_s = window_s
@@ -153,7 +156,8 @@ class WarmPools:
         pool = self.pools.get(spec_key(spec))
         if pool is None:
             return None
-        pool.record_demand(time.monotonic(), self.window_s)
+        pool.last_take = time.monotonic()
+        pool.record_demand(pool.last_take, self.window_s)
         self._wake.set()
         if pool.ready:
             pool.claims += 1
@@ -170,14 +174,23 @@ class WarmPools:
         return sum(len(p.ready) for p in self.pools.values())
 
     async def _refill_loop(self) -> None:
+        pause = 1.0
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), 1.0)
+                await asyncio.wait_for(self._wake.wait(), pause)
             self._wake.clear()
             now = time.monotonic()
+            pause = 1.0
             jobs = []
             for pool in self.pools.values():
-                want = pool.target(now, self.headroom) - len(pool.ready) - pool.filling
+                target = pool.target(now, self.headroom)
+                # Refilling costs a runtime start (CPU) right when the caller starts
+                # using what it claimed: wait for a quiet moment unless stock runs low.
+                quiet_at = pool.last_take + self.quiet_s
+                if now < quiet_at and len(pool.ready) >= max(1, target // 4):
+                    pause = min(pause, quiet_at - now)
+                    continue
+                want = target - len(pool.ready) - pool.filling
                 for _ in range(max(0, want)):
                     pool.filling += 1
                     jobs.append(asyncio.create_task(self._fill_one(pool)))

@@ -221,15 +221,19 @@ class Session:
         # The shim signals the session's process group (the driver is its leader).
         self.channel.signal(self.proc.ident, sig)
 
-    def close(self) -> None:
+    def close(self, *, kill: bool = True) -> None:
+        """Close our ends; with `kill`, also end the session's processes (not needed
+        when the whole sandbox is going away)."""
         if self.stdin_fd >= 0:
             os.close(self.stdin_fd)
             self.stdin_fd = -1
-        self.proc.group.kill()
+        if kill:
+            self.proc.group.kill()
         self.out.close()
         if self.err is not None:
             self.err.close()
-        release_group(self.proc.group)
+        if kill:
+            release_group(self.proc.group)
 
 
 def session_argv(kind: SessionKind) -> list[str]:

@@ -22,6 +22,7 @@ MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
 MS_NOEXEC = 8
+MS_REMOUNT = 32
 MNT_DETACH = 2
 
 RESOLVE_NO_XDEV = 0x01
@@ -65,6 +66,14 @@ def openat2(dirfd: int, path: str, flags: int, mode: int = 0, resolve: int = 0) 
         err = ctypes.get_errno()
         if err not in (11, 4):  # EAGAIN (a rename raced the lookup), EINTR: retry
             raise OSError(err, os.strerror(err), path)
+
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> None:
+    """Orphaned descendants (sandbox inits, once the runtime exits) become our children."""
+    _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
 
 
 def pidfd_getfd(pidfd: int, targetfd: int) -> int:
