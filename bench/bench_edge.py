@@ -47,8 +47,22 @@ async def main(n: int, idle: int) -> None:
             await edge.stop(sb.id)
             cycle.append(time.perf_counter() - t)
         floor_unshare = timed_cmd(["unshare", "-fpmniu", "--mount-proc", "true"], n)
-        bwrap = timed_cmd(["bwrap", "--ro-bind", str(rootfs), "/", "--proc", "/proc", "--dev", "/dev",
-                           "--unshare-all", "--die-with-parent", "/bin/true"], n)
+        bwrap = timed_cmd(
+            [
+                "bwrap",
+                "--ro-bind",
+                str(rootfs),
+                "/",
+                "--proc",
+                "/proc",
+                "--dev",
+                "/dev",
+                "--unshare-all",
+                "--die-with-parent",
+                "/bin/true",
+            ],
+            n,
+        )
         podman = podman_run_true(rootfs, max(5, n // 5))
         base = pct(floor_unshare, 0.5)
         lines.append(row("unshare pid/mnt/net/ipc/uts + /proc, run true (floor)", floor_unshare, base))
@@ -87,9 +101,11 @@ async def main(n: int, idle: int) -> None:
         await asyncio.sleep(1)
         per = (before - mem_available()) / idle
         lines.append("")
-        lines.append(f"Idle sandboxes holding a Python session: {per / 2**20:.2f} MiB each "
-                     f"(host MemAvailable delta over {idle}); "
-                     f"{int(24 * 2**30 / per)} would fit in 24 GiB.")
+        lines.append(
+            f"Idle sandboxes holding a Python session: {per / 2**20:.2f} MiB each "
+            f"(host MemAvailable delta over {idle}); "
+            f"{int(24 * 2**30 / per)} would fit in 24 GiB."
+        )
         await asyncio.gather(*(edge.stop(i) for i in ids))
     finally:
         await edge.close()

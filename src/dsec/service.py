@@ -62,7 +62,11 @@ def write_client_config(url: str, token: str, path: Path | None = None) -> Path:
 
 
 def up_app(
-    data_dir: Path, url: str, *, keep_sandboxes: bool = False, edge_settings: EdgeSettings | None = None,
+    data_dir: Path,
+    url: str,
+    *,
+    keep_sandboxes: bool = False,
+    edge_settings: EdgeSettings | None = None,
     build_default: bool = True,
 ) -> tuple[FastAPI, str]:
     """An apiserver with an in-process edge and an embedded SQLite IAM: what `dsec up` serves."""
@@ -104,8 +108,9 @@ def _ensure_default_image(edge: Edge) -> None:
 
 
 def serve(app: FastAPI, host: str, port: int, log_level: str = "warning") -> None:
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=30)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=30
+    )
     uvicorn.Server(config).run()
 
 
@@ -116,10 +121,12 @@ def apiserver_app(data_dir: Path, edges: dict[str, str]) -> FastAPI:
     return create_api_app(iam=iam, cluster_token=cluster, remote_edges=edges)
 
 
-def edge_app(settings: EdgeSettings, public_url: str, apiservers: list[str], token: str,
-             keep_sandboxes: bool = True) -> FastAPI:
-    return create_edge_app(settings, token=token, public_url=public_url, apiservers=apiservers,
-                           keep_sandboxes=keep_sandboxes)
+def edge_app(
+    settings: EdgeSettings, public_url: str, apiservers: list[str], token: str, keep_sandboxes: bool = True
+) -> FastAPI:
+    return create_edge_app(
+        settings, token=token, public_url=public_url, apiservers=apiservers, keep_sandboxes=keep_sandboxes
+    )
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -62,7 +63,9 @@ async def test_kill_edge_then_adopt(edge_dirs, python_image):
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         proc.stdout.close()  # type: ignore[union-attr]
-    assert len(dsec_mounts("dur-")) == 2 * len(ids)
+    # sandbox mounts live only in the sandboxes' own mount namespaces
+    assert not dsec_mounts("dur-")
+    assert not [m for m in Path("/proc/mounts").read_text().splitlines() if str(settings.run_dir) in m]
 
     # While no edge runs, one sandbox dies (its init is killed from the host).
     victim = ids[2]
@@ -95,8 +98,16 @@ async def test_reconciler_removes_orphans(edge):
     s = edge.sandboxes.pop(sb.id)
     edge._detach(s)
     edge.store.delete(sb.id)
-    assert dsec_mounts(sb.id)
+    pid = s.container.pid
+    assert Path(f"/proc/{pid}").exists()
+    assert any(p.name == sb.id for p in dsec_cgroups(edge.name))
     removed = await edge.reconcile()
     assert removed["sandboxes"] >= 1
-    assert not dsec_mounts(sb.id)
+    for _ in range(100):  # the killed init is reaped by its parent
+        if not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]:
+            break
+        await asyncio.sleep(0.01)
+    else:
+        raise AssertionError("the orphan sandbox's init survived the reconciler")
     assert not any(p.name == sb.id for p in dsec_cgroups(edge.name))
+    assert not (edge.backend.sandboxes_dir / sb.id).exists()

@@ -27,7 +27,7 @@ from pydantic import BaseModel, Field
 from dsec import __version__, errors
 from dsec.apiserver.edges import EdgeAPI, HttpEdge
 from dsec.apiserver.placement import EdgeDirectory
-from dsec.apiserver.routes import Target, install_body_limit, install_error_handlers, sandbox_router
+from dsec.apiserver.routes import Gate, Target, bearer, install_error_handlers, model_response, sandbox_router
 from dsec.edge.pools import PoolInfo, PoolSpec
 from dsec.iam import IAM, Principal, Quota
 from dsec.models import EdgeStatus, SandboxInfo, SandboxSpec
@@ -77,7 +77,10 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.create_phase = Histogram(
-            "dsec_create_phase_seconds", "Sandbox creation latency by phase", ["phase"], registry=r,
+            "dsec_create_phase_seconds",
+            "Sandbox creation latency by phase",
+            ["phase"],
+            registry=r,
             buckets=LATENCY_BUCKETS,
         )
         self.exec_latency = Histogram(
@@ -150,11 +153,15 @@ def create_api_app(
                 await on_shutdown()
             await directory.close()
 
-    app = FastAPI(title="dsec", version=__version__, lifespan=lifespan,
-                  description="Elastic sandboxes for agentic RL. See docs/API.md.")
+    app = FastAPI(
+        title="dsec",
+        version=__version__,
+        lifespan=lifespan,
+        description="Elastic sandboxes for agentic RL. See docs/API.md.",
+    )
     app.state.dsec = st
     install_error_handlers(app)
-    install_body_limit(app, max_body)
+    _install_gate(app, iam, max_body)
 
     def principal(request: Request) -> Principal:
         cached = getattr(request.state, "principal", None)
@@ -171,8 +178,6 @@ def create_api_app(
         if not p.admin:
             raise errors.Forbidden("this call needs an admin token")
         return p
-
-    _install_auth_first(app, principal)
 
     async def resolve(request: Request, sid: str) -> Target:
         p = principal(request)
@@ -195,29 +200,17 @@ def create_api_app(
     return app
 
 
-def _install_auth_first(app: FastAPI, principal: _PrincipalFn) -> None:
-    """Middleware that authenticates every guarded /v1 call before its body is parsed."""
+def _install_gate(app: FastAPI, iam: IAM, max_body: int) -> None:
+    """Body limit, then authentication of every guarded /v1 call before its body is
+    parsed: a caller without a valid token learns nothing about what its request would do."""
     open_paths = {"/v1/health", "/v1/version", "/v1/edges/register"}
 
-    @app.middleware("http")
-    async def _authenticate_first(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        # Authenticate before the body is even parsed: a caller without a valid
-        # token learns nothing about what its request would have done.
-        path = request.url.path
-        if (
-            path.startswith("/v1/")
-            and path not in open_paths
-            and not path.startswith(("/v1/run_code", "/swerex/"))
-        ):
-            try:
-                principal(request)
-            except errors.AuthError as exc:
-                return JSONResponse(
-                    exc.to_wire(), status_code=exc.status, headers={"WWW-Authenticate": "Bearer"}
-                )
-        return await call_next(request)
+    def guard(scope: dict[str, Any]) -> None:
+        path: str = scope["path"]
+        if path.startswith("/v1/") and path not in open_paths:
+            scope.setdefault("state", {})["principal"] = iam.authenticate(bearer(scope))
+
+    app.add_middleware(Gate, limit=max_body, guard=guard)
 
 
 def _install_public_routes(app: FastAPI, st: ApiServerState) -> None:
@@ -276,10 +269,10 @@ def _install_sandbox_routes(app: FastAPI, st: ApiServerState, principal: _Princi
         return info
 
     @app.post("/v1/sandboxes", response_model=SandboxInfo, status_code=201)
-    async def create(spec: SandboxSpec, request: Request) -> SandboxInfo:
+    async def create(spec: SandboxSpec, request: Request) -> Response:
         t0 = time.perf_counter()
         p = principal(request)
-        return await create_one(p, spec, time.perf_counter() - t0)
+        return model_response(await create_one(p, spec, time.perf_counter() - t0), 201)
 
     @app.post("/v1/sandboxes/batch")
     async def create_batch(body: BatchCreate, request: Request) -> dict[str, Any]:
@@ -314,8 +307,9 @@ def _install_sandbox_routes(app: FastAPI, st: ApiServerState, principal: _Princi
                 raise errors.InvalidRequest(f"label filter {x!r} must look like key=value")
             labels[k] = v
         scope = iam.visible_projects(p)
-        lists = await asyncio.gather(*(e.list(labels, project, scope) for e in directory.all()),
-                                     return_exceptions=True)
+        lists = await asyncio.gather(
+            *(e.list(labels, project, scope) for e in directory.all()), return_exceptions=True
+        )
         out = [i.model_dump(mode="json") for lst in lists if isinstance(lst, list) for i in lst]
         return {"sandboxes": out}
 
@@ -340,9 +334,15 @@ def _install_sandbox_stop_routes(app: FastAPI, st: ApiServerState, principal: _P
         p = principal(request)
         results = await asyncio.gather(*(stop_one(p, sid) for sid in body.ids), return_exceptions=True)
         stopped = [sid for sid, r in zip(body.ids, results, strict=True) if r is None]
-        failed = {sid: (r.to_wire()["error"] if isinstance(r, errors.DsecError) else {"code": "internal",
-                                                                                       "message": str(r)})
-                  for sid, r in zip(body.ids, results, strict=True) if r is not None}
+        failed = {
+            sid: (
+                r.to_wire()["error"]
+                if isinstance(r, errors.DsecError)
+                else {"code": "internal", "message": str(r)}
+            )
+            for sid, r in zip(body.ids, results, strict=True)
+            if r is not None
+        }
         return {"stopped": stopped, "errors": failed}
 
 

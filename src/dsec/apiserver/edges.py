@@ -273,8 +273,14 @@ class HttpEdge(EdgeAPI):
         return {"X-Dsec-Projects": "*" if projects is None else json.dumps(sorted(projects))}
 
     async def _call(
-        self, method: str, path: str, projects: Projects = None, *, json_body: Any = None,
-        params: dict[str, Any] | None = None, content: bytes | None = None,
+        self,
+        method: str,
+        path: str,
+        projects: Projects = None,
+        *,
+        json_body: Any = None,
+        params: dict[str, Any] | None = None,
+        content: bytes | None = None,
     ) -> httpx.Response:
         try:
             r = await self.http.request(

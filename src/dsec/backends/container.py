@@ -2,9 +2,11 @@
 
 Lifecycle of one sandbox (all host resources carry the prefix ``dsec``)::
 
-    create:  tmpfs "dsec-<id>" on <run>/sandboxes/<id>/up      (upper + work; size = disk quota)
-             overlay "dsec-<id>" on <run>/sandboxes/<id>/rootfs (layers as lowerdirs, top first)
-             config.json, then `crun run -d` with the shim control socketpair at fds 3-4
+    create:  config.json, then `dsec-shim crun-wrap` -> `crun run -d` with the shim control
+             socketpair at fds 3-4; the wrapper first mounts, in a mount namespace of its own
+             (so nothing lands in the host's mount table):
+               tmpfs "dsec-upper" on <run>/sandboxes/<id>/up    (upper + work; size = disk quota)
+               overlay "dsec-rootfs" on <run>/sandboxes/<id>/rootfs (layers as lowerdirs, top first)
              -> PID 1 is dsec-shim; ready when it answers a ping
     spawn:   one datagram to the shim with stdio fds + an exec cgroup fd (see dsec-shim.c)
     adopt:   after an edge restart: pidfd_open(shim) + pidfd_getfd(shim, 4) gives the control
@@ -177,7 +179,9 @@ class Container:
 
     @property
     def rootfs(self) -> Path:
-        return self.dir / "rootfs"
+        """The sandbox's root as the host reaches it (its mounts live only in its own
+        mount namespace)."""
+        return Path(f"/proc/{self.pid}/root")
 
     def alive(self) -> bool:
         return not self.exited.done()
@@ -216,9 +220,9 @@ class ContainerBackend:
         t0 = time.perf_counter()
         d = self.sandboxes_dir / plan.id
         try:
-            self._prepare_rootfs(d, plan)
+            mounts = self._prepare_rootfs(d, plan)
             t1 = time.perf_counter()
-            pid = await self._start_runtime(d, plan)
+            pid = await self._start_runtime(d, plan, mounts)
             t2 = time.perf_counter()
             container = self._attach(plan.id, d, pid, None)
             await container.channel.ping()
@@ -233,30 +237,23 @@ class ContainerBackend:
         }
         return container
 
-    def _prepare_rootfs(self, d: Path, plan: ContainerPlan) -> None:
+    def _prepare_rootfs(self, d: Path, plan: ContainerPlan) -> list[str]:
+        """Write the bundle; return the mount arguments for `dsec-shim crun-wrap`, which
+        mounts the tmpfs upper and the overlay inside the runtime's own mount namespace."""
         up, rootfs = d / "up", d / "rootfs"
         d.mkdir(mode=0o711)  # the userns root must traverse it to reach rootfs
         d.chmod(0o711)
         up.mkdir()
         rootfs.mkdir()
         host_root = self.uid_offset
-        linux.mount(
-            f"dsec-{plan.id}",
-            str(up),
-            "tmpfs",
-            linux.MS_NOSUID | linux.MS_NODEV,
-            f"size={plan.disk_mb}m,mode=0755,uid={host_root},gid={host_root}",
-        )
-        for sub in ("upper", "work"):
-            (up / sub).mkdir()
-            os.chown(up / sub, host_root, host_root)
         lower = ":".join(str(p) for p in plan.lowerdirs)
         opts = f"lowerdir={lower},upperdir={up / 'upper'},workdir={up / 'work'}"
         if len(opts) > MAX_OVERLAY_OPTS:
             raise InvalidRequest(
                 f"image has too many layers ({len(plan.lowerdirs)}) to stack; merge some layers"
             )
-        linux.mount(f"dsec-{plan.id}", str(rootfs), "overlay", 0, opts)
+        tmpfs = f"size={plan.disk_mb}m,mode=0755,uid={host_root},gid={host_root}"
+        mounts = [str(up), tmpfs, str(rootfs), opts, str(host_root)]
         config = build_config(
             hostname=plan.id,
             args=["/.dsec/shim", "init"],
@@ -267,8 +264,9 @@ class ContainerBackend:
             env=plan.env,
         )
         (d / "config.json").write_text(json.dumps(config))
+        return mounts
 
-    async def _start_runtime(self, d: Path, plan: ContainerPlan) -> int:
+    async def _start_runtime(self, d: Path, plan: ContainerPlan, mounts: list[str]) -> int:
         edge_end, shim_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # The shim keeps a copy of the edge end (fd 4): see adopt().
         with edge_end, shim_end, open(d / "runtime.log", "wb") as log:
@@ -278,6 +276,7 @@ class ContainerBackend:
                 str(shim_end.fileno()),
                 str(edge_end.fileno()),
                 "1" if self.cgroups.hybrid else "0",
+                *mounts,
                 "--",
                 self.runtime,
                 "--root",

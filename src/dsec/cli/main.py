@@ -133,8 +133,9 @@ def image_build(
         else:
             with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=err_console) as bar:
                 task = bar.add_task(f"building {recipe}", total=None)
-                image = build_recipe_image(store, recipe,
-                                           progress=lambda m: bar.update(task, description=f"{recipe}: {m}"))
+                image = build_recipe_image(
+                    store, recipe, progress=lambda m: bar.update(task, description=f"{recipe}: {m}")
+                )
     except errors.DsecError as e:
         _fail(e)
     if as_json:

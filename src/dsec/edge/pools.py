@@ -43,8 +43,14 @@ class PoolSpec(BaseModel):
 
     def base_spec(self) -> SandboxSpec:
         return SandboxSpec(
-            image=self.image, cpu=self.cpu, memory_mb=self.memory_mb, pids=self.pids, disk_mb=self.disk_mb,
-            user=self.user, workdir=self.workdir, project=POOL_PROJECT,
+            image=self.image,
+            cpu=self.cpu,
+            memory_mb=self.memory_mb,
+            pids=self.pids,
+            disk_mb=self.disk_mb,
+            user=self.user,
+            workdir=self.workdir,
+            project=POOL_PROJECT,
         )
 
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field
 
 from dsec import __version__, errors
 from dsec.apiserver.edges import LocalEdge
-from dsec.apiserver.routes import Target, install_body_limit, install_error_handlers, sandbox_router
+from dsec.apiserver.routes import Gate, Target, bearer, install_error_handlers, model_response, sandbox_router
 from dsec.config import EdgeSettings
 from dsec.edge.edge import Edge
 from dsec.edge.pools import PoolInfo, PoolSpec
@@ -90,9 +90,8 @@ def create_edge_app(
     app = FastAPI(title="dsec edge", version=__version__, lifespan=lifespan)
     app.state.edge = edge
     install_error_handlers(app)
-    install_body_limit(app, 160 * 1024 * 1024)
 
-    _install_cluster_auth(app, token)
+    _install_gate(app, token)
 
     async def resolve(request: Request, sid: str) -> Target:
         return Target(local, _projects(request))
@@ -104,22 +103,18 @@ def create_edge_app(
     return app
 
 
-def _install_cluster_auth(app: FastAPI, token: str) -> None:
-    """Middleware: every call but the health check must carry the cluster token."""
+def _install_gate(app: FastAPI, token: str) -> None:
+    """Body limit, and every call but the health check must carry the cluster token."""
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Any) -> Response:
-        if request.url.path != "/v1/health":
-            got = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    def guard(scope: dict[str, Any]) -> None:
+        if scope["path"] != "/v1/health":
+            got = bearer(scope) or ""
             if not secrets.compare_digest(got.encode(), token.encode()):
-                err = errors.AuthError(
+                raise errors.AuthError(
                     "this edge accepts only the cluster token; talk to an apiserver instead"
                 )
-                from fastapi.responses import JSONResponse
 
-                return JSONResponse(err.to_wire(), status_code=err.status)
-        response: Response = await call_next(request)
-        return response
+    app.add_middleware(Gate, limit=160 * 1024 * 1024, guard=guard)
 
 
 def _install_sandbox_routes(app: FastAPI, edge: Edge, local: LocalEdge) -> None:
@@ -132,8 +127,8 @@ def _install_sandbox_routes(app: FastAPI, edge: Edge, local: LocalEdge) -> None:
         return await local.status()
 
     @app.post("/v1/sandboxes", response_model=SandboxInfo, status_code=201)
-    async def create(spec: SandboxSpec) -> SandboxInfo:
-        return await edge.create(spec)
+    async def create(spec: SandboxSpec) -> Response:
+        return model_response(await edge.create(spec), 201)
 
     @app.get("/v1/sandboxes")
     async def list_(

@@ -2,10 +2,11 @@
  * dsec-shim: the in-sandbox init and the crun launcher, one static binary.
  *
  *   dsec-shim init           PID 1 of a sandbox (started by the OCI runtime).
- *   dsec-shim crun-wrap A B HYBRID -- RUNTIME ARGS...
- *                            launch the runtime with fds A,B moved to 3,4 and,
- *                            on hybrid cgroup hosts, in a private mount
- *                            namespace where the v2 mount is hidden.
+ *   dsec-shim crun-wrap A B HYBRID UP TMPFS_OPTS ROOTFS OVL_OPTS OWNER -- RUNTIME ARGS...
+ *                            launch the runtime with fds A,B moved to 3,4, in a
+ *                            private mount namespace holding the sandbox's
+ *                            tmpfs upper and overlay root (and, on hybrid
+ *                            cgroup hosts, hiding the v2 mount crun rejects).
  *
  * Why an init of our own: the edge needs a fast, unforgeable control path into
  * the sandbox. The shim talks to the edge over an anonymous SOCK_SEQPACKET
@@ -44,6 +45,7 @@
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -266,10 +268,37 @@ static int run_init(void) {
     }
 }
 
+/* Mount the sandbox's writable tmpfs and its overlay root in a mount namespace of
+ * our own, then exec the runtime in it: the container's namespace is cloned from
+ * this one, so the sandbox's mounts never appear in the host's mount table (which
+ * would make every later create copy and scan one more pair of mounts, and could
+ * leak). They go away with the container's mount namespace. */
+static int mount_rootfs(const char *up, const char *tmpfs_opts, const char *rootfs, const char *ovl_opts,
+                        uid_t owner) {
+    char path[4096];
+    if (mount("dsec-upper", up, "tmpfs", MS_NOSUID | MS_NODEV, tmpfs_opts) < 0) {
+        perror("dsec-shim: mount upper tmpfs");
+        return -1;
+    }
+    const char *subs[] = {"upper", "work"};
+    for (int i = 0; i < 2; i++) {
+        snprintf(path, sizeof path, "%s/%s", up, subs[i]);
+        if (mkdir(path, 0755) < 0 || chown(path, owner, owner) < 0) {
+            perror("dsec-shim: upper dirs");
+            return -1;
+        }
+    }
+    if (mount("dsec-rootfs", rootfs, "overlay", 0, ovl_opts) < 0) {
+        perror("dsec-shim: mount overlay");
+        return -1;
+    }
+    return 0;
+}
+
 static int run_crun_wrap(int argc, char **argv) {
-    /* argv: crun-wrap FD_A FD_B HYBRID -- runtime args... */
-    if (argc < 7 || strcmp(argv[5], "--") != 0) {
-        fprintf(stderr, "usage: dsec-shim crun-wrap FD_A FD_B HYBRID -- RUNTIME ARGS...\n");
+    /* argv: crun-wrap FD_A FD_B HYBRID UP TMPFS_OPTS ROOTFS OVL_OPTS OWNER -- runtime args... */
+    if (argc < 12 || strcmp(argv[10], "--") != 0) {
+        fprintf(stderr, "usage: dsec-shim crun-wrap FD_A FD_B HYBRID UP TMPFS_OPTS ROOTFS OVL_OPTS OWNER -- RUNTIME ARGS...\n");
         return 2;
     }
     int a = atoi(argv[2]), b = atoi(argv[3]);
@@ -281,15 +310,15 @@ static int run_crun_wrap(int argc, char **argv) {
         close(ta);
         close(tb);
     }
-    if (hybrid) {
-        if (unshare(CLONE_NEWNS) < 0) { perror("dsec-shim: unshare"); return 1; }
-        if (mount(NULL, "/", NULL, MS_REC | MS_SLAVE, NULL) < 0) { perror("dsec-shim: make-rslave"); return 1; }
-        if (mount("dsec-cg2", "/sys/fs/cgroup/unified", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k") < 0) {
-            perror("dsec-shim: hide cgroup2");
-            return 1;
-        }
+    if (unshare(CLONE_NEWNS) < 0) { perror("dsec-shim: unshare"); return 1; }
+    if (mount(NULL, "/", NULL, MS_REC | MS_SLAVE, NULL) < 0) { perror("dsec-shim: make-rslave"); return 1; }
+    if (hybrid &&
+        mount("dsec-cg2", "/sys/fs/cgroup/unified", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k") < 0) {
+        perror("dsec-shim: hide cgroup2");
+        return 1;
     }
-    execv(argv[6], argv + 6);
+    if (argv[5][0] && mount_rootfs(argv[5], argv[6], argv[7], argv[8], (uid_t)atoi(argv[9])) < 0) return 1;
+    execv(argv[11], argv + 11);
     perror("dsec-shim: exec runtime");
     return 127;
 }
@@ -297,6 +326,6 @@ static int run_crun_wrap(int argc, char **argv) {
 int main(int argc, char **argv) {
     if (argc >= 2 && strcmp(argv[1], "init") == 0) return run_init();
     if (argc >= 2 && strcmp(argv[1], "crun-wrap") == 0) return run_crun_wrap(argc, argv);
-    fprintf(stderr, "usage: dsec-shim init | crun-wrap FD_A FD_B HYBRID -- RUNTIME ARGS...\n");
+    fprintf(stderr, "usage: dsec-shim init | crun-wrap ... (see the source)\n");
     return 2;
 }
