@@ -36,7 +36,7 @@ from dsec.edge.process import PipeReader, RawResult, run_process, spawn
 from dsec.edge.sessions import Session, session_argv
 from dsec.edge.store import EdgeStore, Record
 from dsec.isolation import linux
-from dsec.isolation.cgroups import CgroupHost
+from dsec.isolation.cgroups import PID_RESERVE, CgroupHost
 from dsec.isolation.spec import DEFAULT_PATH, Limits
 from dsec.layers import LayerStore, import_dir_layer
 from dsec.layers.store import Image
@@ -245,11 +245,13 @@ class Edge:
         try:
             lowers = [self.layers.layer_path(r) for r in self._toolkit] + self.layers.lowerdirs(image)
             env = {"PATH": DEFAULT_PATH, "HOSTNAME": sid, **spec.env}
-            plan = ContainerPlan(sid, lowers, Limits(spec.cpu, spec.memory_mb, spec.pids), spec.disk_mb, env)
+            limits = Limits(spec.cpu, spec.memory_mb, spec.pids + PID_RESERVE)
+            plan = ContainerPlan(sid, lowers, limits, spec.disk_mb, env)
             container = await self.backend.create(plan)
             ts = time.time()
             record = Record(sid, spec, SandboxState.RUNNING, container.pid, container.start_time, ts, ts)
             try:
+                self.cgroups.setup_user_group(sid, spec.pids)
                 sb = self._open_sandbox(record, container)
                 sb.files._mkdirs(spec.workdir)
                 self.store.put(record)

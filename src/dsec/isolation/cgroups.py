@@ -20,6 +20,11 @@ from pathlib import Path
 from dsec.isolation import linux
 
 PARENT = "dsec"
+# Every process started on request lives under <sandbox>/dsec-user, limited to the
+# sandbox's `pids`; the sandbox itself gets PID_RESERVE more, so its init can still
+# start an exec (say, `kill -9 -1`) when something inside forks without end.
+USER_GROUP = "dsec-user"
+PID_RESERVE = 16
 # v1 hierarchies the runtime populates for a sandbox; we track execs in pids.
 V1_CONTROLLERS = ("memory", "cpu", "cpuacct", "cpuset", "pids", "freezer", "blkio", "devices", "systemd")
 
@@ -129,8 +134,22 @@ class CgroupHost:
             with contextlib.suppress(OSError):
                 (h / PARENT).rmdir()
 
+    def user_dir(self, sandbox_id: str) -> Path:
+        return self.tracking_dir(sandbox_id) / USER_GROUP
+
+    def setup_user_group(self, sandbox_id: str, pids: int) -> None:
+        """Create the parent of all exec cgroups, holding the user's pids limit.
+
+        On v2 the limit stays on the sandbox's cgroup only: enabling the pids
+        controller below it would need the init out of that cgroup.
+        """
+        d = self.user_dir(sandbox_id)
+        d.mkdir(exist_ok=True)
+        if self.version == 1:
+            (d / "pids.max").write_text(str(pids))
+
     def open_exec_group(self, sandbox_id: str, name: str) -> ExecGroup:
-        d = self.tracking_dir(sandbox_id) / name
+        d = self.user_dir(sandbox_id) / name
         d.mkdir()
         try:
             fd = os.open(d / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
