@@ -27,6 +27,7 @@ from pydantic import BaseModel, Field
 from dsec import __version__, errors
 from dsec.apiserver.edges import EdgeAPI, HttpEdge
 from dsec.apiserver.placement import EdgeDirectory
+from dsec.compat.swerex import swerex_router
 from dsec.apiserver.routes import Gate, Target, bearer, install_error_handlers, model_response, sandbox_router
 from dsec.edge.pools import PoolInfo, PoolSpec
 from dsec.iam import IAM, Principal, Quota
@@ -185,6 +186,7 @@ def create_api_app(
 
     app.state.resolve = resolve
     app.include_router(sandbox_router(st.metrics.exec_latency.observe))
+    app.include_router(swerex_router())
 
     _install_public_routes(app, st)
     _install_sandbox_routes(app, st, principal)

@@ -1,0 +1,1 @@
+"""Wire-compatible endpoints for existing RL tooling (SandboxFusion, SWE-ReX)."""
