@@ -55,3 +55,14 @@ async def edge(python_image: str, edge_dirs: dict[str, Path]) -> AsyncIterator[o
         yield e
     finally:
         await e.close()
+
+
+@pytest.fixture(scope="session")
+def code_image() -> str:
+    """The fncall image `code` (python + compilers + node + pytest), built once (~30 s)."""
+    from dsec.layers import LayerStore, build_recipe_image
+
+    store = LayerStore(LAYERS)
+    if not store.has_image("code"):
+        build_recipe_image(store, "code")
+    return "code"

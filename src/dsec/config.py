@@ -45,6 +45,9 @@ class EdgeSettings(BaseSettings):
     default_image: str = "python"
     # Host tuning: remount cgroup2 with favordynmods (see CgroupHost.favor_dynamic_changes).
     cgroup_favordynmods: bool = True
+    # fncall backend: worker sandboxes started at edge start when this image exists.
+    fncall_image: str = "code"
+    fncall_workers: int = 4
 
     @field_validator("name")
     @classmethod

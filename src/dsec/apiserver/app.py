@@ -27,8 +27,8 @@ from pydantic import BaseModel, Field
 from dsec import __version__, errors
 from dsec.apiserver.edges import EdgeAPI, HttpEdge
 from dsec.apiserver.placement import EdgeDirectory
-from dsec.compat.swerex import swerex_router
 from dsec.apiserver.routes import Gate, Target, bearer, install_error_handlers, model_response, sandbox_router
+from dsec.compat.swerex import swerex_router
 from dsec.edge.pools import PoolInfo, PoolSpec
 from dsec.iam import IAM, Principal, Quota
 from dsec.models import EdgeStatus, SandboxInfo, SandboxSpec

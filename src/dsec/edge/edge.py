@@ -35,6 +35,7 @@ from dsec.edge.pools import POOL_PROJECT, PoolInfo, PoolSpec, WarmPools
 from dsec.edge.process import PipeReader, RawResult, run_process, spawn
 from dsec.edge.sessions import Session, session_argv
 from dsec.edge.store import EdgeStore, Record
+from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult
 from dsec.isolation import linux
 from dsec.isolation.cgroups import PID_RESERVE, CgroupHost
 from dsec.isolation.spec import DEFAULT_PATH, Limits
@@ -106,6 +107,9 @@ class Edge:
         # Stops started from exit callbacks; held so they are not garbage-collected mid-run.
         self._dirty_active: dict[str, float] = {}
         self.pools = WarmPools(self._create_for_pool, self.stop)
+        from dsec.fncall.pool import FnCallPool
+
+        self.fncall = FnCallPool(self, workers_per_image=settings.fncall_workers)
         # Exec cgroups outlive an edge process when background jobs stay in them:
         # names carry this process's epoch so a restarted edge never collides.
         self._epoch = secrets.token_hex(3)
@@ -150,8 +154,11 @@ class Edge:
         self._tasks.append(asyncio.create_task(self._reaper(), name="dsec-reaper"))
         self._tasks.append(asyncio.create_task(self._reconciler(), name="dsec-reconciler"))
         self.pools.start()
+        if s.fncall_image and self.layers.has_image(s.fncall_image):
+            self.fncall.start(s.fncall_image)
 
     async def close(self, *, stop_sandboxes: bool = True) -> None:
+        await self.fncall.close()
         pooled = await self.pools.close()
         await asyncio.gather(*(self.stop(sid) for sid in pooled), return_exceptions=True)
         for t in self._tasks:
@@ -316,7 +323,7 @@ class Edge:
 
     def _get(self, sandbox_id: str) -> Sandbox:
         sb = self.sandboxes.get(sandbox_id)
-        if sb is None or sb.stopping or sb.record.spec.project == POOL_PROJECT:
+        if sb is None or sb.stopping or sb.record.spec.project.startswith("_"):
             raise errors.SandboxNotFound(
                 f"sandbox {sandbox_id} does not exist on edge {self.name} (stopped or never created)"
             )
@@ -332,7 +339,7 @@ class Edge:
         out = []
         for sb in self.sandboxes.values():
             spec = sb.record.spec
-            if spec.project == POOL_PROJECT or sb.stopping:
+            if spec.project.startswith("_") or sb.stopping:  # pool and fncall workers are internal
                 continue
             if project is not None and spec.project != project:
                 continue
@@ -663,6 +670,14 @@ class Edge:
             unmount_all(Path(m))
         return {"sandboxes": len(orphans), "mounts": len(stray)}
 
+    # --- fncall ---------------------------------------------------------------------
+
+    async def fncall_run(self, req: FnCallRequest) -> FnCallResult:
+        return await self.fncall.run(req)
+
+    async def fncall_jupyter(self, req: JupyterRequest) -> JupyterResult:
+        return await self.fncall.jupyter(req)
+
     # --- pools ---------------------------------------------------------------------
 
     def configure_pool(self, spec: PoolSpec) -> PoolInfo:
@@ -676,7 +691,9 @@ class Edge:
     # --- status ----------------------------------------------------------------------
 
     def status(self) -> EdgeStatus:
-        specs = [sb.record.spec for sb in self.sandboxes.values() if sb.record.spec.project != POOL_PROJECT]
+        specs = [
+            sb.record.spec for sb in self.sandboxes.values() if not sb.record.spec.project.startswith("_")
+        ]
         return EdgeStatus(
             name=self.name,
             healthy=True,

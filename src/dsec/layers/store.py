@@ -327,6 +327,13 @@ class LayerStore:
         except ValidationError as e:
             raise errors.InternalError(f"layer {ref} has a corrupt layer.json: {_first_error(e)}") from None
 
+    def has_image(self, name: str) -> bool:
+        try:
+            self.get_image(name)
+        except errors.DsecError:
+            return False
+        return True
+
     def has_layer(self, ref: LayerRef | str) -> bool:
         return (self._layer_dir(_as_ref(ref)) / "layer.json").is_file()
 

@@ -1,0 +1,1 @@
+"""The fncall backend: stateless code runs on warm worker sandboxes."""

@@ -1,0 +1,62 @@
+"""Wire models of the fncall backend (shared by the edge, the apiserver and the SDK)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+MiB = 1024 * 1024
+
+
+class Stage(BaseModel):
+    status: Literal["Finished", "Error", "TimeLimitExceeded"]
+    execution_time: float | None = None
+    return_code: int | None = None
+    stdout: str | None = None
+    stderr: str | None = None
+    truncated: bool = False
+
+
+class FnCallRequest(BaseModel):
+    language: str = "python"
+    code: str = Field(max_length=16 * MiB)
+    stdin: str | None = Field(None, max_length=16 * MiB)
+    files: dict[str, str | None] = Field(default_factory=dict, description="relative path -> base64")
+    fetch_files: list[str] = Field(default_factory=list)
+    compile_timeout: float = Field(10.0, gt=0, le=600)
+    run_timeout: float = Field(10.0, gt=0, le=600)
+    memory_limit_mb: int = Field(-1, ge=-1, le=65536)
+    max_output: int = Field(1 * MiB, ge=0, le=64 * MiB)
+    image: str = "code"
+
+
+class FnCallResult(BaseModel):
+    compile: Stage | None = None
+    run: Stage | None = None
+    files: dict[str, str | None] = Field(default_factory=dict)
+    worker: str
+
+
+class JupyterRequest(BaseModel):
+    cells: list[str] = Field(max_length=1000)
+    cell_timeout: float = Field(0.0, ge=0, le=600)
+    total_timeout: float = Field(45.0, gt=0, le=3600)
+    memory_limit_mb: int = Field(-1, ge=-1, le=65536)
+    files: dict[str, str | None] = Field(default_factory=dict)
+    fetch_files: list[str] = Field(default_factory=list)
+    image: str = "code"
+
+
+class Cell(BaseModel):
+    stdout: str
+    stderr: str
+    display: list[dict[str, Any]]
+    error: list[dict[str, Any]]
+
+
+class JupyterResult(BaseModel):
+    driver: Stage | None
+    cells: list[Cell] | None
+    files: dict[str, str | None] = Field(default_factory=dict)
+    worker: str
