@@ -356,6 +356,15 @@ echo "$n"
 """
 
 
+def _ctx_dep(request: Request) -> _Ctx:
+    ctx: _Ctx = request.state.swerex_ctx  # resolved (authenticated) by SwerexRoute
+    return ctx
+
+
+# Module level: FastAPI resolves the (postponed) annotations in the module's namespace.
+Ctx = Annotated[_Ctx, Depends(_ctx_dep)]
+
+
 # --- the router -------------------------------------------------------------------------
 
 
@@ -369,12 +378,7 @@ def swerex_router() -> APIRouter:  # noqa: C901 - one closure per endpoint
         sid = request.path_params["sid"]
         return _Ctx(sid, st.directory.edge_for(sid), st.iam.visible_projects(principal))
 
-    def ctx_dep(request: Request) -> _Ctx:
-        ctx: _Ctx = request.state.swerex_ctx  # resolved (authenticated) by SwerexRoute
-        return ctx
-
     router = APIRouter(prefix="/swerex/{sid}", route_class=_make_route_class(state, resolve))
-    Ctx = Annotated[_Ctx, Depends(ctx_dep)]
 
     def session_of(ctx: _Ctx, name: str) -> _RexSession:
         s = state.sessions.get((ctx.sid, name))

@@ -201,7 +201,7 @@ class FnCallPool:
         await asyncio.shield(self.start(image))
         for _ in range(3):  # a worker found broken is replaced and the call goes to another
             if not self.workers.get(image):
-                raise errors.Unavailable(f"no fncall worker for image {image!r} could start; see the edge log")
+                raise errors.Unavailable(f"no fncall worker for {image!r} could start; see the edge log")
             w = await asyncio.wait_for(self.idle[image].get(), 60.0)
             try:
                 reply = await w.request(payload, timeout)
