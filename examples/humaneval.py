@@ -38,7 +38,11 @@ async def run_all(problems: list[dict[str, Any]], pool_size: int, timeout: float
     results: dict[str, list[bool]] = {"canonical": [False] * len(problems), "broken": [False] * len(problems)}
     async with AsyncClient() as client:
         sandboxes = await client.create_many(
-            min(pool_size, len(jobs)), "python", memory_mb=512, ttl_idle_s=600, labels={"example": "humaneval"}
+            min(pool_size, len(jobs)),
+            "python",
+            memory_mb=512,
+            ttl_idle_s=600,
+            labels={"example": "humaneval"},
         )
         pool: asyncio.Queue[AsyncSandbox] = asyncio.Queue()
         for sb in sandboxes:

@@ -49,7 +49,8 @@ async def edge(python_image: str, edge_dirs: dict[str, Path]) -> AsyncIterator[o
     from dsec.edge import Edge
 
     # A unique name: edges own the `<name>-*` cgroups on the host, and test runs may overlap.
-    e = Edge(EdgeSettings(name="t" + secrets.token_hex(4), reconcile_interval_s=3600, **edge_dirs))
+    # fncall workers start on the first call, not with every test's edge.
+    e = Edge(EdgeSettings(name="t" + secrets.token_hex(4), reconcile_interval_s=3600, fncall_image="", **edge_dirs))
     await e.start()
     try:
         yield e

@@ -118,7 +118,12 @@ def apiserver_app(data_dir: Path, edges: dict[str, str]) -> FastAPI:
     iam = IAM(data_dir / "iam.db")
     admin_token(iam, data_dir)
     cluster = os.environ.get("DSEC_CLUSTER_TOKEN") or _secret_file(data_dir / "cluster-token")
-    return create_api_app(iam=iam, cluster_token=cluster, remote_edges=edges)
+    return create_api_app(
+        iam=iam,
+        cluster_token=cluster,
+        remote_edges=edges,
+        compat_auth=os.environ.get("DSEC_COMPAT_AUTH", "1") != "0",
+    )
 
 
 def edge_app(

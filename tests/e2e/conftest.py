@@ -63,6 +63,7 @@ def _env(tmp: Path, run_name: str) -> dict[str, str]:
         DSEC_CONFIG=str(tmp / "client.json"),
         DSEC_EDGE_RECONCILE_INTERVAL_S="3600",
         DSEC_EDGE_NAME="e" + secrets.token_hex(4),
+        DSEC_EDGE_FNCALL_WORKERS="2",
     )
     return env
 
@@ -73,11 +74,13 @@ def start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[b
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory, python_image: str) -> Iterator[Service]:
+def service(
+    tmp_path_factory: pytest.TempPathFactory, python_image: str, code_image: str
+) -> Iterator[Service]:
     """`dsec up` as a user runs it."""
     tmp = tmp_path_factory.mktemp("dsec-up")
     port = free_port()
-    env = _env(tmp, f"dsec-e2e-{tmp.name}")
+    env = _env(tmp, f"dsec-e2e-{secrets.token_hex(4)}")  # unique across concurrent pytest runs
     data = tmp / "data"
     proc = start(["up", "--port", str(port), "--data-dir", str(data)], env, tmp / "up.log")
     url = f"http://127.0.0.1:{port}"

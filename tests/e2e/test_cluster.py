@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import secrets
 import shutil
 import time
 from collections import Counter
@@ -21,7 +22,9 @@ pytestmark = [pytest.mark.root, pytest.mark.e2e]
 
 def test_two_edges_share_load_and_survive_apiserver_restart(tmp_path, python_image):
     data = tmp_path / "data"
-    env = _env(tmp_path, f"dsec-e2e-{tmp_path.name}")
+    run_id = secrets.token_hex(4)  # unique across concurrent pytest runs
+    env = _env(tmp_path, f"dsec-e2e-{run_id}")
+    env["DSEC_EDGE_FNCALL_IMAGE"] = ""  # capacities below count user sandboxes only
     api_port = free_port()
     url = f"http://127.0.0.1:{api_port}"
     procs = {
@@ -51,7 +54,7 @@ def test_two_edges_share_load_and_survive_apiserver_restart(tmp_path, python_ima
                     "--data-dir",
                     str(data),
                     "--run-dir",
-                    f"/run/dsec-e2e-{tmp_path.name}-{name}",
+                    f"/run/dsec-e2e-{run_id}-{name}",
                     "--token",
                     token,
                     "--max-sandboxes",
@@ -93,6 +96,6 @@ def test_two_edges_share_load_and_survive_apiserver_restart(tmp_path, python_ima
         for p in procs.values():
             p.wait(60)
     for name in edges:
-        shutil.rmtree(f"/run/dsec-e2e-{tmp_path.name}-{name}", ignore_errors=True)
+        shutil.rmtree(f"/run/dsec-e2e-{run_id}-{name}", ignore_errors=True)
         assert not glob.glob(f"/sys/fs/cgroup/*/dsec/{name}-*")
         assert not [m for m in Path("/proc/mounts").read_text().splitlines() if f"dsec-{name}-" in m]

@@ -51,6 +51,10 @@ async def test_is_alive_and_session_state(service, sandbox):
     rt = runtime(service, sandbox.id)
     alive = await rt.is_alive()
     assert alive.is_alive, alive.message
+    # SWE-agent's RemoteDeployment polls with the client's default 0.15 s timeout
+    await RemoteRuntime(host=f"{service.url}/swerex/{sandbox.id}", auth_token=service.token).wait_until_alive(
+        timeout=10
+    )
     await rt.create_session(CreateBashSessionRequest(session="main"))
     with pytest.raises(SessionExistsError):
         await rt.create_session(CreateBashSessionRequest(session="main"))
@@ -87,7 +91,9 @@ async def test_is_alive_and_session_state(service, sandbox):
         await rt.run_in_session(BashAction(session="main", command="if then fi (", timeout=10))
 
     # startup_source, several sessions, closing
-    await rt.write_file(WriteFileRequest(path="/work/env.sh", content="export STARTED=yes\nalias hi='echo hi'\n"))
+    await rt.write_file(
+        WriteFileRequest(path="/work/env.sh", content="export STARTED=yes\nalias hi='echo hi'\n")
+    )
     await rt.create_session(CreateBashSessionRequest(session="two", startup_source=["/work/env.sh"]))
     obs = await rt.run_in_session(BashAction(session="two", command="echo $STARTED $FOO; hi", timeout=10))
     assert obs.output == "yes\nhi\n"
@@ -146,6 +152,24 @@ async def test_execute(service, sandbox):
         await rt.execute(Command(command="exit 2", shell=True, check=True, error_msg="custom"))
     with pytest.raises(CommandTimeoutError):
         await rt.execute(Command(command="sleep 30", shell=True, timeout=1))
+
+
+def test_request_id_replay(service, sandbox):
+    """A retried request (same X-Request-ID) gets the first answer and does not run twice."""
+    url = f"{service.url}/swerex/{sandbox.id}/execute"
+    body = {"command": "echo x >> /work/replay.txt; wc -l < /work/replay.txt", "shell": True}
+    hdrs = {"X-API-Key": service.token, "X-Request-ID": "retry-1"}
+    first = httpx.post(url, json=body, headers=hdrs, timeout=30)
+    again = httpx.post(url, json=body, headers=hdrs, timeout=30)
+    assert first.status_code == again.status_code == 200
+    assert first.json() == again.json() == {"stdout": "1\n", "stderr": "", "exit_code": 0}
+    assert sandbox.files.read("/work/replay.txt") == "x\n"
+    # SWE-ReX errors travel as HTTP 511
+    r = httpx.post(
+        url, json={"command": "exit 5", "shell": True, "check": True}, headers=hdrs | {"X-Request-ID": "2"}
+    )
+    assert r.status_code == 511
+    assert r.json()["swerexception"]["class_path"] == "swerex.exceptions.NonZeroExitCodeError"
 
 
 async def test_files_and_upload(service, sandbox, tmp_path: Path):
@@ -227,3 +251,23 @@ async def test_auth_and_project_scope(service, sandbox):
         await ghost.execute(Command(command="true", shell=True))
     assert ei2.value.status == 404
     assert sandbox.exec("ls /work/pwned || echo absent").stdout.strip().endswith("absent")
+
+
+async def test_mini_swe_agent_environment(service, sandbox):
+    """mini-swe-agent's SWE-ReX environments only build Docker/Modal deployments, but
+    all they use of one is `.runtime.execute(...)`: hand the real class a
+    `RemoteDeployment` pointed at dsec (mini-swe-agent is a dev dependency).
+    It calls asyncio.run itself, so it runs in a worker thread here."""
+    import minisweagent.environments.extra.swerex_docker as swerex_docker
+    from swerex.deployment.remote import RemoteDeployment
+
+    env = object.__new__(swerex_docker.SwerexDockerEnvironment)
+    env.config = swerex_docker.SwerexDockerEnvironmentConfig(image="unused", cwd="/tmp", timeout=5)
+    env.deployment = RemoteDeployment(host=f"{service.url}/swerex/{sandbox.id}", auth_token=service.token)
+    await env.deployment.start()
+    out = await asyncio.to_thread(env.execute, {"command": "echo $PWD; echo oops >&2; exit 1"})
+    assert (out["output"], out["returncode"]) == ("/tmp\noops\n", 1)
+    out = await asyncio.to_thread(env.execute, {"command": "sleep 30"}, timeout=1)
+    assert out["returncode"] == -1 and out["extra"]["exception_type"] == "CommandTimeoutError"
+    await env.deployment.stop()  # POST /close: the sandbox keeps running
+    assert sandbox.exec("true").exit_code == 0

@@ -52,7 +52,7 @@ def dsec_cgroups(prefix: str) -> list[Path]:
 
 
 async def test_kill_edge_then_adopt(edge_dirs, python_image):
-    settings = EdgeSettings(name="dur", reconcile_interval_s=3600, **edge_dirs)
+    settings = EdgeSettings(name="dur", reconcile_interval_s=3600, fncall_image="", **edge_dirs)
     proc = subprocess.Popen(
         [sys.executable, "-c", CHILD, settings.model_dump_json()], stdout=subprocess.PIPE, text=True
     )

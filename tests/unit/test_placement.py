@@ -26,10 +26,18 @@ class FakeEdge:
 
     async def status(self) -> EdgeStatus:
         used = 0 if self.lies else self.used
-        return EdgeStatus(name=self.name, healthy=True, backends=["container"],
-                          capacity={"sandboxes": self.capacity, "cpu": 1000, "memory_mb": 10**6},
-                          used={"sandboxes": used, "cpu": used, "memory_mb": used * 100}, sandboxes=used,
-                          by_image={}, by_project={}, layers=[], images=["python"])
+        return EdgeStatus(
+            name=self.name,
+            healthy=True,
+            backends=["container"],
+            capacity={"sandboxes": self.capacity, "cpu": 1000, "memory_mb": 10**6},
+            used={"sandboxes": used, "cpu": used, "memory_mb": used * 100},
+            sandboxes=used,
+            by_image={},
+            by_project={},
+            layers=[],
+            images=["python"],
+        )
 
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
         if self.used >= self.capacity:
@@ -37,8 +45,9 @@ class FakeEdge:
         self.used += 1
         sid = f"{self.name}-{self.used:012d}"
         self.created.append(sid)
-        return SandboxInfo(id=sid, state=SandboxState.RUNNING, spec=spec, edge=self.name, created_at=0,
-                           last_active=0)
+        return SandboxInfo(
+            id=sid, state=SandboxState.RUNNING, spec=spec, edge=self.name, created_at=0, last_active=0
+        )
 
     async def aclose(self) -> None:
         pass

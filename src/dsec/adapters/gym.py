@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
 from typing import Any, Self, TypedDict
 
@@ -208,12 +208,12 @@ _TAG = re.compile(r"<(?:bash|command)>(.*?)</(?:bash|command)>", re.DOTALL)
 
 def extract_command(response: str) -> str | None:
     """The command in a model's response: the last ``<bash>``/``<command>`` tag or fenced
-    bash block, else the whole response; ``None`` if it is blank."""
+    (bash) code block; ``None`` if there is none, so prose is never run as a command."""
     for pattern in (_TAG, _FENCE):
         found = pattern.findall(response)
         if found:
             return str(found[-1]).strip() or None
-    return response.strip() or None
+    return None
 
 
 class TextEnvStepOutput(TypedDict):
@@ -226,7 +226,12 @@ class TextEnvStepOutput(TypedDict):
 
 
 class SkyRLSandboxEnv:
-    """SkyRL-gym ``BaseTextEnv`` over a :class:`SandboxEnv`; actions are model responses."""
+    """SkyRL-gym ``BaseTextEnv`` over a :class:`SandboxEnv`; actions are model responses.
+
+    ``parse_action`` finds the command in a response (default :func:`extract_command`;
+    pass ``str.strip`` if the actions are bare commands). A response without one costs
+    a step, scores 0.0 and asks for a command.
+    """
 
     def __init__(self, env: SandboxEnv, parse_action: Callable[[str], str | None] = extract_command) -> None:
         self.env = env
@@ -252,7 +257,15 @@ class SkyRLSandboxEnv:
             }
         text, reward, terminated, truncated, info = self.env.step(command)
         obs: Observation = info["observation"]
-        metadata = {**asdict(obs), "files": dict(obs.files), "sandbox_id": info["sandbox_id"], "parsed": True}
+        metadata = {
+            "command": obs.command,
+            "exit_code": obs.exit_code,
+            "step": obs.step,
+            "files": dict(obs.files),
+            "timed_out": obs.timed_out,
+            "sandbox_id": info["sandbox_id"],
+            "parsed": True,
+        }
         return {
             "observations": [{"role": "user", "content": text}],
             "reward": reward,

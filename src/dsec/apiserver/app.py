@@ -28,8 +28,10 @@ from dsec import __version__, errors
 from dsec.apiserver.edges import EdgeAPI, HttpEdge
 from dsec.apiserver.placement import EdgeDirectory
 from dsec.apiserver.routes import Gate, Target, bearer, install_error_handlers, model_response, sandbox_router
+from dsec.compat.sandboxfusion import sandboxfusion_router
 from dsec.compat.swerex import swerex_router
 from dsec.edge.pools import PoolInfo, PoolSpec
+from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult
 from dsec.iam import IAM, Principal, Quota
 from dsec.models import EdgeStatus, SandboxInfo, SandboxSpec
 
@@ -129,6 +131,7 @@ def create_api_app(
     poll_interval_s: float = 1.0,
     extra_lifespan: Callable[[], Awaitable[None]] | None = None,
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
+    compat_auth: bool = True,
 ) -> FastAPI:
     directory = EdgeDirectory(poll_interval_s=poll_interval_s)
     for e in local_edges or []:
@@ -187,6 +190,7 @@ def create_api_app(
     app.state.resolve = resolve
     app.include_router(sandbox_router(st.metrics.exec_latency.observe))
     app.include_router(swerex_router())
+    _install_fncall_routes(app, st, principal, compat_auth)
 
     _install_public_routes(app, st)
     _install_sandbox_routes(app, st, principal)
@@ -205,7 +209,7 @@ def create_api_app(
 def _install_gate(app: FastAPI, iam: IAM, max_body: int) -> None:
     """Body limit, then authentication of every guarded /v1 call before its body is
     parsed: a caller without a valid token learns nothing about what its request would do."""
-    open_paths = {"/v1/health", "/v1/version", "/v1/edges/register"}
+    open_paths = {"/v1/health", "/v1/version", "/v1/edges/register", "/v1/ping"}
 
     def guard(scope: dict[str, Any]) -> None:
         path: str = scope["path"]
@@ -213,6 +217,44 @@ def _install_gate(app: FastAPI, iam: IAM, max_body: int) -> None:
             scope.setdefault("state", {})["principal"] = iam.authenticate(bearer(scope))
 
     app.add_middleware(Gate, limit=max_body, guard=guard)
+
+
+def _install_fncall_routes(
+    app: FastAPI, st: ApiServerState, principal: _PrincipalFn, compat_auth: bool
+) -> None:
+    """Stateless code runs: the native API and the SandboxFusion-compatible endpoints."""
+
+    async def on_some_edge(image: str, call: Callable[[EdgeAPI], Awaitable[Any]]) -> Any:
+        last: errors.DsecError | None = None
+        for view in st.directory.candidates(SandboxSpec(image=image)):
+            try:
+                return await call(view.api)
+            except (errors.CapacityExhausted, errors.Unavailable) as e:
+                last = e
+        raise errors.Unavailable(f"no edge could run the call on image {image!r}; retry later") from last
+
+    async def run(req: FnCallRequest) -> FnCallResult:
+        result: FnCallResult = await on_some_edge(req.image, lambda e: e.fncall_run(req))
+        return result
+
+    async def jupyter(req: JupyterRequest) -> JupyterResult:
+        result: JupyterResult = await on_some_edge(req.image, lambda e: e.fncall_jupyter(req))
+        return result
+
+    @app.post("/v1/fncall/run", response_model=FnCallResult)
+    async def fncall_run(body: FnCallRequest, request: Request) -> Response:
+        principal(request)
+        return model_response(await run(body))
+
+    @app.post("/v1/fncall/jupyter", response_model=JupyterResult)
+    async def fncall_jupyter(body: JupyterRequest, request: Request) -> Response:
+        principal(request)
+        return model_response(await jupyter(body))
+
+    def authenticate(token: str | None) -> None:
+        st.iam.authenticate(token)
+
+    app.include_router(sandboxfusion_router(run, jupyter, authenticate if compat_auth else None))
 
 
 def _install_public_routes(app: FastAPI, st: ApiServerState) -> None:

@@ -25,6 +25,7 @@ from dsec import errors
 from dsec.edge import Edge
 from dsec.edge.edge import encode_content
 from dsec.edge.pools import PoolInfo, PoolSpec
+from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult
 from dsec.models import (
     EdgeStatus,
     ExecRequest,
@@ -104,6 +105,10 @@ class EdgeAPI(ABC):
     async def prewarm(self, spec: PoolSpec, count: int) -> PoolInfo: ...
     @abstractmethod
     async def pools(self) -> builtins.list[PoolInfo]: ...
+    @abstractmethod
+    async def fncall_run(self, req: FnCallRequest) -> FnCallResult: ...
+    @abstractmethod
+    async def fncall_jupyter(self, req: JupyterRequest) -> JupyterResult: ...
 
     @abstractmethod
     async def images(self) -> builtins.list[dict[str, Any]]: ...
@@ -226,6 +231,12 @@ class LocalEdge(EdgeAPI):
 
     async def pools(self) -> builtins.list[PoolInfo]:
         return self.edge.pools.list()
+
+    async def fncall_run(self, req: FnCallRequest) -> FnCallResult:
+        return await self.edge.fncall_run(req)
+
+    async def fncall_jupyter(self, req: JupyterRequest) -> JupyterResult:
+        return await self.edge.fncall_jupyter(req)
 
     async def images(self) -> builtins.list[dict[str, Any]]:
         return [_image_dict(i) for i in self.edge.layers.list_images()]
@@ -416,6 +427,14 @@ class HttpEdge(EdgeAPI):
 
     async def pools(self) -> builtins.list[PoolInfo]:
         return [PoolInfo.model_validate(x) for x in (await self._call("GET", "/v1/pools")).json()["pools"]]
+
+    async def fncall_run(self, req: FnCallRequest) -> FnCallResult:
+        r = await self._call("POST", "/v1/fncall/run", json_body=req.model_dump(mode="json"))
+        return FnCallResult.model_validate_json(r.content)
+
+    async def fncall_jupyter(self, req: JupyterRequest) -> JupyterResult:
+        r = await self._call("POST", "/v1/fncall/jupyter", json_body=req.model_dump(mode="json"))
+        return JupyterResult.model_validate_json(r.content)
 
     async def images(self) -> builtins.list[dict[str, Any]]:
         return list((await self._call("GET", "/v1/images")).json()["images"])

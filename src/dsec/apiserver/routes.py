@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request, Response
+from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
@@ -53,13 +54,19 @@ async def _target(request: Request, sid: str) -> Target:
     return await resolve(request, sid)
 
 
+NATIVE_ERROR_PREFIXES = ("/v1/", "/metrics")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(errors.DsecError)
     async def _dsec_error(_: Request, exc: errors.DsecError) -> JSONResponse:
         return JSONResponse(exc.to_wire(), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        if not request.url.path.startswith(NATIVE_ERROR_PREFIXES):
+            # Compatibility endpoints answer bad input as the originals do (FastAPI's 422).
+            return await request_validation_exception_handler(request, exc)
         problems = []
         for e in exc.errors()[:10]:
             where = ".".join(str(p) for p in e.get("loc", ()) if p != "body")

@@ -211,7 +211,7 @@ def _rex_response(class_path: str, message: str, extra_info: dict[str, Any] | No
 def _error_response(exc: Exception) -> Response:
     if isinstance(exc, RexError):
         return _rex_response(exc.class_path, exc.message, exc.extra_info)
-    if isinstance(exc, errors.AuthError):
+    if isinstance(exc, errors.AuthError) and not isinstance(exc, errors.Forbidden):
         return JSONResponse({"detail": f"Invalid API Key: {exc.message}"}, status_code=401)
     if isinstance(exc, errors.SandboxNotFound | errors.Unavailable | errors.CapacityExhausted):
         return JSONResponse({"detail": exc.message}, status_code=exc.status)

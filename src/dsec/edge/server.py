@@ -25,6 +25,7 @@ from dsec.apiserver.routes import Gate, Target, bearer, install_error_handlers, 
 from dsec.config import EdgeSettings
 from dsec.edge.edge import Edge
 from dsec.edge.pools import PoolInfo, PoolSpec
+from dsec.fncall.models import FnCallRequest, JupyterRequest
 from dsec.models import EdgeStatus, SandboxInfo, SandboxSpec
 
 log = logging.getLogger("dsec.edge.server")
@@ -155,6 +156,14 @@ def _install_pool_image_routes(app: FastAPI, local: LocalEdge) -> None:
     @app.post("/v1/pools/prewarm", response_model=PoolInfo)
     async def prewarm(body: PrewarmRequest) -> PoolInfo:
         return await local.prewarm(body.spec, body.count)
+
+    @app.post("/v1/fncall/run")
+    async def fncall_run(body: FnCallRequest) -> Response:
+        return model_response(await local.fncall_run(body))
+
+    @app.post("/v1/fncall/jupyter")
+    async def fncall_jupyter(body: JupyterRequest) -> Response:
+        return model_response(await local.fncall_jupyter(body))
 
     @app.get("/v1/images")
     async def images() -> dict[str, Any]:
