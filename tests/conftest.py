@@ -50,7 +50,9 @@ async def edge(python_image: str, edge_dirs: dict[str, Path]) -> AsyncIterator[o
 
     # A unique name: edges own the `<name>-*` cgroups on the host, and test runs may overlap.
     # fncall workers start on the first call, not with every test's edge.
-    e = Edge(EdgeSettings(name="t" + secrets.token_hex(4), reconcile_interval_s=3600, fncall_image="", **edge_dirs))
+    e = Edge(
+        EdgeSettings(name="t" + secrets.token_hex(4), reconcile_interval_s=3600, fncall_image="", **edge_dirs)
+    )
     await e.start()
     try:
         yield e
