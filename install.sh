@@ -45,8 +45,9 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
 fi
 ln -sf "$VENV/bin/dsec" /usr/local/bin/dsec
 
-log "default image: python (cached after the first build, ~30 s)"
+log "images: python (default) and code (fncall / SandboxFusion); cached after the first build, ~30 s each"
 "$VENV/bin/dsec" image build python --quiet
+"$VENV/bin/dsec" image build code --quiet
 
 cmd=${1:-}
 [ $# -gt 0 ] && shift
