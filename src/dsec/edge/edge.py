@@ -255,6 +255,7 @@ class Edge:
             limits = Limits(spec.cpu, spec.memory_mb, spec.pids + PID_RESERVE)
             plan = ContainerPlan(sid, lowers, limits, spec.disk_mb, env)
             container = await self.backend.create(plan)
+            t_setup = time.perf_counter()
             ts = time.time()
             record = Record(sid, spec, SandboxState.RUNNING, container.pid, container.start_time, ts, ts)
             try:
@@ -268,6 +269,7 @@ class Edge:
         finally:
             self._creating.pop(sid, None)
         self.sandboxes[sid] = sb
+        container.timings_ms["setup"] = (time.perf_counter() - t_setup) * 1000
         container.timings_ms["total"] = (time.perf_counter() - t0) * 1000
         self._watch_exit(sb)
         return sb.info(self.name)

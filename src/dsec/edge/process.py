@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dsec.backends.container import Container
+from dsec.backends.container import Container, resolve_once
 from dsec.errors import InternalError, InvalidRequest, QuotaExceeded
 from dsec.isolation.cgroups import CgroupHost, ExecGroup
 from dsec.models import ExecResult
@@ -237,12 +237,6 @@ async def run_process(
     )
 
 
-def _resolve_once(fut: asyncio.Future[None]) -> None:
-    """Writer callback: mark `fut` done unless it already is."""
-    if not fut.done():
-        fut.set_result(None)
-
-
 async def _feed(fd: int, data: bytes) -> None:
     """Write `data` to the child's stdin, then close it (EOF)."""
     try:
@@ -256,7 +250,7 @@ async def _feed(fd: int, data: bytes) -> None:
                     view = view[n:]
                 except BlockingIOError:
                     ready: asyncio.Future[None] = loop.create_future()
-                    loop.add_writer(fd, _resolve_once, ready)
+                    loop.add_writer(fd, resolve_once, ready)
                     try:
                         await ready
                     finally:
