@@ -37,7 +37,10 @@ class SandboxSpec(_Model):
     user: ShortStr = "root"
     workdir: ShortStr = "/work"
     labels: LabelDict = Field(default_factory=dict)
-    ttl_idle_s: float | None = Field(None, gt=0, description="stop after this long without a request")
+    ttl_idle_s: float | None = Field(
+        None, gt=0, description="stop (or pause) after this long without a request"
+    )
+    ttl_action: Literal["stop", "pause"] = Field("stop", description="what the idle TTL does")
     project: ShortStr = "default"
 
     @field_validator("workdir")

@@ -176,6 +176,15 @@ class Container:
     channel: ShimChannel
     exited: asyncio.Future[None]
     timings_ms: dict[str, float] = field(default_factory=dict)
+    upper_fd: int = -1  # O_PATH on the writable layer's tmpfs root (upper/ and work/)
+
+    @property
+    def upper(self) -> Path:
+        """The writable layer as this process reaches it (the tmpfs is in the sandbox's
+        mount namespace only)."""
+        if self.upper_fd < 0:
+            raise InternalError(f"sandbox {self.id} has no handle on its writable layer")
+        return Path(f"/proc/{os.getpid()}/fd/{self.upper_fd}/upper")  # usable by helper processes too
 
     @property
     def rootfs(self) -> Path:
@@ -284,7 +293,7 @@ class ContainerBackend:
                 "run",
                 "--detach",
                 "--preserve-fds",
-                "2",
+                "3",
                 "--pid-file",
                 str(d / "pid"),
                 "--bundle",
@@ -304,6 +313,10 @@ class ContainerBackend:
             if actual is None or (start_time is not None and actual != start_time):
                 raise ProcessLookupError(pid)
             sock = socket.socket(fileno=linux.pidfd_getfd(pidfd, 4))
+            try:
+                upper_fd = linux.pidfd_getfd(pidfd, 5)
+            except OSError:
+                upper_fd = -1  # started without a writable-layer handle: no snapshots
         except BaseException:
             os.close(pidfd)
             raise
@@ -320,7 +333,7 @@ class ContainerBackend:
                 exited.set_result(None)
 
         loop.add_reader(pidfd, on_exit)
-        return Container(sandbox_id, pid, actual, d, pidfd, ShimChannel(sock), exited)
+        return Container(sandbox_id, pid, actual, d, pidfd, ShimChannel(sock), exited, upper_fd=upper_fd)
 
     # --- adopt / destroy --------------------------------------------------------
 
@@ -349,6 +362,9 @@ class ContainerBackend:
         with contextlib.suppress(Exception):
             asyncio.get_running_loop().remove_reader(container.pidfd)
         os.close(container.pidfd)
+        if container.upper_fd >= 0:
+            os.close(container.upper_fd)
+            container.upper_fd = -1
         # With PID 1 gone and reaped, the pid namespace is empty: the runtime has
         # nothing left to stop, and removing its state ourselves saves a process.
         await self._teardown(container.id, container.dir, use_runtime=not container.exited.done())

@@ -34,6 +34,7 @@ from dsec.edge.files import SandboxFiles
 from dsec.edge.pools import POOL_PROJECT, PoolInfo, PoolSpec, WarmPools
 from dsec.edge.process import PipeReader, RawResult, run_process, spawn
 from dsec.edge.sessions import Session, session_argv
+from dsec.edge.snapshots import SnapshotInfo, copy_tree, copy_tree_under, scrub
 from dsec.edge.store import EdgeStore, Record
 from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult
 from dsec.isolation import linux
@@ -179,6 +180,7 @@ class Edge:
             self.store.close()
             self.store = None
         self.cgroups.remove_parent_if_empty()
+        self._unmount_forks_if_unused()
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
@@ -247,21 +249,35 @@ class Edge:
             return sb.info(self.name)
         return None
 
-    async def _create(self, spec: SandboxSpec, sandbox_id: str | None, t0: float) -> SandboxInfo:
+    async def _create(
+        self, spec: SandboxSpec, sandbox_id: str | None, t0: float, *, extra_lower: str | None = None
+    ) -> SandboxInfo:
         assert self.backend is not None and self.store is not None
         image = self._image(spec.image)
         self._admit(spec)
         sid = sandbox_id or self._new_id()
         self._creating[sid] = spec
         try:
-            lowers = [self.layers.layer_path(r) for r in self._toolkit] + self.layers.lowerdirs(image)
+            # The toolkit (the shim) stays on top: nothing a sandbox wrote can replace it.
+            lowers = [self.layers.layer_path(r) for r in self._toolkit]
+            lowers += [Path(extra_lower)] if extra_lower else []
+            lowers += self.layers.lowerdirs(image)
             env = {"PATH": DEFAULT_PATH, "HOSTNAME": sid, **spec.env}
             limits = Limits(spec.cpu, spec.memory_mb, spec.pids + PID_RESERVE)
             plan = ContainerPlan(sid, lowers, limits, spec.disk_mb, env)
             container = await self.backend.create(plan)
             t_setup = time.perf_counter()
             ts = time.time()
-            record = Record(sid, spec, SandboxState.RUNNING, container.pid, container.start_time, ts, ts)
+            record = Record(
+                sid,
+                spec,
+                SandboxState.RUNNING,
+                container.pid,
+                container.start_time,
+                ts,
+                ts,
+                extra_lower=extra_lower,
+            )
             try:
                 self.cgroups.setup_user_group(sid, spec.pids)
                 sb = self._open_sandbox(record, container)
@@ -327,19 +343,65 @@ class Edge:
         if projects is not None and (sb is None or sb.record.spec.project not in projects):
             raise errors.SandboxNotFound(f"sandbox {sandbox_id} does not exist or is not in your projects")
 
-    def _get(self, sandbox_id: str) -> Sandbox:
+    def _lookup(self, sandbox_id: str) -> Sandbox:
         sb = self.sandboxes.get(sandbox_id)
         if sb is None or sb.stopping or sb.record.spec.project.startswith("_"):
             raise errors.SandboxNotFound(
                 f"sandbox {sandbox_id} does not exist on edge {self.name} (stopped or never created)"
             )
+        return sb
+
+    def _get(self, sandbox_id: str) -> Sandbox:
+        """A sandbox for an operation: a paused one is resumed first, transparently."""
+        sb = self._lookup(sandbox_id)
+        if sb.record.state is SandboxState.PAUSED:
+            self._resume(sb)
         now = time.time()
         sb.record.last_active = now
         self._dirty_active[sandbox_id] = now
         return sb
 
     def get(self, sandbox_id: str) -> SandboxInfo:
-        return self._get(sandbox_id).info(self.name)
+        return self._lookup(sandbox_id).info(self.name)
+
+    # --- pause / resume --------------------------------------------------------------
+
+    async def pause(self, sandbox_id: str) -> SandboxInfo:
+        """Freeze every process of the sandbox and give back the memory the kernel can take."""
+        sb = self._lookup(sandbox_id)
+        if sb.record.state is not SandboxState.PAUSED:
+            t0 = time.perf_counter()
+            await asyncio.get_running_loop().run_in_executor(None, self.cgroups.freeze, sb.id)
+            sb.record.state = SandboxState.PAUSED
+            if self.store is not None:
+                self.store.put(sb.record)
+            await asyncio.get_running_loop().run_in_executor(None, self.cgroups.reclaim, sb.id)
+            sb.container.timings_ms["pause"] = (time.perf_counter() - t0) * 1000
+        return sb.info(self.name)
+
+    async def resume(self, sandbox_id: str) -> SandboxInfo:
+        sb = self._lookup(sandbox_id)
+        self._resume(sb)
+        return sb.info(self.name)
+
+    def _resume(self, sb: Sandbox) -> None:
+        if sb.record.state is not SandboxState.PAUSED:
+            return
+        t0 = time.perf_counter()
+        self.cgroups.thaw(sb.id)
+        sb.record.state = SandboxState.RUNNING
+        sb.record.last_active = time.time()
+        if self.store is not None:
+            self.store.put(sb.record)
+        sb.container.timings_ms["resume"] = (time.perf_counter() - t0) * 1000
+
+    async def pause_project(self, project: str) -> builtins.list[str]:
+        """Pause every sandbox of a project (a preempted job), concurrently."""
+        ids = [
+            sid for sid, sb in self.sandboxes.items() if sb.record.spec.project == project and not sb.stopping
+        ]
+        await asyncio.gather(*(self.pause(sid) for sid in ids))
+        return ids
 
     def list(self, labels: dict[str, str] | None = None, project: str | None = None) -> list[SandboxInfo]:
         out = []
@@ -385,6 +447,9 @@ class Edge:
 
     async def _teardown(self, sb: Sandbox) -> None:
         assert self.backend is not None
+        if sb.record.state is SandboxState.PAUSED:
+            with contextlib.suppress(OSError):
+                self.cgroups.thaw(sb.id)  # a frozen init would take SIGKILL only after a thaw
         for s in sb.sessions.values():
             with contextlib.suppress(Exception):
                 s.close(kill=False)  # the whole pid namespace dies with the shim
@@ -394,6 +459,7 @@ class Edge:
             await self.backend.destroy(sb.container)
         except Exception:
             log.exception("tearing down %s failed; the reconciler will retry", sb.id)
+        self._release_fork_layer(sb.record.extra_lower)
 
     def _detach(self, sb: Sandbox) -> None:
         """Forget a sandbox in this process but leave it running (for a later adopt)."""
@@ -404,6 +470,8 @@ class Edge:
         with contextlib.suppress(Exception):
             asyncio.get_running_loop().remove_reader(sb.container.pidfd)
         os.close(sb.container.pidfd)
+        if sb.container.upper_fd >= 0:
+            os.close(sb.container.upper_fd)
         os.close(sb.root_fd)
 
     # --- exec ----------------------------------------------------------------------
@@ -625,14 +693,18 @@ class Edge:
     async def reap_idle(self) -> builtins.list[str]:
         now = time.time()
         idle = [
-            sid
-            for sid, sb in self.sandboxes.items()
+            sb
+            for sb in self.sandboxes.values()
             if sb.record.spec.ttl_idle_s is not None
+            and sb.record.state is SandboxState.RUNNING
             and now - sb.record.last_active > sb.record.spec.ttl_idle_s
             and not any(s.lock.locked() for s in sb.sessions.values())
         ]
-        await asyncio.gather(*(self.stop(sid) for sid in idle), return_exceptions=True)
-        return idle
+        await asyncio.gather(
+            *(self.pause(sb.id) if sb.record.spec.ttl_action == "pause" else self.stop(sb.id) for sb in idle),
+            return_exceptions=True,
+        )
+        return [sb.id for sb in idle]
 
     async def _reconciler(self) -> None:
         while True:
@@ -647,7 +719,13 @@ class Edge:
         for rec in self.store.all():
             container = None
             if rec.pid is not None and rec.start_time is not None:
+                paused = rec.state is SandboxState.PAUSED
+                if paused:  # a frozen init cannot answer the adoption ping
+                    with contextlib.suppress(OSError):
+                        self.cgroups.thaw(rec.id)
                 container = await self.backend.adopt(rec.id, rec.pid, rec.start_time)
+                if paused and container is not None:
+                    self.cgroups.freeze(rec.id)
             if container is None:
                 log.info("reaping sandbox %s: it did not survive the edge restart", rec.id)
                 self.store.delete(rec.id)
@@ -673,8 +751,145 @@ class Edge:
             await self.backend.remove_orphan(sid)
         stray = [m for m in mounts_under(self.backend.sandboxes_dir) if m.split("/")[-2] not in known]
         for m in sorted(stray, key=len, reverse=True):
-            unmount_all(Path(m))
+            if Path(m) != self.settings.edge_run_dir / "forks":
+                unmount_all(Path(m))
         return {"sandboxes": len(orphans), "mounts": len(stray)}
+
+    # --- snapshots and forks ----------------------------------------------------------
+
+    def _forks_root(self) -> Path:
+        """A tmpfs for fork layers: copying thousands of small files to ext4 is slow."""
+        root = self.settings.edge_run_dir / "forks"
+        root.mkdir(parents=True, exist_ok=True)
+        if not os.path.ismount(root):
+            linux.mount(
+                f"dsec-forks-{self.name}", str(root), "tmpfs", linux.MS_NOSUID | linux.MS_NODEV, "mode=0711"
+            )
+        return root
+
+    async def _frozen_copy(self, sb: Sandbox, dst: Path) -> None:
+        """Copy the writable layer while the sandbox is frozen (a consistent point in time)."""
+        was_paused = sb.record.state is SandboxState.PAUSED
+        loop = asyncio.get_running_loop()
+        if not was_paused:
+            await loop.run_in_executor(None, self.cgroups.freeze, sb.id)
+        try:
+            await copy_tree(sb.container.upper, dst)
+        finally:
+            if not was_paused:
+                self.cgroups.thaw(sb.id)
+
+    async def snapshot(self, sandbox_id: str, scrub_paths: builtins.list[str] | None = None) -> SnapshotInfo:
+        sb = self._get(sandbox_id)
+        if sb.record.extra_lower:
+            raise errors.UnsupportedOperation(
+                f"sandbox {sandbox_id} is a fork; snapshot the sandbox it was forked from, or fork a snapshot"
+            )
+        base = self._image(sb.record.spec.image)
+        n = next(sb.counter)
+        version = f"{int(time.time())}-{n}"
+        loop = asyncio.get_running_loop()
+        with self.layers.staging() as stage:
+            await self._frozen_copy(sb, stage)
+            scrubbed = scrub(stage, scrub_paths or [], self.settings.uid_offset)
+            layer = await loop.run_in_executor(
+                None,
+                lambda: self.layers.commit_layer(
+                    stage,
+                    f"snap-{sandbox_id}",
+                    version,
+                    {"type": "snapshot", "sandbox": sandbox_id, "scrubbed": scrubbed},
+                    shift=False,
+                ),
+            )
+        name = f"snap-{sandbox_id}-{version}"
+        image = Image(
+            name=name,
+            layers=[*base.layers, layer.ref],
+            source={"type": "snapshot", "sandbox": sandbox_id, "base": base.name, "scrubbed": scrubbed},
+        )
+        self.layers.put_image(image)
+        return SnapshotInfo(
+            id=name,
+            sandbox=sandbox_id,
+            layer=str(layer.ref),
+            size_bytes=layer.size_bytes,
+            files=layer.files,
+            scrubbed=scrubbed,
+            created_at=layer.created_at,
+        )
+
+    def list_snapshots(self) -> builtins.list[dict[str, Any]]:
+        return [
+            i.model_dump(mode="json") for i in self.layers.list_images() if i.source.get("type") == "snapshot"
+        ]
+
+    def delete_snapshot(self, name: str) -> None:
+        image = self._image(name)
+        if image.source.get("type") != "snapshot":
+            raise errors.InvalidRequest(f"{name} is not a snapshot")
+        if any(sb.record.spec.image == name for sb in self.sandboxes.values()):
+            raise errors.Conflict(f"snapshot {name} is in use by live sandboxes; stop them first")
+        self.layers.delete_image(name)
+        with contextlib.suppress(errors.DsecError):
+            self.layers.delete_layer(image.layers[-1])
+
+    async def fork(self, sandbox_id: str, n: int) -> builtins.list[SandboxInfo]:
+        """`n` new sandboxes from this one's current files, copy-on-write, independent afterwards."""
+        if not 1 <= n <= 256:
+            raise errors.InvalidRequest(f"fork count must be between 1 and 256, got {n}")
+        sb = self._get(sandbox_id)
+        spec = sb.record.spec
+        for _ in range(n):
+            self._admit(spec)
+        t0 = time.perf_counter()
+        shared = self._forks_root() / f"{sandbox_id}-{secrets.token_hex(4)}"
+        try:
+            await self._frozen_copy(sb, shared / "tree")
+            if sb.record.extra_lower:  # a fork of a fork: flatten the parent's shared layer in
+                await copy_tree_under(Path(sb.record.extra_lower), shared / "tree")
+            t_copy = time.perf_counter()
+            labels = {**spec.labels, "dsec.fork-of": sandbox_id}
+            child = spec.model_copy(update={"labels": labels})
+            results = await asyncio.gather(
+                *(self._create(child, None, t0, extra_lower=str(shared / "tree")) for _ in range(n)),
+                return_exceptions=True,
+            )
+        except BaseException:
+            self._release_fork_layer(str(shared / "tree"))
+            raise
+        infos = [r for r in results if isinstance(r, SandboxInfo)]
+        failed = [r for r in results if not isinstance(r, SandboxInfo)]
+        if failed:
+            await asyncio.gather(*(self.stop(i.id) for i in infos), return_exceptions=True)
+            self._release_fork_layer(str(shared / "tree"))
+            raise (
+                failed[0] if isinstance(failed[0], errors.DsecError) else errors.InternalError(str(failed[0]))
+            )
+        for i in infos:
+            i.timings_ms["fork_copy"] = (t_copy - t0) * 1000
+        return infos
+
+    def _unmount_forks_if_unused(self) -> None:
+        root = self.settings.edge_run_dir / "forks"
+        if not os.path.ismount(root):
+            return
+        used = {
+            str(Path(sb.record.extra_lower).parent) for sb in self.sandboxes.values() if sb.record.extra_lower
+        }
+        for d in root.iterdir():
+            if str(d) not in used:
+                shutil.rmtree(d, ignore_errors=True)
+        if not any(root.iterdir()):
+            unmount_all(root)
+            with contextlib.suppress(OSError):
+                root.rmdir()
+
+    def _release_fork_layer(self, path: str | None) -> None:
+        """Remove a fork's shared layer once no live sandbox stacks it."""
+        if not path or any(sb.record.extra_lower == path for sb in self.sandboxes.values()):
+            return
+        shutil.rmtree(Path(path).parent, ignore_errors=True)
 
     # --- fncall ---------------------------------------------------------------------
 

@@ -22,7 +22,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     start_time INTEGER,
     created_at REAL NOT NULL,
     last_active REAL NOT NULL,
-    reason TEXT
+    reason TEXT,
+    extra_lower TEXT
 );
 """
 
@@ -37,6 +38,7 @@ class Record:
     created_at: float
     last_active: float
     reason: str | None = None
+    extra_lower: str | None = None  # a fork's shared layer (a directory), stacked under the toolkit
 
 
 class EdgeStore:
@@ -49,13 +51,16 @@ class EdgeStore:
         # the last commits, and sandboxes do not survive that either.
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(_SCHEMA)
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(sandboxes)")}
+        if "extra_lower" not in columns:  # a database from before forks
+            self.db.execute("ALTER TABLE sandboxes ADD COLUMN extra_lower TEXT")
 
     def close(self) -> None:
         self.db.close()
 
     def put(self, r: Record) -> None:
         self.db.execute(
-            "INSERT OR REPLACE INTO sandboxes VALUES (?,?,?,?,?,?,?,?)",
+            "INSERT OR REPLACE INTO sandboxes VALUES (?,?,?,?,?,?,?,?,?)",
             (
                 r.id,
                 r.spec.model_dump_json(),
@@ -65,6 +70,7 @@ class EdgeStore:
                 r.created_at,
                 r.last_active,
                 r.reason,
+                r.extra_lower,
             ),
         )
 
@@ -79,7 +85,8 @@ class EdgeStore:
 
     def all(self) -> list[Record]:
         rows = self.db.execute(
-            "SELECT id, spec, state, pid, start_time, created_at, last_active, reason FROM sandboxes"
+            "SELECT id, spec, state, pid, start_time, created_at, last_active, reason, extra_lower"
+            " FROM sandboxes"
         ).fetchall()
         return [
             Record(
@@ -91,6 +98,7 @@ class EdgeStore:
                 created_at=row[5],
                 last_active=row[6],
                 reason=row[7],
+                extra_lower=row[8],
             )
             for row in rows
         ]

@@ -129,6 +129,53 @@ class CgroupHost:
             remove_tree(d)
         self.remove_parent_if_empty()
 
+    # --- pause / resume ---------------------------------------------------------
+
+    def _freezer(self, sandbox_id: str) -> tuple[Path, str, str]:
+        if self.version == 2:
+            return self.root / PARENT / sandbox_id / "cgroup.freeze", "1", "0"
+        return (
+            self.v1_mounts.get("freezer", self.root / "freezer") / PARENT / sandbox_id / "freezer.state",
+            "FROZEN",
+            "THAWED",
+        )
+
+    def freeze(self, sandbox_id: str, timeout_s: float = 5.0) -> None:
+        """Stop every process of the sandbox (the kernel's freezer) and wait until it holds."""
+        path, frozen, _ = self._freezer(sandbox_id)
+        path.write_text(frozen)
+        end = time.monotonic() + timeout_s
+        while not self.is_frozen(sandbox_id):
+            if time.monotonic() > end:
+                raise TimeoutError(f"sandbox {sandbox_id} did not freeze within {timeout_s} s")
+            time.sleep(0.001)
+
+    def is_frozen(self, sandbox_id: str) -> bool:
+        path, frozen, _ = self._freezer(sandbox_id)
+        if self.version == 2:
+            events = (path.parent / "cgroup.events").read_text()
+            return "frozen 1" in events
+        return path.read_text().strip() == frozen
+
+    def thaw(self, sandbox_id: str) -> None:
+        path, _, thawed = self._freezer(sandbox_id)
+        path.write_text(thawed)
+
+    def reclaim(self, sandbox_id: str) -> None:
+        """Give back what memory the kernel can take from a (frozen) sandbox: page cache
+        at least; anonymous memory only where swap exists."""
+        if self.version == 2:
+            with contextlib.suppress(OSError):
+                (self.root / PARENT / sandbox_id / "memory.reclaim").write_text(str(1 << 40))
+            return
+        with contextlib.suppress(OSError):  # EBUSY when something could not be reclaimed
+            (
+                self.v1_mounts.get("memory", self.root / "memory")
+                / PARENT
+                / sandbox_id
+                / "memory.force_empty"
+            ).write_text("0")
+
     def remove_parent_if_empty(self) -> None:
         for h in self.hierarchies():
             with contextlib.suppress(OSError):

@@ -13,7 +13,8 @@
  * socketpair inherited at fd 3; there is no socket on any file system, so
  * nothing inside can connect to it. The shim also keeps the edge's end open at
  * fd 4 so that its messages survive an edge restart: the new edge takes a copy
- * of fd 4 with pidfd_getfd(2). The shim is non-dumpable and sandbox processes
+ * of fd 4 with pidfd_getfd(2). Fd 5 is an O_PATH handle on the sandbox's
+ * writable layer (its tmpfs), which the edge uses for snapshots and forks. The shim is non-dumpable and sandbox processes
  * lack CAP_SYS_PTRACE, and seccomp denies ptrace, pidfd_getfd and
  * process_vm_*, so they can neither read its fds nor its memory. It handles
  * only SIGCHLD (through a signalfd), so as PID 1 it ignores every signal sent
@@ -218,6 +219,7 @@ static int run_init(void) {
     if (sfd < 0) return 1;
     fcntl(CTL_FD, F_SETFD, FD_CLOEXEC);
     fcntl(4, F_SETFD, FD_CLOEXEC);
+    fcntl(5, F_SETFD, FD_CLOEXEC); /* the writable layer (see crun-wrap), if given */
     struct pollfd pfd[2] = {{.fd = CTL_FD, .events = POLLIN}, {.fd = sfd, .events = POLLIN}};
     for (;;) {
         if (poll(pfd, 2, -1) < 0) {
@@ -317,7 +319,14 @@ static int run_crun_wrap(int argc, char **argv) {
         perror("dsec-shim: hide cgroup2");
         return 1;
     }
-    if (argv[5][0] && mount_rootfs(argv[5], argv[6], argv[7], argv[8], (uid_t)atoi(argv[9])) < 0) return 1;
+    if (argv[5][0]) {
+        if (mount_rootfs(argv[5], argv[6], argv[7], argv[8], (uid_t)atoi(argv[9])) < 0) return 1;
+        /* Hand the writable layer's root to the init as fd 5: the edge takes a copy
+         * (pidfd_getfd) for snapshots and forks; nothing inside can reach it. */
+        int up = open(argv[5], O_PATH | O_DIRECTORY);
+        if (up < 0 || dup2(up, 5) < 0) { perror("dsec-shim: open upper"); return 1; }
+        if (up != 5) close(up);
+    }
     execv(argv[11], argv + 11);
     perror("dsec-shim: exec runtime");
     return 127;
