@@ -175,3 +175,21 @@ class EdgeStatus(_Model):
     by_project: dict[str, int]
     layers: list[str]
     images: list[str]
+
+
+class SnapshotInfo(_Model):
+    id: str = Field(description="an image name: create sandboxes from it to restore")
+    sandbox: str
+    layer: str
+    size_bytes: int
+    files: int
+    scrubbed: list[str]
+    created_at: float
+
+
+class SnapshotRequest(_Model):
+    scrub: list[str] = Field(default_factory=list, max_length=1024, description="absolute paths to leave out")
+
+
+class ForkRequest(_Model):
+    n: int = Field(1, ge=1, le=256)

@@ -26,14 +26,14 @@ from pydantic import BaseModel, Field
 
 from dsec import __version__, errors
 from dsec.apiserver.edges import EdgeAPI, HttpEdge
-from dsec.apiserver.placement import EdgeDirectory
+from dsec.apiserver.placement import EdgeDirectory, EdgeView
 from dsec.apiserver.routes import Gate, Target, bearer, install_error_handlers, model_response, sandbox_router
 from dsec.compat.sandboxfusion import sandboxfusion_router
 from dsec.compat.swerex import swerex_router
 from dsec.edge.pools import PoolInfo, PoolSpec
 from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult
 from dsec.iam import IAM, Principal, Quota
-from dsec.models import EdgeStatus, SandboxInfo, SandboxSpec
+from dsec.models import EdgeStatus, ForkRequest, SandboxInfo, SandboxSpec
 
 _PrincipalFn = Callable[[Request], Principal]
 
@@ -195,6 +195,7 @@ def create_api_app(
     _install_public_routes(app, st)
     _install_sandbox_routes(app, st, principal)
     _install_sandbox_stop_routes(app, st, principal)
+    _install_state_routes(app, st, principal)
     _install_image_pool_routes(app, st, principal, require_admin)
     _install_edge_routes(app, st, principal)
     _install_iam_routes(app, st, principal, require_admin)
@@ -226,7 +227,7 @@ def _install_fncall_routes(
 
     async def on_some_edge(image: str, call: Callable[[EdgeAPI], Awaitable[Any]]) -> Any:
         last: errors.DsecError | None = None
-        for view in st.directory.candidates(SandboxSpec(image=image)):
+        for view in await _candidates(st, SandboxSpec(image=image)):
             try:
                 return await call(view.api)
             except (errors.CapacityExhausted, errors.Unavailable) as e:
@@ -356,6 +357,63 @@ def _install_sandbox_routes(app: FastAPI, st: ApiServerState, principal: _Princi
         )
         out = [i.model_dump(mode="json") for lst in lists if isinstance(lst, list) for i in lst]
         return {"sandboxes": out}
+
+
+def _install_state_routes(app: FastAPI, st: ApiServerState, principal: _PrincipalFn) -> None:
+    """Fork (quota-checked like creates), pausing a project, snapshots."""
+    iam, directory = st.iam, st.directory
+
+    @app.post("/v1/sandboxes/{sid}/fork", status_code=201)
+    async def fork(sid: str, body: ForkRequest, request: Request) -> dict[str, Any]:
+        p = principal(request)
+        edge = directory.edge_for(sid)
+        scope = iam.visible_projects(p)
+        source = await edge.get(sid, scope)
+        keys = [f"pending-{secrets.token_hex(8)}" for _ in range(body.n)]
+        reserved: list[str] = []
+        try:
+            for key in keys:
+                iam.reserve(key, source.spec.project, source.spec.cpu, source.spec.memory_mb)
+                reserved.append(key)
+            infos = await edge.fork(sid, body.n, scope)
+        except BaseException:
+            for key in reserved:
+                iam.release(key)
+            raise
+        for key, info in zip(keys, infos, strict=True):
+            iam.rekey(key, info.id)
+            st.events.publish("created", id=info.id, edge=info.edge, image=info.spec.image, fork_of=sid)
+        return {"sandboxes": [i.model_dump(mode="json") for i in infos]}
+
+    @app.post("/v1/projects/{project}/pause")
+    async def pause_project(project: str, request: Request) -> dict[str, Any]:
+        """Pause every sandbox of a project on every edge (a preempted job): one call."""
+        iam.authorize(principal(request), project)
+        results = await asyncio.gather(*(e.pause_project(project) for e in directory.all()))
+        paused = [sid for r in results for sid in r]
+        st.events.publish("project_paused", project=project, count=len(paused))
+        return {"paused": paused}
+
+    @app.get("/v1/snapshots")
+    async def snapshots(request: Request) -> dict[str, Any]:
+        principal(request)
+        out = []
+        for e in directory.all():
+            with contextlib.suppress(errors.DsecError):
+                out += [{**x, "edge": e.name} for x in await e.snapshots()]
+        return {"snapshots": out}
+
+    @app.delete("/v1/snapshots/{name}", status_code=204)
+    async def delete_snapshot(name: str, request: Request) -> Response:
+        principal(request)
+        deleted = False
+        for e in directory.all():
+            with contextlib.suppress(errors.ImageNotFound):
+                await e.delete_snapshot(name)
+                deleted = True
+        if not deleted:
+            raise errors.ImageNotFound(f"there is no snapshot {name!r}")
+        return Response(status_code=204)
 
 
 def _install_sandbox_stop_routes(app: FastAPI, st: ApiServerState, principal: _PrincipalFn) -> None:
@@ -538,9 +596,19 @@ def _install_iam_routes(
         return {"principal": p.model_dump(mode="json"), "token": token}
 
 
+async def _candidates(st: ApiServerState, spec: SandboxSpec) -> list[EdgeView]:
+    try:
+        return st.directory.candidates(spec)
+    except errors.ImageNotFound:
+        # An image made a moment ago (a snapshot, an import) may not be in the watcher's
+        # view yet: look again once before saying it does not exist.
+        await st.directory.poll_once()
+        return st.directory.candidates(spec)
+
+
 async def _place(st: ApiServerState, spec: SandboxSpec) -> SandboxInfo:
     last: errors.DsecError | None = None
-    for view in st.directory.candidates(spec):
+    for view in await _candidates(st, spec):
         st.directory.note_placed(view)
         try:
             return await view.api.create(spec)

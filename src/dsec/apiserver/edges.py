@@ -40,6 +40,8 @@ from dsec.models import (
     SessionInfo,
     SessionResult,
     SessionRun,
+    SnapshotInfo,
+    SnapshotRequest,
 )
 
 Projects = set[str] | None
@@ -105,6 +107,20 @@ class EdgeAPI(ABC):
     async def prewarm(self, spec: PoolSpec, count: int) -> PoolInfo: ...
     @abstractmethod
     async def pools(self) -> builtins.list[PoolInfo]: ...
+    @abstractmethod
+    async def pause(self, sid: str, projects: Projects) -> SandboxInfo: ...
+    @abstractmethod
+    async def resume(self, sid: str, projects: Projects) -> SandboxInfo: ...
+    @abstractmethod
+    async def pause_project(self, project: str) -> builtins.list[str]: ...
+    @abstractmethod
+    async def snapshot(self, sid: str, req: SnapshotRequest, projects: Projects) -> SnapshotInfo: ...
+    @abstractmethod
+    async def fork(self, sid: str, n: int, projects: Projects) -> builtins.list[SandboxInfo]: ...
+    @abstractmethod
+    async def snapshots(self) -> builtins.list[dict[str, Any]]: ...
+    @abstractmethod
+    async def delete_snapshot(self, name: str) -> None: ...
     @abstractmethod
     async def fncall_run(self, req: FnCallRequest) -> FnCallResult: ...
     @abstractmethod
@@ -231,6 +247,31 @@ class LocalEdge(EdgeAPI):
 
     async def pools(self) -> builtins.list[PoolInfo]:
         return self.edge.pools.list()
+
+    async def pause(self, sid: str, projects: Projects) -> SandboxInfo:
+        self._check(sid, projects)
+        return await self.edge.pause(sid)
+
+    async def resume(self, sid: str, projects: Projects) -> SandboxInfo:
+        self._check(sid, projects)
+        return await self.edge.resume(sid)
+
+    async def pause_project(self, project: str) -> builtins.list[str]:
+        return await self.edge.pause_project(project)
+
+    async def snapshot(self, sid: str, req: SnapshotRequest, projects: Projects) -> SnapshotInfo:
+        self._check(sid, projects)
+        return await self.edge.snapshot(sid, req.scrub)
+
+    async def fork(self, sid: str, n: int, projects: Projects) -> builtins.list[SandboxInfo]:
+        self._check(sid, projects)
+        return await self.edge.fork(sid, n)
+
+    async def snapshots(self) -> builtins.list[dict[str, Any]]:
+        return self.edge.list_snapshots()
+
+    async def delete_snapshot(self, name: str) -> None:
+        self.edge.delete_snapshot(name)
 
     async def fncall_run(self, req: FnCallRequest) -> FnCallResult:
         return await self.edge.fncall_run(req)
@@ -427,6 +468,31 @@ class HttpEdge(EdgeAPI):
 
     async def pools(self) -> builtins.list[PoolInfo]:
         return [PoolInfo.model_validate(x) for x in (await self._call("GET", "/v1/pools")).json()["pools"]]
+
+    async def pause(self, sid: str, projects: Projects) -> SandboxInfo:
+        r = await self._call("POST", f"/v1/sandboxes/{sid}/pause", projects)
+        return SandboxInfo.model_validate_json(r.content)
+
+    async def resume(self, sid: str, projects: Projects) -> SandboxInfo:
+        r = await self._call("POST", f"/v1/sandboxes/{sid}/resume", projects)
+        return SandboxInfo.model_validate_json(r.content)
+
+    async def pause_project(self, project: str) -> builtins.list[str]:
+        return list((await self._call("POST", f"/v1/projects/{project}/pause")).json()["paused"])
+
+    async def snapshot(self, sid: str, req: SnapshotRequest, projects: Projects) -> SnapshotInfo:
+        r = await self._call("POST", f"/v1/sandboxes/{sid}/snapshot", projects, json_body=req.model_dump())
+        return SnapshotInfo.model_validate_json(r.content)
+
+    async def fork(self, sid: str, n: int, projects: Projects) -> builtins.list[SandboxInfo]:
+        r = await self._call("POST", f"/v1/sandboxes/{sid}/fork", projects, json_body={"n": n})
+        return [SandboxInfo.model_validate(x) for x in r.json()["sandboxes"]]
+
+    async def snapshots(self) -> builtins.list[dict[str, Any]]:
+        return list((await self._call("GET", "/v1/snapshots")).json()["snapshots"])
+
+    async def delete_snapshot(self, name: str) -> None:
+        await self._call("DELETE", f"/v1/snapshots/{name}")
 
     async def fncall_run(self, req: FnCallRequest) -> FnCallResult:
         r = await self._call("POST", "/v1/fncall/run", json_body=req.model_dump(mode="json"))

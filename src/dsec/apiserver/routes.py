@@ -34,6 +34,8 @@ from dsec.models import (
     SessionInfo,
     SessionResult,
     SessionRun,
+    SnapshotInfo,
+    SnapshotRequest,
 )
 
 MAX_ARCHIVE = 512 * 1024 * 1024
@@ -146,6 +148,21 @@ def sandbox_router(observe_exec: ExecObserver | None = None) -> APIRouter:
     async def get_sandbox(sid: str, request: Request) -> Response:
         t = await _target(request, sid)
         return model_response(await t.edge.get(sid, t.projects))
+
+    @r.post("/pause", response_model=SandboxInfo)
+    async def pause(sid: str, request: Request) -> Response:
+        t = await _target(request, sid)
+        return model_response(await t.edge.pause(sid, t.projects))
+
+    @r.post("/resume", response_model=SandboxInfo)
+    async def resume(sid: str, request: Request) -> Response:
+        t = await _target(request, sid)
+        return model_response(await t.edge.resume(sid, t.projects))
+
+    @r.post("/snapshot", response_model=SnapshotInfo, status_code=201)
+    async def snapshot(sid: str, body: SnapshotRequest, request: Request) -> Response:
+        t = await _target(request, sid)
+        return model_response(await t.edge.snapshot(sid, body, t.projects), 201)
 
     _add_exec_routes(r, observe_exec)
     _add_session_routes(r)

@@ -15,7 +15,15 @@ import httpx
 from dsec import errors
 from dsec.client import _base
 from dsec.client._base import Call, Request, SpecOptions, T
-from dsec.models import EdgeStatus, ExecResult, FileStat, SandboxInfo, SessionInfo, SessionResult
+from dsec.models import (
+    EdgeStatus,
+    ExecResult,
+    FileStat,
+    SandboxInfo,
+    SessionInfo,
+    SessionResult,
+    SnapshotInfo,
+)
 
 
 class AsyncClient:
@@ -87,10 +95,15 @@ class AsyncClient:
         labels: dict[str, str] | None = None,
         ttl_idle_s: float | None = None,
         project: str = "default",
+        snapshot: str | None = None,
+        ttl_action: str = "stop",
     ) -> AsyncSandbox:
-        """Create one sandbox (not retried: a lost response could leave a second one running)."""
+        """Create one sandbox (not retried: a lost response could leave a second one running).
+
+        `snapshot=` restores a snapshot: the new sandbox starts from its files.
+        `ttl_action="pause"` makes the idle TTL pause instead of stop."""
         spec = _base.build_spec(
-            image,
+            snapshot or image,
             SpecOptions(
                 cpu=cpu,
                 memory_mb=memory_mb,
@@ -101,6 +114,7 @@ class AsyncClient:
                 workdir=workdir,
                 labels=labels,
                 ttl_idle_s=ttl_idle_s,
+                ttl_action=ttl_action,
                 project=project,
             ),
         )
@@ -186,6 +200,16 @@ class AsyncClient:
 
     async def version(self) -> str:
         return await self._call(_base.version())
+
+    async def pause_project(self, project: str) -> builtins.list[str]:
+        """Pause every sandbox of a project (a preempted job) in one call; their ids."""
+        return await self._call(_base.pause_project(project))
+
+    async def snapshots(self) -> builtins.list[dict[str, Any]]:
+        return await self._call(_base.snapshots())
+
+    async def delete_snapshot(self, snapshot_id: str) -> None:
+        await self._call(_base.delete_snapshot(snapshot_id))
 
     async def prewarm(self, count: int, image: str = "python", **spec: Unpack[SpecOptions]) -> dict[str, Any]:
         """Keep ``count`` sandboxes of this spec warm in a pool; returns the PoolInfo."""
@@ -296,6 +320,25 @@ class AsyncSandbox:
 
     async def sessions(self) -> list[SessionInfo]:
         return await self._client._call(_base.session_list(self.id))
+
+    async def pause(self) -> SandboxInfo:
+        """Freeze the sandbox and give back its reclaimable memory; any later call resumes it."""
+        self.info = await self._client._call(_base.pause(self.id))
+        return self.info
+
+    async def resume(self) -> SandboxInfo:
+        self.info = await self._client._call(_base.resume(self.id))
+        return self.info
+
+    async def snapshot(self, scrub: list[str] | None = None) -> SnapshotInfo:
+        """Pack the sandbox's files as an immutable snapshot (`scrub` paths left out);
+        restore with `client.create(snapshot=info.id)`."""
+        return await self._client._call(_base.snapshot(self.id, list(scrub or [])))
+
+    async def fork(self, n: int = 1) -> list[AsyncSandbox]:
+        """`n` new sandboxes from this one's current files, each independent afterwards."""
+        infos = await self._client._call(_base.fork(self.id, n))
+        return [AsyncSandbox(self._client, i.id, i) for i in infos]
 
     async def refresh(self) -> SandboxInfo:
         self.info = await self._client._call(_base.get(self.id))

@@ -33,6 +33,7 @@ from dsec.models import (
     FileEdit,
     FileStat,
     FileWrite,
+    ForkRequest,
     MiB,
     SandboxInfo,
     SandboxSpec,
@@ -40,6 +41,8 @@ from dsec.models import (
     SessionInfo,
     SessionResult,
     SessionRun,
+    SnapshotInfo,
+    SnapshotRequest,
 )
 
 T = TypeVar("T")
@@ -142,6 +145,7 @@ class SpecOptions(TypedDict, total=False):
     workdir: str
     labels: dict[str, str] | None
     ttl_idle_s: float | None
+    ttl_action: str
     project: str
 
 
@@ -493,6 +497,42 @@ def version() -> Call[str]:
         return str(response.json()["version"])
 
     return Call(Request("GET", "/v1/version", idempotent=True), parse)
+
+
+def pause(sandbox_id: str) -> Call[SandboxInfo]:
+    return Call(Request("POST", _sb(sandbox_id, "pause"), idempotent=True), _model(SandboxInfo))
+
+
+def resume(sandbox_id: str) -> Call[SandboxInfo]:
+    return Call(Request("POST", _sb(sandbox_id, "resume"), idempotent=True), _model(SandboxInfo))
+
+
+def pause_project(project: str) -> Call[list[str]]:
+    def parse(response: httpx.Response) -> list[str]:
+        return list(response.json()["paused"])
+
+    return Call(Request("POST", f"/v1/projects/{project}/pause", idempotent=True), parse)
+
+
+def snapshot(sandbox_id: str, scrub: list[str]) -> Call[SnapshotInfo]:
+    body = _dump(_validated(SnapshotRequest, scrub=scrub))
+    return Call(Request("POST", _sb(sandbox_id, "snapshot"), json=body), _model(SnapshotInfo))
+
+
+def fork(sandbox_id: str, n: int) -> Call[list[SandboxInfo]]:
+    body = _dump(_validated(ForkRequest, n=n))
+    return Call(Request("POST", _sb(sandbox_id, "fork"), json=body), _models(SandboxInfo, "sandboxes"))
+
+
+def snapshots() -> Call[list[dict[str, Any]]]:
+    def parse(response: httpx.Response) -> list[dict[str, Any]]:
+        return list(response.json()["snapshots"])
+
+    return Call(Request("GET", "/v1/snapshots", idempotent=True), parse)
+
+
+def delete_snapshot(name: str) -> Call[None]:
+    return Call(Request("DELETE", f"/v1/snapshots/{name}", idempotent=True), _none)
 
 
 def prewarm(count: int, spec: SandboxSpec) -> Call[dict[str, Any]]:

@@ -17,7 +17,15 @@ import httpx
 from dsec import errors
 from dsec.client import _base
 from dsec.client._base import Call, Request, SpecOptions, T
-from dsec.models import EdgeStatus, ExecResult, FileStat, SandboxInfo, SessionInfo, SessionResult
+from dsec.models import (
+    EdgeStatus,
+    ExecResult,
+    FileStat,
+    SandboxInfo,
+    SessionInfo,
+    SessionResult,
+    SnapshotInfo,
+)
 
 
 class Client:
@@ -89,10 +97,15 @@ class Client:
         labels: dict[str, str] | None = None,
         ttl_idle_s: float | None = None,
         project: str = "default",
+        snapshot: str | None = None,
+        ttl_action: str = "stop",
     ) -> Sandbox:
-        """Create one sandbox (not retried: a lost response could leave a second one running)."""
+        """Create one sandbox (not retried: a lost response could leave a second one running).
+
+        `snapshot=` restores a snapshot: the new sandbox starts from its files.
+        `ttl_action="pause"` makes the idle TTL pause instead of stop."""
         spec = _base.build_spec(
-            image,
+            snapshot or image,
             SpecOptions(
                 cpu=cpu,
                 memory_mb=memory_mb,
@@ -103,6 +116,7 @@ class Client:
                 workdir=workdir,
                 labels=labels,
                 ttl_idle_s=ttl_idle_s,
+                ttl_action=ttl_action,
                 project=project,
             ),
         )
@@ -181,6 +195,16 @@ class Client:
 
     def version(self) -> str:
         return self._call(_base.version())
+
+    def pause_project(self, project: str) -> builtins.list[str]:
+        """Pause every sandbox of a project (a preempted job) in one call; their ids."""
+        return self._call(_base.pause_project(project))
+
+    def snapshots(self) -> builtins.list[dict[str, Any]]:
+        return self._call(_base.snapshots())
+
+    def delete_snapshot(self, snapshot_id: str) -> None:
+        self._call(_base.delete_snapshot(snapshot_id))
 
     def prewarm(self, count: int, image: str = "python", **spec: Unpack[SpecOptions]) -> dict[str, Any]:
         """Keep ``count`` sandboxes of this spec warm in a pool; returns the PoolInfo."""
@@ -289,6 +313,25 @@ class Sandbox:
 
     def sessions(self) -> list[SessionInfo]:
         return self._client._call(_base.session_list(self.id))
+
+    def pause(self) -> SandboxInfo:
+        """Freeze the sandbox and give back its reclaimable memory; any later call resumes it."""
+        self.info = self._client._call(_base.pause(self.id))
+        return self.info
+
+    def resume(self) -> SandboxInfo:
+        self.info = self._client._call(_base.resume(self.id))
+        return self.info
+
+    def snapshot(self, scrub: list[str] | None = None) -> SnapshotInfo:
+        """Pack the sandbox's files as an immutable snapshot (`scrub` paths left out);
+        restore with `client.create(snapshot=info.id)`."""
+        return self._client._call(_base.snapshot(self.id, list(scrub or [])))
+
+    def fork(self, n: int = 1) -> list[Sandbox]:
+        """`n` new sandboxes from this one's current files, each independent afterwards."""
+        infos = self._client._call(_base.fork(self.id, n))
+        return [Sandbox(self._client, i.id, i) for i in infos]
 
     def refresh(self) -> SandboxInfo:
         self.info = self._client._call(_base.get(self.id))

@@ -34,7 +34,7 @@ from dsec.edge.files import SandboxFiles
 from dsec.edge.pools import POOL_PROJECT, PoolInfo, PoolSpec, WarmPools
 from dsec.edge.process import PipeReader, RawResult, run_process, spawn
 from dsec.edge.sessions import Session, session_argv
-from dsec.edge.snapshots import SnapshotInfo, copy_tree, copy_tree_under, scrub
+from dsec.edge.snapshots import copy_tree, copy_tree_under, scrub
 from dsec.edge.store import EdgeStore, Record
 from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult
 from dsec.isolation import linux
@@ -54,6 +54,7 @@ from dsec.models import (
     SessionInfo,
     SessionResult,
     SessionRun,
+    SnapshotInfo,
 )
 from dsec.native import ensure_shim
 

@@ -26,7 +26,7 @@ from dsec.config import EdgeSettings
 from dsec.edge.edge import Edge
 from dsec.edge.pools import PoolInfo, PoolSpec
 from dsec.fncall.models import FnCallRequest, JupyterRequest
-from dsec.models import EdgeStatus, SandboxInfo, SandboxSpec
+from dsec.models import EdgeStatus, ForkRequest, SandboxInfo, SandboxSpec
 
 log = logging.getLogger("dsec.edge.server")
 
@@ -156,6 +156,24 @@ def _install_pool_image_routes(app: FastAPI, local: LocalEdge) -> None:
     @app.post("/v1/pools/prewarm", response_model=PoolInfo)
     async def prewarm(body: PrewarmRequest) -> PoolInfo:
         return await local.prewarm(body.spec, body.count)
+
+    @app.post("/v1/sandboxes/{sid}/fork", status_code=201)
+    async def fork(sid: str, body: ForkRequest, request: Request) -> dict[str, Any]:
+        infos = await local.fork(sid, body.n, _projects(request))
+        return {"sandboxes": [i.model_dump(mode="json") for i in infos]}
+
+    @app.post("/v1/projects/{project}/pause")
+    async def pause_project(project: str) -> dict[str, Any]:
+        return {"paused": await local.pause_project(project)}
+
+    @app.get("/v1/snapshots")
+    async def snapshots() -> dict[str, Any]:
+        return {"snapshots": await local.snapshots()}
+
+    @app.delete("/v1/snapshots/{name}", status_code=204)
+    async def delete_snapshot(name: str) -> Response:
+        await local.delete_snapshot(name)
+        return Response(status_code=204)
 
     @app.post("/v1/fncall/run")
     async def fncall_run(body: FnCallRequest) -> Response:

@@ -15,20 +15,8 @@ import shutil
 import stat
 from pathlib import Path, PurePosixPath
 
-from pydantic import BaseModel
-
 from dsec import errors
 from dsec.backends.container import run_process_quick
-
-
-class SnapshotInfo(BaseModel):
-    id: str  # the image name to create sandboxes from
-    sandbox: str
-    layer: str
-    size_bytes: int
-    files: int
-    scrubbed: list[str]
-    created_at: float
 
 
 async def copy_tree(src: Path, dst: Path) -> None:

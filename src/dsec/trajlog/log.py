@@ -1,0 +1,684 @@
+"""The trajectory log: every operation on a sandbox, numbered gap-free and persisted in durable batches.
+
+Numbering
+    Each sandbox has its own sequence 1, 2, 3, ... handed out by :meth:`TrajectoryLog.record`.
+    Sequence numbers are *reserved* in blocks: before a sandbox's next seq passes its durable
+    reservation (``reserved_hw``), ``record`` persists ``reserved_hw = seq + reserve_block`` and waits
+    for that commit (fsynced, ``synchronous=FULL``) before it hands the seq out. That is the only write a
+    caller waits for, once per ``reserve_block`` operations of a sandbox; it runs in a worker thread, so
+    the event loop is never blocked by it. Everything else is written by one background writer task in
+    batches (``synchronous=NORMAL``: no fsync per batch; WAL commits survive a crash of the process).
+
+Crash detection
+    A seq handed out always lies at or below the durable ``reserved_hw``. At :meth:`TrajectoryLog.start`,
+    every sandbox whose ``reserved_hw`` is above its last durable seq gets one ``kind="gap"`` entry covering
+    ``last_durable + 1 .. reserved_hw``, and numbering continues at ``reserved_hw + 1``. So every seq ever
+    handed out either has a durable entry or lies inside a declared gap: loss is bounded and detectable,
+    never silent. A clean :meth:`TrajectoryLog.close` flushes and then gives the unused reservations back,
+    so it leaves no gap.
+
+How much a crash can lose ("at most one batch")
+    Let ``W = min(queue_max, batch_size)``. The writer takes at most ``W`` entries per commit (it takes what
+    is waiting, and never more than ``batch_size``), and ``record`` waits while ``W`` entries are already
+    waiting for the writer. Hence at any instant the entries acknowledged by ``record`` but not yet
+    committed are at most one batch being committed (``<= W``) plus one full batch waiting (``<= W``)::
+
+        acknowledged but not durable  <=  max_unflushed  =  2 * W        (512 with the defaults)
+
+    A SIGKILL of the edge loses at most ``max_unflushed`` acknowledged operations, and all of them lie inside
+    the gap written at the next start. (The gap itself can be wider, up to ``reserve_block`` + that: it also
+    covers reserved seqs that were never handed out, which is why its text says "up to N".) With the defaults
+    the waiting queue is one batch, not ``queue_max``: ``queue_max`` only matters when it is smaller than
+    ``batch_size``. A power loss can additionally roll back un-fsynced batch commits since the last
+    reservation or checkpoint; those seqs are still inside the fsynced reservation, so they too show up as a
+    gap.
+
+Backpressure
+    ``record`` never drops: when ``W`` entries are waiting it waits until the writer takes them.
+
+Reads
+    :meth:`TrajectoryLog.read`, :meth:`TrajectoryLog.stats` (recorded/lost) and the exports see only what is
+    durable; call ``await log.flush()`` first to include everything recorded so far.
+    :meth:`TrajectoryLog.find_step` also sees entries still queued, so a replay sees its own recent steps.
+    Reads are synchronous SQLite queries on their own connection (WAL: they never wait for the writer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import json
+import math
+import os
+import sqlite3
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from dsec import errors
+
+GAP = "gap"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS entries (
+    sandbox_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    seq_end INTEGER NOT NULL,       -- = seq, except for a gap: the last seq it covers
+    kind TEXT NOT NULL,
+    action TEXT NOT NULL,           -- canonical JSON
+    observation TEXT,               -- canonical JSON or NULL
+    timings TEXT NOT NULL,          -- canonical JSON
+    trajectory TEXT,
+    step INTEGER,
+    action_hash TEXT,
+    recorded_at REAL NOT NULL,
+    PRIMARY KEY (sandbox_id, seq)
+);
+CREATE UNIQUE INDEX IF NOT EXISTS entries_step ON entries (trajectory, step) WHERE trajectory IS NOT NULL;
+CREATE TABLE IF NOT EXISTS sandboxes (
+    sandbox_id TEXT PRIMARY KEY,
+    reserved_hw INTEGER NOT NULL DEFAULT 0,  -- seqs up to here may have been handed out
+    durable_seq INTEGER NOT NULL DEFAULT 0,  -- every seq up to here has an entry or lies in a gap
+    recorded INTEGER NOT NULL DEFAULT 0,     -- durable non-gap entries
+    lost INTEGER NOT NULL DEFAULT 0          -- seqs inside gap entries
+);
+"""
+
+_COLUMNS = (
+    "sandbox_id, seq, seq_end, kind, action, observation, timings, trajectory, step, action_hash, recorded_at"
+)
+_INSERT = f"INSERT INTO entries ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)"
+
+# One entry as stored: the columns above, in order. Built once in record(), immutable afterwards.
+Row = tuple[str, int, int, str, str, str | None, str, str | None, int | None, str | None, float]
+
+
+@dataclass(frozen=True)
+class StepTag:
+    """Where an operation sits in an agent trajectory: unique per (trajectory, index)."""
+
+    trajectory: str
+    index: int
+
+
+class Entry(BaseModel):
+    sandbox_id: str
+    seq: int
+    kind: str  # "exec" | "session" | "file" | ... | "gap"
+    action: dict[str, Any]
+    observation: dict[str, Any] | None
+    timings: dict[str, float]
+    trajectory: str | None = None
+    step: int | None = None
+    action_hash: str | None = None
+    recorded_at: float
+
+
+def canonical_json(value: Any) -> str:
+    """Sorted keys, no whitespace, UTF-8, no NaN: equal values give equal strings."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def action_hash(action: dict[str, Any]) -> str:
+    """sha256 (hex) of the canonical JSON of an action."""
+    return hashlib.sha256(canonical_json(action).encode()).hexdigest()
+
+
+def entry_from_row(row: tuple[Any, ...]) -> Entry:
+    return Entry(
+        sandbox_id=row[0],
+        seq=row[1],
+        kind=row[3],
+        action=json.loads(row[4]),
+        observation=None if row[5] is None else json.loads(row[5]),
+        timings=json.loads(row[6]),
+        trajectory=row[7],
+        step=row[8],
+        action_hash=row[9],
+        recorded_at=row[10],
+    )
+
+
+def gap_row(sandbox_id: str, first: int, last: int, now: float) -> Row:
+    n = last - first + 1
+    action = {"first_seq": first, "last_seq": last}
+    observation = {
+        "reason": f"the edge stopped before this batch was flushed; up to {n} operations may have been lost",
+        "first_seq": first,
+        "last_seq": last,
+        "count": n,
+    }
+    a = canonical_json(action)
+    return (sandbox_id, first, last, GAP, a, canonical_json(observation), "{}", None, None,
+            hashlib.sha256(a.encode()).hexdigest(), now)  # fmt: skip
+
+
+@dataclass(slots=True)
+class _Sandbox:
+    """In-memory numbering state of one sandbox (loaded on first use)."""
+
+    next: int  # the seq record() hands out next
+    hw: int  # durable reservation: seqs <= hw may be handed out without another write
+    recorded: int  # durable non-gap entries
+    lost: int  # seqs inside durable gap entries
+    pending: int = 0  # handed out, not yet durable (waiting or being committed)
+    reserving: asyncio.Future[None] | None = None
+
+
+class TrajectoryLog:
+    """Per-sandbox, gap-free, crash-detecting operation log (see the module docstring for the guarantees).
+
+    ``batch_size``: most entries per commit. ``flush_interval_s``: how long the writer waits for a batch
+    to fill before it commits a partial one (the durability delay under light load). ``queue_max``: cap on
+    entries waiting for the writer; the effective cap is ``min(queue_max, batch_size)``.
+    ``reserve_block``: seqs reserved per reservation write (also the widest a crash gap gets beyond the
+    lost entries).
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        batch_size: int = 256,
+        flush_interval_s: float = 0.05,
+        queue_max: int = 4096,
+        reserve_block: int = 256,
+    ) -> None:
+        if batch_size < 1 or queue_max < 1 or reserve_block < 1 or flush_interval_s < 0:
+            raise errors.InvalidRequest(
+                "batch_size, queue_max and reserve_block must be >= 1 and flush_interval_s >= 0"
+            )
+        self.path = Path(path)
+        self.batch_size = batch_size
+        self.flush_interval_s = flush_interval_s
+        self.queue_max = queue_max
+        self.reserve_block = reserve_block
+        self._wait_max = min(queue_max, batch_size)
+        #: Most acknowledged entries that are not durable at any instant (what a SIGKILL can lose).
+        self.max_unflushed = 2 * self._wait_max
+        #: The gap entries written by the last start() (one per sandbox that lost its tail).
+        self.recovered: list[Entry] = []
+
+        self._wdb: sqlite3.Connection | None = None  # the writer's (and reservations') connection
+        self._rdb: sqlite3.Connection | None = None  # reads
+        self._wlock = threading.Lock()  # one transaction at a time on _wdb
+        self._rlock = threading.Lock()
+        self._lock_fd: int | None = None
+
+        self._sandboxes: dict[str, _Sandbox] = {}
+        self._waiting: deque[Row] = deque()
+        self._committing: list[Row] = []
+        self._steps: dict[tuple[str, int], Row] = {}  # queued or committing entries with a step tag
+        self._enqueued = 0
+        self._durable = 0
+        self._flush_waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._error: BaseException | None = None
+
+        self._open = False
+        self._closing = False
+        self._task: asyncio.Task[None] | None = None
+        self._nonempty = asyncio.Event()  # something is waiting
+        self._ready = asyncio.Event()  # commit now: a full batch waits, or flush/close asked
+        self._space = asyncio.Event()  # the waiting queue has room again
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        """Open the database, write a gap for every sandbox whose reserved seqs are not all durable, start
+        the writer."""
+        if self._open or self._task is not None:
+            raise errors.Conflict("the trajectory log is already started")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(f"{self.path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise errors.Conflict(f"the trajectory log {self.path} is open in another process") from None
+        self._lock_fd = fd
+        try:
+            self._wdb = self._connect()
+            self._rdb = self._connect()
+            self.recovered = [entry_from_row(r) for r in await asyncio.to_thread(self._recover)]
+        except BaseException:
+            self._close_files()
+            raise
+        self._open = True
+        self._task = asyncio.create_task(self._run(), name=f"trajlog-writer:{self.path.name}")
+
+    async def close(self) -> None:
+        """Commit everything recorded so far, stop the writer, give back unused reservations."""
+        if self._task is None:
+            return
+        self._open = False
+        self._closing = True
+        self._wake_writer()
+        self._space.set()  # producers waiting for room see the log is closing
+        try:
+            await self._task
+        finally:
+            self._task = None
+        unflushed = len(self._waiting) + len(self._committing)
+        for _, fut in self._flush_waiters:
+            if not fut.done():
+                fut.set_exception(errors.Unavailable("the trajectory log closed before this flush completed"))
+        self._flush_waiters.clear()
+        try:
+            if unflushed == 0:
+                # Every seq handed out is durable: the rest of each reservation was never used.
+                await asyncio.to_thread(self._release_reservations)
+        finally:
+            self._close_files()
+        if unflushed:
+            raise errors.InternalError(
+                f"the trajectory log could not write {unflushed} entries; they will show up as a gap",
+                error=repr(self._error),
+            )
+
+    async def __aenter__(self) -> TrajectoryLog:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ----------------------------------------------------------------- hot path
+
+    async def record(
+        self,
+        sandbox_id: str,
+        kind: str,
+        action: dict[str, Any],
+        observation: dict[str, Any] | None,
+        timings: dict[str, float],
+        step: StepTag | None = None,
+    ) -> int:
+        """Give the operation the sandbox's next seq, queue it for the writer and return the seq.
+
+        Waits (never drops) while a full batch is already waiting for the writer, and once per
+        ``reserve_block`` operations of a sandbox for the reservation write. The dicts are serialized
+        here: changing them afterwards does not change the log.
+        """
+        self._check_open()
+        if not isinstance(sandbox_id, str) or not sandbox_id:
+            raise errors.InvalidRequest("sandbox_id must be a non-empty string")
+        if not isinstance(kind, str) or not kind or kind == GAP:
+            raise errors.InvalidRequest(f"kind must be a non-empty string other than {GAP!r}")
+        try:
+            action_json = canonical_json(action)
+            observation_json = None if observation is None else canonical_json(observation)
+            timings_json = canonical_json(timings)
+        except (TypeError, ValueError) as e:
+            raise errors.InvalidRequest(f"action, observation and timings must be JSON objects: {e}") from e
+        if not (isinstance(action, dict) and isinstance(timings, dict)) or not (
+            observation is None or isinstance(observation, dict)
+        ):
+            raise errors.InvalidRequest("action, observation and timings must be JSON objects")
+        for v in timings.values():
+            if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
+                raise errors.InvalidRequest(f"timings must map names to finite numbers, got {v!r}")
+        digest = hashlib.sha256(action_json.encode()).hexdigest()
+        key = None if step is None else (step.trajectory, step.index)
+
+        while True:
+            if len(self._waiting) >= self._wait_max:  # backpressure: a full batch already waits
+                self._space.clear()
+                await self._space.wait()
+                self._check_open()
+                continue
+            sb = self._sandboxes.get(sandbox_id) or self._load(sandbox_id)
+            if sb.next > sb.hw:  # past the durable reservation: reserve the next block first
+                await self._reserve(sandbox_id, sb)
+                self._check_open()
+                continue
+            break
+        # From here to the append there is no await: seqs enter the queue in order, so batches commit in
+        # seq order and the durable seqs of a sandbox are always a prefix.
+        if key is not None:
+            self._check_step_free(key)
+        seq = sb.next
+        sb.next = seq + 1
+        sb.pending += 1
+        traj, index = (None, None) if key is None else key
+        row: Row = (sandbox_id, seq, seq, kind, action_json, observation_json, timings_json, traj, index,
+                    digest, time.time())  # fmt: skip
+        self._waiting.append(row)
+        self._enqueued += 1
+        if key is not None:
+            self._steps[key] = row
+        n = len(self._waiting)
+        if n == 1:
+            self._nonempty.set()
+        if n >= self._wait_max:
+            self._ready.set()
+        return seq
+
+    async def flush(self) -> None:
+        """Wait until everything recorded before this call is durable."""
+        target = self._enqueued
+        if self._durable >= target:
+            return
+        if self._task is None:
+            raise errors.Unavailable("the trajectory log is not running")
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._flush_waiters.append((target, fut))
+        self._wake_writer()
+        await fut
+
+    # ----------------------------------------------------------------- reads
+
+    def read(self, sandbox_id: str, *, after_seq: int = 0, limit: int | None = None) -> list[Entry]:
+        """Durable entries of a sandbox covering seqs > ``after_seq``, in seq order, gaps included.
+
+        Entries still queued are not returned: ``await flush()`` first to see everything recorded.
+        A gap entry that covers ``after_seq + 1`` is returned even if it starts at or before ``after_seq``.
+        """
+        sql = (
+            f"SELECT {_COLUMNS} FROM entries WHERE sandbox_id = ? AND seq_end > ? AND seq >= "
+            "COALESCE((SELECT MAX(seq) FROM entries WHERE sandbox_id = ? AND seq <= ?), 0) ORDER BY seq"
+        )
+        args: list[Any] = [sandbox_id, after_seq, sandbox_id, after_seq]
+        if limit is not None:
+            sql += " LIMIT ?"
+            args.append(max(0, limit))
+        with self._rlock:
+            rows = self._reader().execute(sql, args).fetchall()
+        return [entry_from_row(r) for r in rows]
+
+    def find_step(self, trajectory: str, index: int) -> Entry | None:
+        """The entry tagged (trajectory, index): still queued or durable."""
+        row = self._steps.get((trajectory, index))
+        if row is not None:
+            return entry_from_row(row)
+        with self._rlock:
+            found = (
+                self._reader()
+                .execute(
+                    f"SELECT {_COLUMNS} FROM entries WHERE trajectory = ? AND step = ?", (trajectory, index)
+                )
+                .fetchone()
+            )
+        return None if found is None else entry_from_row(found)
+
+    def stats(self, sandbox_id: str) -> dict[str, int]:
+        """``acknowledged``: seqs handed out (or covered by a gap); ``recorded``: durable non-gap entries;
+        ``lost``: seqs inside gap entries; ``pending``: handed out, not yet durable.
+        Always ``acknowledged == recorded + lost + pending``."""
+        sb = self._sandboxes.get(sandbox_id)
+        if sb is not None:
+            return {
+                "acknowledged": sb.next - 1,
+                "recorded": sb.recorded,
+                "lost": sb.lost,
+                "pending": sb.pending,
+            }
+        with self._rlock:
+            row = (
+                self._reader()
+                .execute(
+                    "SELECT durable_seq, recorded, lost FROM sandboxes WHERE sandbox_id = ?", (sandbox_id,)
+                )
+                .fetchone()
+            )
+        durable, recorded, lost = row if row is not None else (0, 0, 0)
+        return {"acknowledged": durable, "recorded": recorded, "lost": lost, "pending": 0}
+
+    def iter_rows(self, sandbox_id: str, *, chunk: int = 4096) -> Iterator[list[Row]]:
+        """Durable rows of a sandbox in seq order, ``chunk`` at a time (for exports)."""
+        after = 0
+        while True:
+            with self._rlock:
+                rows: list[Row] = (
+                    self._reader()
+                    .execute(
+                        f"SELECT {_COLUMNS} FROM entries WHERE sandbox_id = ? AND seq > ? ORDER BY seq LIMIT ?",
+                        (sandbox_id, after, chunk),
+                    )
+                    .fetchall()
+                )
+            if not rows:
+                return
+            yield rows
+            after = rows[-1][1]
+
+    def export_jsonl(self, sandbox_id: str, path: Path) -> int:
+        """Write the durable entries of a sandbox as JSON lines; returns the number of rows."""
+        from dsec.trajlog.export import export_jsonl
+
+        return export_jsonl(self, sandbox_id, path)
+
+    def export_parquet(self, sandbox_id: str, path: Path) -> int:
+        """Write the durable entries of a sandbox as Parquet (action/observation/timings as JSON strings)."""
+        from dsec.trajlog.export import export_parquet
+
+        return export_parquet(self, sandbox_id, path)
+
+    # ----------------------------------------------------------------- internals: loop side
+
+    def _check_open(self) -> None:
+        if not self._open:
+            raise errors.Unavailable("the trajectory log is not running (start() it, or it was closed)")
+
+    def _reader(self) -> sqlite3.Connection:
+        if self._rdb is None:
+            raise errors.Unavailable("the trajectory log is not open")
+        return self._rdb
+
+    def _load(self, sandbox_id: str) -> _Sandbox:
+        with self._rlock:
+            row = (
+                self._reader()
+                .execute(
+                    "SELECT reserved_hw, durable_seq, recorded, lost FROM sandboxes WHERE sandbox_id = ?",
+                    (sandbox_id,),
+                )
+                .fetchone()
+            )
+        hw, durable, recorded, lost = row if row is not None else (0, 0, 0, 0)
+        # After start() every reservation is durable or covered by a gap, so durable == hw here.
+        sb = _Sandbox(next=max(hw, durable) + 1, hw=durable, recorded=recorded, lost=lost)
+        self._sandboxes[sandbox_id] = sb
+        return sb
+
+    async def _reserve(self, sandbox_id: str, sb: _Sandbox) -> None:
+        if sb.reserving is None:
+            hw = sb.next + self.reserve_block
+            sb.reserving = asyncio.ensure_future(self._do_reserve(sandbox_id, sb, hw))
+        # shield: a cancelled caller must not cancel the reservation other callers wait for
+        await asyncio.shield(sb.reserving)
+
+    async def _do_reserve(self, sandbox_id: str, sb: _Sandbox, hw: int) -> None:
+        try:
+            await asyncio.to_thread(self._persist_reservation, sandbox_id, hw)
+        except Exception as e:
+            raise errors.Unavailable(f"the trajectory log could not reserve seqs: {e}") from e
+        finally:
+            sb.reserving = None
+        sb.hw = max(sb.hw, hw)
+
+    def _check_step_free(self, key: tuple[str, int]) -> None:
+        other = self._steps.get(key)
+        if other is None:
+            with self._rlock:
+                other = (
+                    self._reader()
+                    .execute("SELECT sandbox_id, seq FROM entries WHERE trajectory = ? AND step = ?", key)
+                    .fetchone()
+                )
+        if other is not None:
+            raise errors.Conflict(
+                f"step {key[1]} of trajectory {key[0]!r} is already recorded "
+                f"(sandbox {other[0]}, seq {other[1]})",
+                trajectory=key[0],
+                step=key[1],
+            )
+
+    def _wake_writer(self) -> None:
+        self._nonempty.set()
+        self._ready.set()
+
+    async def _run(self) -> None:
+        """The single writer: commit what waits, at most one batch at a time, in queue (= seq) order."""
+        while True:
+            if not self._waiting:
+                if self._closing:
+                    return
+                self._nonempty.clear()
+                self._finish_flushes()
+                await self._nonempty.wait()
+                continue
+            if len(self._waiting) < self._wait_max and not self._closing and not self._flush_waiters:
+                self._ready.clear()  # linger: let the batch fill, at most flush_interval_s
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.flush_interval_s):
+                        await self._ready.wait()
+            n = min(len(self._waiting), self.batch_size)
+            batch = [self._waiting.popleft() for _ in range(n)]
+            self._committing = batch
+            self._space.set()
+            if not await self._commit_with_retry(batch):
+                return  # closing and the disk keeps failing: close() reports it
+            self._committing = []
+            self._durable += n
+            for row in batch:
+                sb = self._sandboxes[row[0]]
+                sb.pending -= 1
+                sb.recorded += 1
+                if row[7] is not None and row[8] is not None:
+                    self._steps.pop((row[7], row[8]), None)
+            self._finish_flushes()
+
+    async def _commit_with_retry(self, batch: list[Row]) -> bool:
+        attempt = 0
+        while True:
+            try:
+                await asyncio.to_thread(self._commit, batch)
+                self._error = None
+                return True
+            except Exception as e:
+                self._error = e
+                attempt += 1
+                for _, fut in self._flush_waiters:
+                    if not fut.done():
+                        fut.set_exception(errors.Unavailable(f"the trajectory log cannot write: {e}"))
+                self._flush_waiters.clear()
+                if self._closing and attempt >= 3:
+                    return False
+                await asyncio.sleep(min(1.0, 0.01 * 2**attempt))
+
+    def _finish_flushes(self) -> None:
+        if not self._flush_waiters:
+            return
+        keep = []
+        for target, fut in self._flush_waiters:
+            if fut.done():
+                continue
+            if self._durable >= target:
+                fut.set_result(None)
+            else:
+                keep.append((target, fut))
+        self._flush_waiters = keep
+
+    # ----------------------------------------------------------------- internals: database (any thread)
+
+    def _connect(self) -> sqlite3.Connection:
+        # isolation_level=None: autocommit; the writer opens its own transactions.
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        db.execute("PRAGMA busy_timeout = 10000")
+        db.execute("PRAGMA journal_mode=WAL")
+        # NORMAL: a WAL commit survives a crash of the process (kill -9); only a power loss can roll back
+        # batches since the last fsync, and those lie inside an fsynced reservation (a gap at restart).
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.executescript(_SCHEMA)
+        return db
+
+    def _writer(self) -> sqlite3.Connection:
+        if self._wdb is None:
+            raise errors.Unavailable("the trajectory log is not open")
+        return self._wdb
+
+    def _commit(self, rows: list[Row]) -> None:
+        """One batch, one transaction (runs in a worker thread)."""
+        marks: dict[str, list[int]] = {}
+        for r in rows:
+            m = marks.get(r[0])
+            if m is None:
+                marks[r[0]] = [r[1], 1]
+            else:
+                m[0] = max(m[0], r[1])
+                m[1] += 1
+        db = self._writer()
+        with self._wlock:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                db.executemany(_INSERT, rows)
+                db.executemany(
+                    "UPDATE sandboxes SET durable_seq = MAX(durable_seq, ?), recorded = recorded + ? "
+                    "WHERE sandbox_id = ?",
+                    [(m[0], m[1], sid) for sid, m in marks.items()],
+                )
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+    def _persist_reservation(self, sandbox_id: str, hw: int) -> None:
+        db = self._writer()
+        with self._wlock:
+            db.execute("PRAGMA synchronous=FULL")  # fsync: numbering must survive even a power loss
+            try:
+                db.execute(
+                    "INSERT INTO sandboxes (sandbox_id, reserved_hw) VALUES (?, ?) ON CONFLICT (sandbox_id) "
+                    "DO UPDATE SET reserved_hw = MAX(reserved_hw, excluded.reserved_hw)",
+                    (sandbox_id, hw),
+                )
+            finally:
+                db.execute("PRAGMA synchronous=NORMAL")
+
+    def _recover(self) -> list[Row]:
+        db = self._writer()
+        now = time.time()
+        gaps: list[Row] = []
+        with self._wlock:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                stale = db.execute(
+                    "SELECT sandbox_id, durable_seq, reserved_hw FROM sandboxes "
+                    "WHERE reserved_hw > durable_seq"
+                ).fetchall()
+                for sandbox_id, durable, hw in stale:
+                    gap = gap_row(sandbox_id, durable + 1, hw, now)
+                    db.execute(_INSERT, gap)
+                    db.execute(
+                        "UPDATE sandboxes SET durable_seq = ?, lost = lost + ? WHERE sandbox_id = ?",
+                        (hw, hw - durable, sandbox_id),
+                    )
+                    gaps.append(gap)
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+        return gaps
+
+    def _release_reservations(self) -> None:
+        db = self._writer()
+        with self._wlock:
+            db.execute("UPDATE sandboxes SET reserved_hw = durable_seq WHERE reserved_hw > durable_seq")
+
+    def _close_files(self) -> None:
+        for db in (self._wdb, self._rdb):
+            if db is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    db.close()
+        self._wdb = self._rdb = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None

@@ -1,0 +1,67 @@
+"""Snapshots, forks, pause and resume through the SDK against a real `dsec up`."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from dsec import errors
+from dsec.client import AsyncClient, Client
+from dsec.models import SandboxState
+
+pytestmark = [pytest.mark.root, pytest.mark.e2e]
+
+
+def test_snapshot_restore_fork_pause(service):
+    with Client() as c:
+        sb = c.create("python")
+        sb.exec("mkdir -p /work/env /work/ref && echo ready > /work/env/flag && echo answer > /work/ref/gold")
+        snap = sb.snapshot(scrub=["/work/ref"])
+        assert snap.scrubbed == ["/work/ref"]
+        restored = c.create(snapshot=snap.id)
+        assert restored.exec("cat /work/env/flag; ls /work/ref 2>&1 || true").stdout.startswith("ready\n")
+        assert "No such file" in restored.exec("ls /work/ref").stderr
+        assert snap.id in {s["name"] for s in c.snapshots()}
+
+        kids = sb.fork(3)
+        assert len(kids) == 3
+        kids[0].exec("echo changed > /work/env/flag")
+        assert kids[1].exec("cat /work/env/flag").stdout == "ready\n"
+        assert sb.exec("cat /work/env/flag").stdout == "ready\n"
+
+        info = sb.pause()
+        assert info.state is SandboxState.PAUSED
+        assert sb.refresh().state is SandboxState.PAUSED
+        assert sb.exec("echo awake").stdout == "awake\n"  # resumes transparently
+        assert sb.refresh().state is SandboxState.RUNNING
+
+        for x in (*kids, restored, sb):
+            x.stop()
+        c.delete_snapshot(snap.id)
+        with pytest.raises(errors.ImageNotFound):
+            c.delete_snapshot(snap.id)
+
+
+def test_pause_project_and_fork_quota(service):
+    with httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {service.token}"}) as http:
+        assert http.post("/v1/projects", json={"name": "pre", "quota": {"max_sandboxes": 3}}).status_code == 200
+        tok = http.post("/v1/principals", json={"name": "pre-user", "projects": ["pre"]}).json()["token"]
+
+    async def go():
+        async with AsyncClient(service.url, tok) as ac:
+            a = await ac.create("python", project="pre")
+            b = await ac.create("python", project="pre")
+            paused = await ac.pause_project("pre")
+            assert sorted(paused) == sorted([a.id, b.id])
+            assert (await a.refresh()).state is SandboxState.PAUSED
+            with pytest.raises(errors.QuotaExceeded):
+                await a.fork(2)  # 2 live + 2 > 3
+            (kid,) = await a.fork(1)
+            assert (await kid.exec("echo hi")).stdout == "hi\n"
+            with pytest.raises(errors.Forbidden):
+                await ac.pause_project("default")
+            await asyncio.gather(a.stop(), b.stop(), kid.stop())
+
+    asyncio.run(go())
