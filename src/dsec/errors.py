@@ -19,6 +19,7 @@ from the code with :func:`error_from_wire`.
      ├── Conflict (409)
      │    ├── EditMismatch          old string not found exactly once
      │    ├── SandboxNotRunning
+     │    ├── TrajectoryDivergence  a tagged step differs from the logged one
      │    └── FileExists_ (also FileExistsError)
      ├── PathEscape (403, also PermissionError)   a path leaves the sandbox
      ├── QuotaExceeded (429)
@@ -113,6 +114,10 @@ class EditMismatch(Conflict):
 
 class SandboxNotRunning(Conflict):
     code = "sandbox_not_running"
+
+
+class TrajectoryDivergence(Conflict):
+    code = "trajectory_divergence"
 
 
 class FileExists_(Conflict, FileExistsError):

@@ -70,6 +70,16 @@ class SandboxInfo(_Model):
     timings_ms: dict[str, float] = Field(default_factory=dict)
 
 
+class Step(_Model):
+    """A client's tag for one step of a trajectory: (trajectory id, step index).
+
+    A tagged step already in the log is not run again: its recorded result comes back
+    (`replayed=True`); a different action at the same tag is a `trajectory_divergence`."""
+
+    trajectory: str = Field(min_length=1, max_length=256)
+    index: int = Field(ge=0)
+
+
 class ExecRequest(_Model):
     cmd: str | list[str] = Field(description="a shell string (run by /bin/sh -c) or an argv list")
     stdin: str | None = Field(None, max_length=64 * MiB)
@@ -78,6 +88,7 @@ class ExecRequest(_Model):
     user: str | None = None
     timeout: float = Field(60.0, gt=0, le=86400)
     max_output_bytes: int = Field(1 * MiB, ge=0, le=64 * MiB, description="cap per stream")
+    step: Step | None = None
 
     @field_validator("cmd")
     @classmethod
@@ -96,6 +107,8 @@ class ExecResult(_Model):
     duration: float
     truncated: bool = False
     timed_out: bool = False
+    seq: int | None = Field(None, description="this operation's number in the sandbox's trajectory log")
+    replayed: bool = False
 
 
 class SessionKind(StrEnum):
@@ -120,6 +133,7 @@ class SessionRun(_Model):
     code: str = Field(max_length=16 * MiB, description="a bash command line or Python source")
     timeout: float = Field(60.0, gt=0, le=86400)
     max_output_bytes: int = Field(1 * MiB, ge=0, le=64 * MiB)
+    step: Step | None = None
 
 
 class SessionResult(_Model):
@@ -130,6 +144,8 @@ class SessionResult(_Model):
     duration: float
     truncated: bool = False
     timed_out: bool = False
+    seq: int | None = None
+    replayed: bool = False
 
 
 class FileWrite(_Model):
@@ -137,6 +153,7 @@ class FileWrite(_Model):
     content: str = Field(max_length=128 * MiB)
     encoding: Literal["utf-8", "base64"] = "utf-8"
     mode: int = Field(0o644, ge=0, le=0o7777)
+    step: Step | None = None
 
 
 class FileContent(_Model):
@@ -150,6 +167,7 @@ class FileEdit(_Model):
     path: str
     old: str = Field(min_length=1)
     new: str
+    step: Step | None = None
 
 
 class FileStat(_Model):

@@ -46,7 +46,9 @@ def test_snapshot_restore_fork_pause(service):
 
 def test_pause_project_and_fork_quota(service):
     with httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {service.token}"}) as http:
-        assert http.post("/v1/projects", json={"name": "pre", "quota": {"max_sandboxes": 3}}).status_code == 200
+        assert (
+            http.post("/v1/projects", json={"name": "pre", "quota": {"max_sandboxes": 3}}).status_code == 200
+        )
         tok = http.post("/v1/principals", json={"name": "pre-user", "projects": ["pre"]}).json()["token"]
 
     async def go():

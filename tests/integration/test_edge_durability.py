@@ -111,3 +111,28 @@ async def test_reconciler_removes_orphans(edge):
         raise AssertionError("the orphan sandbox's init survived the reconciler")
     assert not any(p.name == sb.id for p in dsec_cgroups(edge.name))
     assert not (edge.backend.sandboxes_dir / sb.id).exists()
+
+
+async def test_replay_survives_an_edge_restart(edge_dirs, python_image):
+    from dsec.models import Step
+
+    settings = EdgeSettings(
+        name="rpl" + os.urandom(2).hex(), reconcile_interval_s=3600, fncall_image="", **edge_dirs
+    )
+    req = ExecRequest(cmd="echo run >> /work/log; wc -l < /work/log", step=Step(trajectory="t", index=0))
+    first = Edge(settings)
+    await first.start()
+    sb = await first.create(SandboxSpec(image="python"))
+    r1 = await first.exec(sb.id, req)
+    await first.close(stop_sandboxes=False)  # the edge goes away, the sandbox stays
+
+    second = Edge(settings)
+    await second.start()
+    try:
+        r2 = await second.exec(sb.id, req)
+        assert (r2.stdout, r2.replayed, r2.seq) == (r1.stdout, True, r1.seq)
+        assert (await second.exec(sb.id, ExecRequest(cmd="wc -l < /work/log"))).stdout == "1\n"
+        entries = (await second.trajectory(sb.id))["entries"]
+        assert [e["seq"] for e in entries] == [1, 2]  # numbering continues across the restart
+    finally:
+        await second.close()

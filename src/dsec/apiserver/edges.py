@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import builtins
+import hashlib
 import json
 import tempfile
 from abc import ABC, abstractmethod
@@ -122,6 +123,12 @@ class EdgeAPI(ABC):
     @abstractmethod
     async def delete_snapshot(self, name: str) -> None: ...
     @abstractmethod
+    async def trajectory(
+        self, sid: str, after_seq: int, limit: int | None, projects: Projects
+    ) -> dict[str, Any]: ...
+    @abstractmethod
+    async def trajectory_export(self, sid: str, fmt: str, projects: Projects) -> bytes: ...
+    @abstractmethod
     async def fncall_run(self, req: FnCallRequest) -> FnCallResult: ...
     @abstractmethod
     async def fncall_jupyter(self, req: JupyterRequest) -> JupyterResult: ...
@@ -210,11 +217,11 @@ class LocalEdge(EdgeAPI):
 
     async def write_file(self, sid: str, req: FileWrite, projects: Projects) -> None:
         self._check(sid, projects)
-        self.edge.write_file(sid, req.path, decode_write(req), req.mode)
+        await self.edge.write_logged(sid, req, decode_write(req))
 
     async def edit_file(self, sid: str, req: FileEdit, projects: Projects) -> int:
         self._check(sid, projects)
-        return self.edge.edit_file(sid, req.path, req.old, req.new)
+        return await self.edge.edit_logged(sid, req)
 
     async def stat_file(self, sid: str, path: str, projects: Projects) -> FileStat:
         self._check(sid, projects)
@@ -227,10 +234,15 @@ class LocalEdge(EdgeAPI):
     async def delete_file(self, sid: str, path: str, recursive: bool, projects: Projects) -> None:
         self._check(sid, projects)
         self.edge.delete_file(sid, path, recursive)
+        await self.edge.log_event(sid, "file", {"op": "delete", "path": path, "recursive": recursive}, {})
 
     async def upload_tar(self, sid: str, path: str, data: bytes, projects: Projects) -> None:
         self._check(sid, projects)
         await self.edge.upload_tar(sid, path, data)
+        digest = hashlib.sha256(data).hexdigest()
+        await self.edge.log_event(
+            sid, "file", {"op": "upload", "path": path, "sha256": digest, "size": len(data)}, {}
+        )
 
     async def download_tar(self, sid: str, path: str, projects: Projects) -> bytes:
         self._check(sid, projects)
@@ -272,6 +284,16 @@ class LocalEdge(EdgeAPI):
 
     async def delete_snapshot(self, name: str) -> None:
         self.edge.delete_snapshot(name)
+
+    async def trajectory(
+        self, sid: str, after_seq: int, limit: int | None, projects: Projects
+    ) -> dict[str, Any]:
+        self._check(sid, projects)
+        return await self.edge.trajectory(sid, after_seq=after_seq, limit=limit)
+
+    async def trajectory_export(self, sid: str, fmt: str, projects: Projects) -> bytes:
+        self._check(sid, projects)
+        return await self.edge.trajectory_export(sid, fmt)
 
     async def fncall_run(self, req: FnCallRequest) -> FnCallResult:
         return await self.edge.fncall_run(req)
@@ -493,6 +515,22 @@ class HttpEdge(EdgeAPI):
 
     async def delete_snapshot(self, name: str) -> None:
         await self._call("DELETE", f"/v1/snapshots/{name}")
+
+    async def trajectory(
+        self, sid: str, after_seq: int, limit: int | None, projects: Projects
+    ) -> dict[str, Any]:
+        params: dict[str, Any] = {"after_seq": after_seq}
+        if limit is not None:
+            params["limit"] = limit
+        return dict(
+            (await self._call("GET", f"/v1/sandboxes/{sid}/trajectory", projects, params=params)).json()
+        )
+
+    async def trajectory_export(self, sid: str, fmt: str, projects: Projects) -> bytes:
+        r = await self._call(
+            "GET", f"/v1/sandboxes/{sid}/trajectory/export", projects, params={"format": fmt}
+        )
+        return r.content
 
     async def fncall_run(self, req: FnCallRequest) -> FnCallResult:
         r = await self._call("POST", "/v1/fncall/run", json_body=req.model_dump(mode="json"))

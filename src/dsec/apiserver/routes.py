@@ -164,6 +164,20 @@ def sandbox_router(observe_exec: ExecObserver | None = None) -> APIRouter:
         t = await _target(request, sid)
         return model_response(await t.edge.snapshot(sid, body, t.projects), 201)
 
+    @r.get("/trajectory")
+    async def trajectory(
+        sid: str, request: Request, after_seq: int = 0, limit: int | None = None
+    ) -> dict[str, Any]:
+        t = await _target(request, sid)
+        return await t.edge.trajectory(sid, after_seq, limit, t.projects)
+
+    @r.get("/trajectory/export")
+    async def trajectory_export(sid: str, request: Request, format: str = "jsonl") -> Response:
+        t = await _target(request, sid)
+        data = await t.edge.trajectory_export(sid, format, t.projects)
+        media = "application/x-ndjson" if format == "jsonl" else "application/vnd.apache.parquet"
+        return Response(content=data, media_type=media)
+
     _add_exec_routes(r, observe_exec)
     _add_session_routes(r)
     _add_file_routes(r)

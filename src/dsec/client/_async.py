@@ -14,7 +14,7 @@ import httpx
 
 from dsec import errors
 from dsec.client import _base
-from dsec.client._base import Call, Request, SpecOptions, T
+from dsec.client._base import Call, Request, SpecOptions, StepArg, T
 from dsec.models import (
     EdgeStatus,
     ExecResult,
@@ -252,10 +252,22 @@ class AsyncSandbox:
         cwd: str | None = None,
         user: str | None = None,
         max_output_bytes: int = 1 << 20,
+        step: StepArg = None,
     ) -> ExecResult:
-        """Run a command (a shell string or an argv list) to completion. Never retried."""
+        """Run a command (a shell string or an argv list) to completion.
+
+        With `step=(trajectory id, index)` the call is logged under that tag: sent again
+        (after a preemption, a client restart, a retry) it returns the recorded result
+        without running twice. Untagged calls are never retried."""
         req = _base.exec_request(
-            cmd, timeout=timeout, stdin=stdin, env=env, cwd=cwd, user=user, max_output_bytes=max_output_bytes
+            cmd,
+            timeout=timeout,
+            stdin=stdin,
+            env=env,
+            cwd=cwd,
+            user=user,
+            max_output_bytes=max_output_bytes,
+            step=step,
         )
         return await self._client._call(_base.exec_(self.id, req))
 
@@ -340,6 +352,15 @@ class AsyncSandbox:
         infos = await self._client._call(_base.fork(self.id, n))
         return [AsyncSandbox(self._client, i.id, i) for i in infos]
 
+    async def trajectory(self, *, after_seq: int = 0, limit: int | None = None) -> dict[str, Any]:
+        """The sandbox's logged operations in order (`entries`) and counts (`stats`:
+        acknowledged, recorded, lost, pending)."""
+        return await self._client._call(_base.trajectory(self.id, after_seq, limit))
+
+    async def trajectory_export(self, format: str = "jsonl") -> bytes:
+        """The trajectory as JSON Lines or Parquet bytes."""
+        return await self._client._call(_base.trajectory_export(self.id, format))
+
     async def refresh(self) -> SandboxInfo:
         self.info = await self._client._call(_base.get(self.id))
         return self.info
@@ -371,10 +392,12 @@ class AsyncSession:
     def __repr__(self) -> str:
         return f"AsyncSession(id={self.id!r}, kind={self.kind!r}, sandbox_id={self.sandbox_id!r})"
 
-    async def run(self, code: str, *, timeout: float = 60, max_output_bytes: int = 1 << 20) -> SessionResult:
-        """Run a command line (bash) or source (python) in the session. Never retried."""
+    async def run(
+        self, code: str, *, timeout: float = 60, max_output_bytes: int = 1 << 20, step: StepArg = None
+    ) -> SessionResult:
+        """Run a command line (bash) or source (python) in the session (`step`: see exec)."""
         return await self._client._call(
-            _base.session_run(self.sandbox_id, self.id, code, timeout, max_output_bytes)
+            _base.session_run(self.sandbox_id, self.id, code, timeout, max_output_bytes, step)
         )
 
     async def close(self) -> None:
@@ -408,13 +431,15 @@ class AsyncFiles:
     async def read_bytes(self, path: str) -> bytes:
         return _base.content_bytes(await self._call(_base.file_read(self.sandbox_id, path)))
 
-    async def write(self, path: str, content: str | bytes, *, mode: int = 0o644) -> None:
+    async def write(
+        self, path: str, content: str | bytes, *, mode: int = 0o644, step: StepArg = None
+    ) -> None:
         """Write a file (``str`` as utf-8, ``bytes`` as they are), creating parent directories."""
-        await self._call(_base.file_write(self.sandbox_id, path, content, mode))
+        await self._call(_base.file_write(self.sandbox_id, path, content, mode, step))
 
-    async def edit(self, path: str, old: str, new: str) -> int:
+    async def edit(self, path: str, old: str, new: str, *, step: StepArg = None) -> int:
         """Replace ``old`` (which must occur exactly once) by ``new``; returns the new size."""
-        return await self._call(_base.file_edit(self.sandbox_id, path, old, new))
+        return await self._call(_base.file_edit(self.sandbox_id, path, old, new, step))
 
     async def list(self, path: str) -> list[FileStat]:
         return await self._call(_base.file_list(self.sandbox_id, path))

@@ -119,7 +119,10 @@ def _sb(sandbox_id: str, *rest: str) -> str:
 
 
 def _dump(model: BaseModel) -> Any:
-    return model.model_dump(mode="json")
+    body = model.model_dump(mode="json")
+    if body.get("step", 0) is None:
+        del body["step"]  # untagged: keep the wire as it was before step tags
+    return body
 
 
 def _validated(cls: type[M], **values: Any) -> M:
@@ -231,6 +234,17 @@ def stop_batch_raise(errs: dict[str, errors.DsecError]) -> None:
 # --------------------------------------------------------------------------- exec
 
 
+StepArg = tuple[str, int] | None
+"""A step tag (trajectory id, step index): a logged step is replayed, never run twice."""
+
+
+def _step(step: StepArg) -> dict[str, Any] | None:
+    if step is None:
+        return None
+    trajectory, index = step
+    return {"trajectory": trajectory, "index": index}
+
+
 def exec_request(
     cmd: str | list[str],
     *,
@@ -240,6 +254,7 @@ def exec_request(
     cwd: str | None,
     user: str | None,
     max_output_bytes: int,
+    step: StepArg = None,
 ) -> ExecRequest:
     return _validated(
         ExecRequest,
@@ -250,12 +265,20 @@ def exec_request(
         cwd=cwd,
         user=user,
         max_output_bytes=max_output_bytes,
+        step=_step(step),
     )
 
 
 def exec_(sandbox_id: str, req: ExecRequest) -> Call[ExecResult]:
     return Call(
-        Request("POST", _sb(sandbox_id, "exec"), json=_dump(req), op_timeout=req.timeout),
+        # A tagged step is deduplicated by the edge's trajectory log: safe to retry.
+        Request(
+            "POST",
+            _sb(sandbox_id, "exec"),
+            json=_dump(req),
+            op_timeout=req.timeout,
+            idempotent=req.step is not None,
+        ),
         _model(ExecResult),
     )
 
@@ -349,11 +372,20 @@ def session_list(sandbox_id: str) -> Call[list[SessionInfo]]:
 
 
 def session_run(
-    sandbox_id: str, session_id: str, code: str, timeout: float, max_output_bytes: int
+    sandbox_id: str, session_id: str, code: str, timeout: float, max_output_bytes: int, step: StepArg = None
 ) -> Call[SessionResult]:
-    body = _validated(SessionRun, code=code, timeout=timeout, max_output_bytes=max_output_bytes)
+    body = _validated(
+        SessionRun, code=code, timeout=timeout, max_output_bytes=max_output_bytes, step=_step(step)
+    )
+    # A tagged step is deduplicated by the edge's trajectory log: safe to retry.
     return Call(
-        Request("POST", _sb(sandbox_id, "sessions", session_id, "run"), json=_dump(body), op_timeout=timeout),
+        Request(
+            "POST",
+            _sb(sandbox_id, "sessions", session_id, "run"),
+            json=_dump(body),
+            op_timeout=timeout,
+            idempotent=step is not None,
+        ),
         _model(SessionResult),
     )
 
@@ -382,7 +414,9 @@ def content_bytes(fc: FileContent) -> bytes:
     return base64.b64decode(fc.content) if fc.encoding == "base64" else fc.content.encode("utf-8")
 
 
-def file_write(sandbox_id: str, path: str, content: str | bytes, mode: int) -> Call[None]:
+def file_write(
+    sandbox_id: str, path: str, content: str | bytes, mode: int, step: StepArg = None
+) -> Call[None]:
     wire_len = 4 * -(-len(content) // 3) if isinstance(content, bytes) else len(content)
     if wire_len > WRITE_MAX:
         unit = "bytes" if isinstance(content, bytes) else "characters"
@@ -398,19 +432,38 @@ def file_write(sandbox_id: str, path: str, content: str | bytes, mode: int) -> C
             content=base64.b64encode(content).decode("ascii"),
             encoding="base64",
             mode=mode,
+            step=_step(step),
         )
     else:
-        body = _validated(FileWrite, path=path, content=content, encoding="utf-8", mode=mode)
+        body = _validated(
+            FileWrite, path=path, content=content, encoding="utf-8", mode=mode, step=_step(step)
+        )
     return Call(Request("PUT", _sb(sandbox_id, "files"), json=_dump(body), idempotent=True), _none)
 
 
-def file_edit(sandbox_id: str, path: str, old: str, new: str) -> Call[int]:
-    body = _validated(FileEdit, path=path, old=old, new=new)
+def file_edit(sandbox_id: str, path: str, old: str, new: str, step: StepArg = None) -> Call[int]:
+    body = _validated(FileEdit, path=path, old=old, new=new, step=_step(step))
 
     def parse(response: httpx.Response) -> int:
         return int(response.json()["size"])
 
-    return Call(Request("POST", _sb(sandbox_id, "files", "edit"), json=_dump(body)), parse)
+    return Call(
+        Request("POST", _sb(sandbox_id, "files", "edit"), json=_dump(body), idempotent=step is not None),
+        parse,
+    )
+
+
+def trajectory(sandbox_id: str, after_seq: int, limit: int | None) -> Call[dict[str, Any]]:
+    params = [("after_seq", str(after_seq))] + ([("limit", str(limit))] if limit is not None else [])
+    return Call(Request("GET", _sb(sandbox_id, "trajectory"), params=params, idempotent=True), _json)
+
+
+def trajectory_export(sandbox_id: str, fmt: str) -> Call[bytes]:
+    def parse(response: httpx.Response) -> bytes:
+        return response.content
+
+    req = Request("GET", _sb(sandbox_id, "trajectory", "export"), params=[("format", fmt)], idempotent=True)
+    return Call(req, parse)
 
 
 def file_stat(sandbox_id: str, path: str) -> Call[FileStat]:

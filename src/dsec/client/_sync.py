@@ -16,7 +16,7 @@ import httpx
 
 from dsec import errors
 from dsec.client import _base
-from dsec.client._base import Call, Request, SpecOptions, T
+from dsec.client._base import Call, Request, SpecOptions, StepArg, T
 from dsec.models import (
     EdgeStatus,
     ExecResult,
@@ -247,10 +247,22 @@ class Sandbox:
         cwd: str | None = None,
         user: str | None = None,
         max_output_bytes: int = 1 << 20,
+        step: StepArg = None,
     ) -> ExecResult:
-        """Run a command (a shell string or an argv list) to completion. Never retried."""
+        """Run a command (a shell string or an argv list) to completion.
+
+        With `step=(trajectory id, index)` the call is logged under that tag: sent again
+        (after a preemption, a client restart, a retry) it returns the recorded result
+        without running twice. Untagged calls are never retried."""
         req = _base.exec_request(
-            cmd, timeout=timeout, stdin=stdin, env=env, cwd=cwd, user=user, max_output_bytes=max_output_bytes
+            cmd,
+            timeout=timeout,
+            stdin=stdin,
+            env=env,
+            cwd=cwd,
+            user=user,
+            max_output_bytes=max_output_bytes,
+            step=step,
         )
         return self._client._call(_base.exec_(self.id, req))
 
@@ -333,6 +345,15 @@ class Sandbox:
         infos = self._client._call(_base.fork(self.id, n))
         return [Sandbox(self._client, i.id, i) for i in infos]
 
+    def trajectory(self, *, after_seq: int = 0, limit: int | None = None) -> dict[str, Any]:
+        """The sandbox's logged operations in order (`entries`) and counts (`stats`:
+        acknowledged, recorded, lost, pending)."""
+        return self._client._call(_base.trajectory(self.id, after_seq, limit))
+
+    def trajectory_export(self, format: str = "jsonl") -> bytes:
+        """The trajectory as JSON Lines or Parquet bytes."""
+        return self._client._call(_base.trajectory_export(self.id, format))
+
     def refresh(self) -> SandboxInfo:
         self.info = self._client._call(_base.get(self.id))
         return self.info
@@ -364,10 +385,12 @@ class Session:
     def __repr__(self) -> str:
         return f"Session(id={self.id!r}, kind={self.kind!r}, sandbox_id={self.sandbox_id!r})"
 
-    def run(self, code: str, *, timeout: float = 60, max_output_bytes: int = 1 << 20) -> SessionResult:
-        """Run a command line (bash) or source (python) in the session. Never retried."""
+    def run(
+        self, code: str, *, timeout: float = 60, max_output_bytes: int = 1 << 20, step: StepArg = None
+    ) -> SessionResult:
+        """Run a command line (bash) or source (python) in the session (`step`: see exec)."""
         return self._client._call(
-            _base.session_run(self.sandbox_id, self.id, code, timeout, max_output_bytes)
+            _base.session_run(self.sandbox_id, self.id, code, timeout, max_output_bytes, step)
         )
 
     def close(self) -> None:
@@ -401,13 +424,13 @@ class Files:
     def read_bytes(self, path: str) -> bytes:
         return _base.content_bytes(self._call(_base.file_read(self.sandbox_id, path)))
 
-    def write(self, path: str, content: str | bytes, *, mode: int = 0o644) -> None:
+    def write(self, path: str, content: str | bytes, *, mode: int = 0o644, step: StepArg = None) -> None:
         """Write a file (``str`` as utf-8, ``bytes`` as they are), creating parent directories."""
-        self._call(_base.file_write(self.sandbox_id, path, content, mode))
+        self._call(_base.file_write(self.sandbox_id, path, content, mode, step))
 
-    def edit(self, path: str, old: str, new: str) -> int:
+    def edit(self, path: str, old: str, new: str, *, step: StepArg = None) -> int:
         """Replace ``old`` (which must occur exactly once) by ``new``; returns the new size."""
-        return self._call(_base.file_edit(self.sandbox_id, path, old, new))
+        return self._call(_base.file_edit(self.sandbox_id, path, old, new, step))
 
     def list(self, path: str) -> list[FileStat]:
         return self._call(_base.file_list(self.sandbox_id, path))

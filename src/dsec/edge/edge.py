@@ -12,6 +12,7 @@ import base64
 import builtins
 import contextlib
 import fcntl
+import hashlib
 import io
 import itertools
 import logging
@@ -22,7 +23,7 @@ import tarfile
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,9 @@ from dsec.models import (
     EdgeStatus,
     ExecRequest,
     ExecResult,
+    FileEdit,
     FileStat,
+    FileWrite,
     SandboxInfo,
     SandboxSpec,
     SandboxState,
@@ -55,8 +58,10 @@ from dsec.models import (
     SessionResult,
     SessionRun,
     SnapshotInfo,
+    Step,
 )
 from dsec.native import ensure_shim
+from dsec.trajlog import StepTag, TrajectoryLog, action_hash
 
 log = logging.getLogger("dsec.edge")
 _ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
@@ -117,6 +122,8 @@ class Edge:
         self._epoch = secrets.token_hex(3)
         self._lock_fd = -1
         self._terminating: dict[str, asyncio.Task[None]] = {}
+        self.trajlog = TrajectoryLog(settings.data_dir / f"trajlog-{settings.name}.db")
+        self._inflight: dict[tuple[str, int], asyncio.Future[None]] = {}
 
     # --- lifecycle of the edge itself ------------------------------------------
 
@@ -151,6 +158,7 @@ class Edge:
             cgroups=self.cgroups,
         )
         self.store = EdgeStore(s.db_path)
+        await self.trajlog.start()
         await self._readopt()
         await self.reconcile()
         self._tasks.append(asyncio.create_task(self._reaper(), name="dsec-reaper"))
@@ -180,6 +188,7 @@ class Edge:
             self.store.touch_many(self._dirty_active)
             self.store.close()
             self.store = None
+            await self.trajlog.close()
         self.cgroups.remove_parent_if_empty()
         self._unmount_forks_if_unused()
         if self._lock_fd >= 0:
@@ -526,7 +535,14 @@ class Edge:
         )
 
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
-        return (await self._run(self._get(sandbox_id), req)).to_exec_result()
+        sb = self._get(sandbox_id)
+        action = {"op": "exec", **req.model_dump(include={"cmd", "stdin", "env", "cwd", "user"})}
+
+        async def run() -> dict[str, Any]:
+            return (await self._run(sb, req)).to_exec_result().model_dump()
+
+        obs, seq, replayed = await self._logged(sb, "exec", action, req.step, run)
+        return ExecResult.model_validate({**obs, "seq": seq, "replayed": replayed})
 
     async def exec_stream(
         self, sandbox_id: str, req: ExecRequest
@@ -611,12 +627,117 @@ class Edge:
     async def session_run(self, sandbox_id: str, session_id: str, req: SessionRun) -> SessionResult:
         sb = self._get(sandbox_id)
         s = self._session(sb, session_id)
+        # The session id is left out of the action: after a client restart the same step
+        # may come through a new session of the same kind.
+        action = {"op": "session", "kind": s.kind.value, "code": req.code}
+
+        async def run() -> dict[str, Any]:
+            try:
+                return (await s.run(req.code, req.timeout, req.max_output_bytes)).model_dump()
+            except errors.SessionNotFound:
+                sb.sessions.pop(session_id, None)
+                s.close()
+                raise
+
+        obs, seq, replayed = await self._logged(sb, "session", action, req.step, run)
+        return SessionResult.model_validate({**obs, "seq": seq, "replayed": replayed})
+
+    # --- the trajectory log ------------------------------------------------------------
+
+    async def _logged(
+        self,
+        sb: Sandbox,
+        kind: str,
+        action: dict[str, Any],
+        step: Step | None,
+        run: Callable[[], Awaitable[dict[str, Any]]],
+    ) -> tuple[dict[str, Any], int | None, bool]:
+        """Run an operation once and log it; a tagged step already logged is replayed.
+
+        Returns (observation, seq, replayed). The same tag arriving twice at once runs once:
+        the second caller waits for the first.
+        """
+        key = (step.trajectory, step.index) if step else None
+        if key is not None:
+            pending = self._inflight.get(key)
+            if pending is not None:
+                await asyncio.shield(pending)
+            entry = self.trajlog.find_step(*key)
+            if entry is not None:
+                if entry.action_hash != action_hash(action):
+                    raise errors.TrajectoryDivergence(
+                        f"step {key[1]} of trajectory {key[0]!r} was logged with a different "
+                        f"{entry.kind} action; resume from the logged steps or start a new trajectory id",
+                        trajectory=key[0],
+                        index=key[1],
+                        logged=entry.action,
+                    )
+                return dict(entry.observation or {}), entry.seq, True
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if key is not None:
+            self._inflight[key] = done
         try:
-            return await s.run(req.code, req.timeout, req.max_output_bytes)
-        except errors.SessionNotFound:
-            sb.sessions.pop(session_id, None)
-            s.close()
-            raise
+            t0 = time.perf_counter()
+            obs = await run()
+            timings = {"duration_ms": (time.perf_counter() - t0) * 1000}
+            seq = await self.trajlog.record(sb.id, kind, action, obs, timings, StepTag(*key) if key else None)
+            return obs, seq, False
+        finally:
+            if key is not None:
+                self._inflight.pop(key, None)
+            done.set_result(None)
+
+    async def write_logged(self, sandbox_id: str, req: FileWrite, data: bytes) -> None:
+        sb = self._get(sandbox_id)
+        digest = hashlib.sha256(data).hexdigest()
+        action = {"op": "write", "path": req.path, "sha256": digest, "size": len(data), "mode": req.mode}
+
+        async def run() -> dict[str, Any]:
+            sb.files.write(req.path, data, req.mode)
+            return {}
+
+        await self._logged(sb, "file", action, req.step, run)
+
+    async def edit_logged(self, sandbox_id: str, req: FileEdit) -> int:
+        sb = self._get(sandbox_id)
+        action = {"op": "edit", "path": req.path, "old": req.old, "new": req.new}
+
+        async def run() -> dict[str, Any]:
+            return {"size": sb.files.edit(req.path, req.old, req.new)}
+
+        obs, _, _ = await self._logged(sb, "file", action, req.step, run)
+        return int(obs["size"])
+
+    async def log_event(
+        self, sandbox_id: str, kind: str, action: dict[str, Any], obs: dict[str, Any]
+    ) -> None:
+        """Log an operation that is not a step (delete, upload, snapshot, fork, pause...)."""
+        await self.trajlog.record(sandbox_id, kind, action, obs, {})
+
+    async def trajectory(
+        self, sandbox_id: str, *, after_seq: int = 0, limit: int | None = None
+    ) -> dict[str, Any]:
+        """The logged operations in seq order (flushed first), gaps included, and the counts."""
+        self._lookup(sandbox_id)
+        await self.trajlog.flush()
+        entries = self.trajlog.read(sandbox_id, after_seq=after_seq, limit=limit)
+        return {
+            "entries": [e.model_dump(mode="json") for e in entries],
+            "stats": self.trajlog.stats(sandbox_id),
+        }
+
+    async def trajectory_export(self, sandbox_id: str, fmt: str) -> bytes:
+        self._lookup(sandbox_id)
+        if fmt not in ("jsonl", "parquet"):
+            raise errors.InvalidRequest(f"unknown export format {fmt!r}: use jsonl or parquet")
+        await self.trajlog.flush()
+        with tempfile.TemporaryDirectory(prefix="dsec-export-") as tmp:
+            path = Path(tmp) / f"trajectory.{fmt}"
+            if fmt == "jsonl":
+                self.trajlog.export_jsonl(sandbox_id, path)
+            else:
+                self.trajlog.export_parquet(sandbox_id, path)
+            return path.read_bytes()
 
     def session_list(self, sandbox_id: str) -> builtins.list[SessionInfo]:
         sb = self._get(sandbox_id)
@@ -810,6 +931,7 @@ class Edge:
             source={"type": "snapshot", "sandbox": sandbox_id, "base": base.name, "scrubbed": scrubbed},
         )
         self.layers.put_image(image)
+        await self.log_event(sandbox_id, "snapshot", {"op": "snapshot", "scrub": scrubbed}, {"id": name})
         return SnapshotInfo(
             id=name,
             sandbox=sandbox_id,
@@ -869,6 +991,7 @@ class Edge:
             )
         for i in infos:
             i.timings_ms["fork_copy"] = (t_copy - t0) * 1000
+        await self.log_event(sandbox_id, "fork", {"op": "fork", "n": n}, {"ids": [i.id for i in infos]})
         return infos
 
     def _unmount_forks_if_unused(self) -> None:

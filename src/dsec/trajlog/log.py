@@ -262,10 +262,13 @@ class TrajectoryLog:
         self._closing = True
         self._wake_writer()
         self._space.set()  # producers waiting for room see the log is closing
-        try:
-            await self._task
-        finally:
-            self._task = None
+        task = self._task
+        # wait() rather than await: a writer that died must not make close() raise its error (or look
+        # like close() itself was cancelled); the files are closed either way.
+        await asyncio.wait([task])
+        self._task = None
+        if not task.cancelled() and task.exception() is not None:
+            self._error = task.exception()
         unflushed = len(self._waiting) + len(self._committing)
         for _, fut in self._flush_waiters:
             if not fut.done():
@@ -439,7 +442,8 @@ class TrajectoryLog:
                 rows: list[Row] = (
                     self._reader()
                     .execute(
-                        f"SELECT {_COLUMNS} FROM entries WHERE sandbox_id = ? AND seq > ? ORDER BY seq LIMIT ?",
+                        f"SELECT {_COLUMNS} FROM entries "
+                        "WHERE sandbox_id = ? AND seq > ? ORDER BY seq LIMIT ?",
                         (sandbox_id, after, chunk),
                     )
                     .fetchall()
@@ -526,6 +530,19 @@ class TrajectoryLog:
         self._ready.set()
 
     async def _run(self) -> None:
+        try:
+            await self._write_loop()
+        except BaseException as e:  # a bug or a cancelled loop: stop taking records, wake everyone
+            self._error = e
+            self._open = False
+            self._space.set()
+            for _, fut in self._flush_waiters:
+                if not fut.done():
+                    fut.set_exception(errors.Unavailable(f"the trajectory log writer stopped: {e!r}"))
+            self._flush_waiters.clear()
+            raise
+
+    async def _write_loop(self) -> None:
         """The single writer: commit what waits, at most one batch at a time, in queue (= seq) order."""
         while True:
             if not self._waiting:
