@@ -67,3 +67,13 @@ def test_pause_project_and_fork_quota(service):
             await asyncio.gather(a.stop(), b.stop(), kid.stop())
 
     asyncio.run(go())
+
+
+def test_checkpoint_says_why_it_cannot(service):
+    with Client() as c:
+        sb = c.create("python")
+        with pytest.raises(errors.UnsupportedOperation) as exc:
+            sb.checkpoint()
+        assert "CRIU" in exc.value.message and "pause()" in exc.value.message
+        assert exc.value.details["reason"] == "no_criu_runtime"
+        sb.stop()

@@ -119,6 +119,8 @@ class EdgeAPI(ABC):
     @abstractmethod
     async def fork(self, sid: str, n: int, projects: Projects) -> builtins.list[SandboxInfo]: ...
     @abstractmethod
+    async def checkpoint(self, sid: str, projects: Projects) -> None: ...
+    @abstractmethod
     async def snapshots(self) -> builtins.list[dict[str, Any]]: ...
     @abstractmethod
     async def delete_snapshot(self, name: str) -> None: ...
@@ -278,6 +280,10 @@ class LocalEdge(EdgeAPI):
     async def fork(self, sid: str, n: int, projects: Projects) -> builtins.list[SandboxInfo]:
         self._check(sid, projects)
         return await self.edge.fork(sid, n)
+
+    async def checkpoint(self, sid: str, projects: Projects) -> None:
+        self._check(sid, projects)
+        await self.edge.checkpoint(sid)
 
     async def snapshots(self) -> builtins.list[dict[str, Any]]:
         return self.edge.list_snapshots()
@@ -512,6 +518,9 @@ class HttpEdge(EdgeAPI):
 
     async def snapshots(self) -> builtins.list[dict[str, Any]]:
         return list((await self._call("GET", "/v1/snapshots")).json()["snapshots"])
+
+    async def checkpoint(self, sid: str, projects: Projects) -> None:
+        await self._call("POST", f"/v1/sandboxes/{sid}/checkpoint", projects)
 
     async def delete_snapshot(self, name: str) -> None:
         await self._call("DELETE", f"/v1/snapshots/{name}")

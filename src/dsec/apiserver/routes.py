@@ -164,6 +164,12 @@ def sandbox_router(observe_exec: ExecObserver | None = None) -> APIRouter:
         t = await _target(request, sid)
         return model_response(await t.edge.snapshot(sid, body, t.projects), 201)
 
+    @r.post("/checkpoint", status_code=201)
+    async def checkpoint(sid: str, request: Request) -> Response:
+        t = await _target(request, sid)
+        await t.edge.checkpoint(sid, t.projects)
+        return Response(status_code=201)
+
     @r.get("/trajectory")
     async def trajectory(
         sid: str, request: Request, after_seq: int = 0, limit: int | None = None

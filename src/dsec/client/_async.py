@@ -352,6 +352,11 @@ class AsyncSandbox:
         infos = await self._client._call(_base.fork(self.id, n))
         return [AsyncSandbox(self._client, i.id, i) for i in infos]
 
+    async def checkpoint(self) -> None:
+        """Checkpoint the processes' memory to disk. Raises UnsupportedOperation on this
+        platform (the message says why); use pause() or snapshot() instead."""
+        await self._client._call(_base.checkpoint(self.id))
+
     async def trajectory(self, *, after_seq: int = 0, limit: int | None = None) -> dict[str, Any]:
         """The sandbox's logged operations in order (`entries`) and counts (`stats`:
         acknowledged, recorded, lost, pending)."""

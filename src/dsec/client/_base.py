@@ -577,6 +577,10 @@ def fork(sandbox_id: str, n: int) -> Call[list[SandboxInfo]]:
     return Call(Request("POST", _sb(sandbox_id, "fork"), json=body), _models(SandboxInfo, "sandboxes"))
 
 
+def checkpoint(sandbox_id: str) -> Call[None]:
+    return Call(Request("POST", _sb(sandbox_id, "checkpoint")), _none)
+
+
 def snapshots() -> Call[list[dict[str, Any]]]:
     def parse(response: httpx.Response) -> list[dict[str, Any]]:
         return list(response.json()["snapshots"])

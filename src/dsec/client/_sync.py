@@ -345,6 +345,11 @@ class Sandbox:
         infos = self._client._call(_base.fork(self.id, n))
         return [Sandbox(self._client, i.id, i) for i in infos]
 
+    def checkpoint(self) -> None:
+        """Checkpoint the processes' memory to disk. Raises UnsupportedOperation on this
+        platform (the message says why); use pause() or snapshot() instead."""
+        self._client._call(_base.checkpoint(self.id))
+
     def trajectory(self, *, after_seq: int = 0, limit: int | None = None) -> dict[str, Any]:
         """The sandbox's logged operations in order (`entries`) and counts (`stats`:
         acknowledged, recorded, lost, pending)."""

@@ -877,6 +877,20 @@ class Edge:
                 unmount_all(Path(m))
         return {"sandboxes": len(orphans), "mounts": len(stray)}
 
+    # --- memory checkpoints -----------------------------------------------------------
+
+    async def checkpoint(self, sandbox_id: str) -> None:
+        """Checkpoint the sandbox's processes (memory state) to disk. Not available yet:
+        the error says exactly why, so callers can fall back to pause() or snapshot()."""
+        self._lookup(sandbox_id)
+        raise errors.UnsupportedOperation(
+            f"sandbox {sandbox_id} cannot be checkpointed: the OCI runtime here (crun 1.8.1) is built "
+            "without CRIU, and dumping the sandbox directly with CRIU 4.1 would have to restore the init's "
+            "control socket and its handle on the writable layer, which this edge does not support yet. "
+            "Use pause() to keep processes in memory across a preemption, or snapshot() to keep the files",
+            reason="no_criu_runtime",
+        )
+
     # --- snapshots and forks ----------------------------------------------------------
 
     def _forks_root(self) -> Path:
