@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
 import subprocess
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import httpx
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -32,7 +40,59 @@ def podman_run_true(rootfs: Path, n: int) -> list[float]:
     """`podman run --rm` of `rootfs` (overlay on top, runc: crun 1.8 refuses hybrid cgroups)."""
     if not shutil.which("podman"):
         return []
-    argv = ["podman", "--cgroup-manager=cgroupfs", "--runtime", "runc", "run", "--rm", "--network=none",
-            "--ulimit", "nofile=20000:20000", "--ulimit", "nproc=32768:32768",
-            "--rootfs", f"{rootfs}:O", "/bin/true"]  # fmt: skip
+    argv = [
+        "podman",
+        "--cgroup-manager=cgroupfs",
+        "--runtime",
+        "runc",
+        "run",
+        "--rm",
+        "--network=none",
+        "--ulimit",
+        "nofile=20000:20000",
+        "--ulimit",
+        "nproc=32768:32768",
+        "--rootfs",
+        f"{rootfs}:O",
+        "/bin/true",
+    ]
     return timed_cmd(argv, n)
+
+
+@contextlib.contextmanager
+def running_service(edge_name: str) -> Iterator[tuple[str, str]]:
+    """A real `dsec up` on a free port with a throwaway data dir (the shared layer store);
+    yields (url, admin token) and stops it (SIGTERM: sandboxes stopped, nothing left)."""
+    from dsec.service import free_port
+
+    tmp = Path(tempfile.mkdtemp(prefix="dsec-bench-"))
+    port = free_port()
+    run_dir = f"/run/dsec-bench-{port}"
+    env = dict(
+        os.environ,
+        DSEC_EDGE_LAYERS_DIR="/var/lib/dsec/layers",
+        DSEC_EDGE_RUN_DIR=run_dir,
+        DSEC_CONFIG=str(tmp / "client.json"),
+        DSEC_EDGE_NAME=edge_name,
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsec.cli", "up", "--port", str(port), "--data-dir", str(tmp)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if httpx.get(url + "/v1/health").json().get("edges"):
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        yield url, (tmp / "admin-token").read_text().strip()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(run_dir, ignore_errors=True)

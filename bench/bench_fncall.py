@@ -9,47 +9,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
-from _common import pct, podman_run_true, row, timed_cmd  # type: ignore[import-not-found]
+from _common import pct, podman_run_true, row, running_service, timed_cmd  # type: ignore[import-not-found]
 
 from dsec.client import Client
-from dsec.service import free_port
 
 CPP = '#include <cstdio>\nint main(){long s=0; for(int i=0;i<1000;i++) s+=i; printf("%ld\\n", s);}'
-
-
-def start_service(tmp: Path, port: int) -> tuple[subprocess.Popen[bytes], str, str]:
-    env = dict(
-        os.environ,
-        DSEC_EDGE_LAYERS_DIR="/var/lib/dsec/layers",
-        DSEC_EDGE_RUN_DIR=f"/run/dsec-bench-{port}",
-        DSEC_CONFIG=str(tmp / "client.json"),
-        DSEC_EDGE_NAME="fnb",
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dsec.cli", "up", "--port", str(port), "--data-dir", str(tmp)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(url + "/v1/health").json().get("edges"):
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    return proc, url, (tmp / "admin-token").read_text().strip()
 
 
 def sequential(http: httpx.Client, body: dict[str, object], n: int) -> list[float]:
@@ -82,10 +53,7 @@ async def sustained(url: str, token: str, seconds: float, concurrency: int) -> f
 
 
 def main(n: int, seconds: float, concurrency: int) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix="dsec-bench-"))
-    port = free_port()
-    proc, url, token = start_service(tmp, port)
-    try:
+    with running_service("fnb") as (url, token):
         lines = ["| operation | p50 ms | p95 ms |", "|---|---|---|"]
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=60) as http:
             py = {"code": "print(1)", "language": "python"}
@@ -131,11 +99,6 @@ def main(n: int, seconds: float, concurrency: int) -> None:
             f"vs a fresh sandbox per call: {pct(fresh, 0.5) / pct(fn_py, 0.5):.1f}x faster.",
         ]
         print("\n".join(lines))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(f"/run/dsec-bench-{port}", ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -8,47 +8,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
-from _common import pct, podman_run_true, row  # type: ignore[import-not-found]
+from _common import pct, podman_run_true, row, running_service  # type: ignore[import-not-found]
 
 from dsec.client import AsyncClient, Client
-from dsec.service import free_port
 
 
 def main(n: int) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix="dsec-bench-"))
-    port = free_port()
-    env = dict(
-        os.environ,
-        DSEC_EDGE_LAYERS_DIR="/var/lib/dsec/layers",
-        DSEC_EDGE_RUN_DIR=f"/run/dsec-bench-{port}",
-        DSEC_CONFIG=str(tmp / "client.json"),
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dsec.cli", "up", "--port", str(port), "--data-dir", str(tmp)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/v1/health").json().get("edges"):
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        token = (tmp / "admin-token").read_text().strip()
+    with running_service("svb") as (url, token):
         out = ["| operation (SDK + HTTP) | p50 ms | p95 ms |", "|---|---|---|"]
         with Client(url, token) as c:
             c.create().stop()
@@ -119,11 +89,6 @@ def main(n: int) -> None:
             f"(p50); warm pool {pct(podman, 0.5) / pct(warm, 0.5):.1f}x."
         )
         print("\n".join(out))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(f"/run/dsec-bench-{port}", ignore_errors=True)
 
 
 if __name__ == "__main__":
