@@ -295,6 +295,15 @@ class TrajectoryLog:
 
     # ----------------------------------------------------------------- hot path
 
+    async def prepare(self, sandbox_id: str) -> None:
+        """Load a sandbox's numbering state and make its first reservation now, so that its first
+        :meth:`record` neither reads the database nor waits for the reservation's fsync. The edge
+        calls this while the sandbox's runtime starts (it overlaps with that), and for pool sandboxes."""
+        self._check_open()
+        sb = self._sandboxes.get(sandbox_id) or self._load(sandbox_id)
+        if sb.next > sb.hw:
+            await self._reserve(sandbox_id, sb)
+
     async def record(
         self,
         sandbox_id: str,
