@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
+import shutil
 import time
+from pathlib import Path
 
 import pytest
 
@@ -82,3 +85,70 @@ async def test_fork_children_are_independent(edge):
     assert shared is not None and not os.path.exists(shared)
     copy_ms = kids[0].timings_ms["fork_copy"]
     print(f"fork x8 of 60 MB + 3,000 files: {took * 1000:.0f} ms (copy {copy_ms:.0f} ms)")
+
+
+async def test_fork_of_fork_stacks_layers_keeps_deletions_and_opaque_dirs(edge):
+    sb = await edge.create(SandboxSpec(image="python"))
+    await sh(
+        edge,
+        sb.id,
+        "mkdir -p /work && echo a > /work/a && rm /etc/issue && "
+        "rm -rf /usr/share/doc && mkdir /usr/share/doc && echo mine > /usr/share/doc/only",
+    )
+    (kid,) = await edge.fork(sb.id, 1)
+    await sh(edge, sb.id, "echo after > /work/parent-after")
+    await sh(edge, kid.id, "rm /work/a && echo b > /work/b")
+    grand = await edge.fork(kid.id, 2)
+    chain = edge.sandboxes[grand[0].id].record.extra_lower.split(":")
+    assert len(chain) == 2 and chain[1] == edge.sandboxes[kid.id].record.extra_lower
+    for g in grand:
+        out = await sh(
+            edge,
+            g.id,
+            "ls /work; test -e /etc/issue && echo issue; ls /usr/share/doc; "
+            "test -e /work/parent-after && echo leak; true",
+        )
+        assert out == "b\nonly\n"
+    # the parent's layer stays while a descendant stacks it, and goes with the last one
+    await edge.stop(kid.id)
+    assert all(os.path.exists(p) for p in chain)
+    for g in grand:
+        await edge.stop(g.id)
+    assert not any(os.path.exists(p) for p in chain)
+
+
+async def test_long_fork_chains_are_flattened(edge, monkeypatch):
+    import dsec.edge.edge as edge_mod
+
+    monkeypatch.setattr(edge_mod, "MAX_FORK_CHAIN", 1)
+    sb = await edge.create(SandboxSpec(image="python"))
+    await sh(edge, sb.id, "mkdir -p /work/d && echo 1 > /work/d/one && echo x > /work/x && rm /etc/issue")
+    (kid,) = await edge.fork(sb.id, 1)
+    await sh(edge, kid.id, "rm -r /work/d && mkdir /work/d && echo 2 > /work/d/two && rm /work/x")
+    (grand,) = await edge.fork(kid.id, 1)
+    rec = edge.sandboxes[grand.id].record
+    assert rec.extra_lower is not None and ":" not in rec.extra_lower  # one merged layer
+    out = await sh(edge, grand.id, "ls /work /work/d; test -e /etc/issue && echo issue; true")
+    assert out == "/work:\nd\n\n/work/d:\ntwo\n"
+
+
+async def test_fork_copy_never_follows_links_out_of_the_sandbox(edge):
+    secret_dir = Path(f"/run/dsec-test-secret-{secrets.token_hex(3)}")
+    secret_dir.mkdir()
+    try:
+        (secret_dir / "key").write_text("HOSTSECRET")
+        sb = await edge.create(SandboxSpec(image="python"))
+        await sh(
+            edge, sb.id, f"mkdir -p /work && ln -s {secret_dir} /work/d && ln -s {secret_dir}/key /work/k"
+        )
+        (kid,) = await edge.fork(sb.id, 1)
+        tree = Path(edge.sandboxes[kid.id].record.extra_lower)
+        assert (tree / "work/d").is_symlink() and (tree / "work/k").is_symlink()
+        assert not any(
+            b"HOSTSECRET" in p.read_bytes() for p in tree.rglob("*") if p.is_file() and not p.is_symlink()
+        )
+        # inside, the links resolve in the sandbox's own root, where that path does not exist
+        r = await edge.exec(kid.id, ExecRequest(cmd="cat /work/k"))
+        assert r.exit_code != 0 and "HOSTSECRET" not in r.stdout
+    finally:
+        shutil.rmtree(secret_dir)

@@ -402,8 +402,10 @@ class ContainerBackend:
         await self._teardown(sandbox_id, self.sandboxes_dir / sandbox_id)
 
 
-async def run_process_quick(argv: Sequence[str], log_fd: int, inherit: Sequence[int] = ()) -> int:
-    """Run a helper program and wait for it; its exit code.
+def spawn_quick(
+    argv: Sequence[str], out_fd: int, err_fd: int, inherit: Sequence[int] = ()
+) -> tuple[int, int]:
+    """Start a helper program; its (pid, pidfd).
 
     posix_spawn (vfork under glibc) and a pidfd watched by the event loop: no
     fork of this large process and no child-watcher thread per process, which
@@ -418,14 +420,18 @@ async def run_process_quick(argv: Sequence[str], log_fd: int, inherit: Sequence[
             os.environ,
             file_actions=[
                 (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
-                (os.POSIX_SPAWN_DUP2, log_fd, 1),
-                (os.POSIX_SPAWN_DUP2, log_fd, 2),
+                (os.POSIX_SPAWN_DUP2, out_fd, 1),
+                (os.POSIX_SPAWN_DUP2, err_fd, 2),
             ],
         )
     finally:
         for fd in inherit:
             os.set_inheritable(fd, False)
-    pidfd = os.pidfd_open(pid)
+    return pid, os.pidfd_open(pid)
+
+
+async def wait_quick(pid: int, pidfd: int) -> int:
+    """Wait for a process started by spawn_quick (closes its pidfd); its exit code."""
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
     loop.add_reader(pidfd, resolve_once, done)
@@ -435,6 +441,12 @@ async def run_process_quick(argv: Sequence[str], log_fd: int, inherit: Sequence[
         loop.remove_reader(pidfd)
         os.close(pidfd)
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+async def run_process_quick(argv: Sequence[str], log_fd: int, inherit: Sequence[int] = ()) -> int:
+    """Run a helper program with stdout and stderr on `log_fd` and wait for it; its exit code."""
+    pid, pidfd = spawn_quick(argv, log_fd, log_fd, inherit)
+    return await wait_quick(pid, pidfd)
 
 
 def resolve_once(fut: asyncio.Future[None]) -> None:

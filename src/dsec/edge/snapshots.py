@@ -10,36 +10,105 @@ their own empty writable layers, so each is independent afterwards.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import shutil
+import signal
 import stat
 from pathlib import Path, PurePosixPath
 
 from dsec import errors
-from dsec.backends.container import run_process_quick
+from dsec.backends.container import spawn_quick, wait_quick
 
 
-async def copy_tree(src: Path, dst: Path) -> None:
-    """Copy a writable layer exactly: ownership, modes, xattrs (overlay opaque markers),
-    whiteout devices, hard links."""
-    dst.mkdir(parents=True, exist_ok=True)
-    with open(os.devnull, "wb") as devnull:
-        # Run cp from inside the source: `src` is a /proc/<pid>/fd magic link, and resolving
-        # it again for each of thousands of files made the copy ~1.7x slower.
-        rc = await run_process_quick(["env", "-C", str(src), "cp", "-a", ".", f"{dst}/"], devnull.fileno())
-    if rc != 0:
-        raise errors.InternalError(f"copying the writable layer failed (cp exit {rc})")
-    st = os.stat(src)
-    os.chown(dst, st.st_uid, st.st_gid)
-    os.chmod(dst, stat.S_IMODE(st.st_mode))
+class TreeCopy:
+    """A running `dsec-copy` (see native/dsec-copy.c): exact (owners, modes, times, xattrs
+    such as overlayfs opaque markers, whiteout devices, hard links, holes), parallel, and
+    never following anything in the source, which a sandbox wrote."""
+
+    def __init__(self, pid: int, pidfd: int, signal_r: int, err: int, what: str) -> None:
+        self._pid, self._pidfd, self._err, self._what = pid, pidfd, err, what
+        loop = asyncio.get_running_loop()
+        self._dirs: asyncio.Future[None] = loop.create_future()
+        self._signal_r = signal_r
+        loop.add_reader(signal_r, self._on_signal)
+        self._exit = asyncio.ensure_future(wait_quick(pid, pidfd))
+        self._exit.add_done_callback(lambda _: self._on_signal())
+
+    def _on_signal(self) -> None:
+        if self._signal_r >= 0:
+            asyncio.get_running_loop().remove_reader(self._signal_r)
+            os.close(self._signal_r)
+            self._signal_r = -1
+        if not self._dirs.done():
+            self._dirs.set_result(None)
+
+    async def dirs(self) -> None:
+        """Every directory exists in the destination (file contents may still be on their way)."""
+        await asyncio.shield(self._dirs)
+
+    async def wait(self) -> None:
+        """The copy is complete; raises if it failed."""
+        try:
+            rc = await asyncio.shield(self._exit)
+        except asyncio.CancelledError:
+            self.kill()
+            raise
+        if rc != 0:
+            os.lseek(self._err, 0, os.SEEK_SET)
+            msg = os.read(self._err, 4000).decode(errors="replace").strip()
+            raise errors.InternalError(f"{self._what} failed: {msg or f'exit code {rc}'}")
+
+    def kill(self) -> None:
+        if self._exit.done():  # reaped: its pidfd is closed (and the number may be reused)
+            return
+        with contextlib.suppress(ProcessLookupError, OSError):
+            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+
+    def close(self) -> None:
+        self._on_signal()
+        if self._err >= 0:
+            os.close(self._err)
+            self._err = -1
 
 
-async def copy_tree_under(lower: Path, dst: Path) -> None:
+def start_copy(tool: Path, src: Path, dst: Path, *, merge: bool = False, what: str = "copying") -> TreeCopy:
+    """Start copying the tree under `src` into `dst`. With `merge`, entries `dst` already has
+    win (and its opaque directories hide what `src` has below them)."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    err = os.memfd_create("dsec-copy-err", os.MFD_CLOEXEC)
+    signal_r, signal_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    threads = str(max(2, min(8, os.cpu_count() or 2)))
+    argv = [str(tool), "-j", threads, "-s", str(signal_w), *(["-n"] if merge else []), str(src), str(dst)]
+    try:
+        with open(os.devnull, "wb") as devnull:
+            pid, pidfd = spawn_quick(argv, devnull.fileno(), err, (signal_w,))
+    except BaseException:
+        os.close(err)
+        os.close(signal_r)
+        raise
+    finally:
+        os.close(signal_w)
+    return TreeCopy(pid, pidfd, signal_r, err, what)
+
+
+async def copy_tree(tool: Path, src: Path, dst: Path) -> None:
+    """Copy a writable layer exactly (see TreeCopy)."""
+    copy = start_copy(tool, src, dst, what="copying the writable layer")
+    try:
+        await copy.wait()
+    finally:
+        copy.close()
+
+
+async def copy_tree_under(tool: Path, lower: Path, dst: Path) -> None:
     """Merge a lower layer under what `dst` already holds (entries in `dst` win)."""
-    with open(os.devnull, "wb") as devnull:
-        rc = await run_process_quick(["cp", "-a", "-n", f"{lower}/.", f"{dst}/"], devnull.fileno())
-    if rc != 0:
-        raise errors.InternalError(f"flattening the parent fork layer failed (cp exit {rc})")
+    copy = start_copy(tool, lower, dst, merge=True, what="flattening the parent fork layer")
+    try:
+        await copy.wait()
+    finally:
+        copy.close()
 
 
 def scrub(tree: Path, paths: list[str], owner: int) -> list[str]:

@@ -1,4 +1,9 @@
-"""The native helper (dsec-shim), built from its C source on first use."""
+"""The native helpers, built from their C sources on first use (static binaries, named by a
+digest of their source so that an upgrade never runs a stale build):
+
+* ``dsec-shim``: PID 1 of every sandbox and the runtime launcher (see dsec-shim.c).
+* ``dsec-copy``: the parallel, exact tree copy behind forks and snapshots (see dsec-copy.c).
+"""
 
 from __future__ import annotations
 
@@ -11,41 +16,55 @@ from pathlib import Path
 
 from dsec.errors import InternalError
 
+_FLAGS = {"dsec-shim": [], "dsec-copy": ["-pthread"]}
 
-def _source() -> bytes:
-    return resources.files("dsec.native").joinpath("dsec-shim.c").read_bytes()
+
+def _source(name: str) -> bytes:
+    return resources.files("dsec.native").joinpath(f"{name}.c").read_bytes()
+
+
+def digest(name: str) -> str:
+    return hashlib.sha256(_source(name)).hexdigest()[:16]
 
 
 def shim_digest() -> str:
-    return hashlib.sha256(_source()).hexdigest()[:16]
+    return digest("dsec-shim")
 
 
-def ensure_shim(bin_dir: Path) -> Path:
-    """Path of a static dsec-shim built from this package's source (compiled if missing)."""
-    target = bin_dir / f"dsec-shim-{shim_digest()}"
+def ensure_tool(name: str, bin_dir: Path) -> Path:
+    """Path of a static build of the named helper from this package's source (compiled if missing)."""
+    target = bin_dir / f"{name}-{digest(name)}"
     if target.exists():
         return target
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise InternalError(
-            "dsec-shim needs a C compiler: run the install script (it installs gcc and libc6-dev)"
+            f"{name} needs a C compiler: run the install script (it installs gcc and libc6-dev)"
         )
     bin_dir.mkdir(parents=True, exist_ok=True)
-    src = bin_dir / f".dsec-shim-{os.getpid()}.c"
-    tmp = bin_dir / f".dsec-shim-{os.getpid()}"
-    src.write_bytes(_source())
+    src = bin_dir / f".{name}-{os.getpid()}.c"
+    tmp = bin_dir / f".{name}-{os.getpid()}"
+    src.write_bytes(_source(name))
     try:
         r = subprocess.run(
-            [cc, "-static", "-O2", "-Wall", "-o", str(tmp), str(src)],
+            [cc, "-static", "-O2", "-Wall", *_FLAGS[name], "-o", str(tmp), str(src)],
             capture_output=True,
             text=True,
             check=False,
         )
         if r.returncode != 0:
-            raise InternalError(f"building dsec-shim failed: {r.stderr[-2000:]}")
+            raise InternalError(f"building {name} failed: {r.stderr[-2000:]}")
         os.chmod(tmp, 0o755)
         os.replace(tmp, target)
     finally:
         src.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)
     return target
+
+
+def ensure_shim(bin_dir: Path) -> Path:
+    return ensure_tool("dsec-shim", bin_dir)
+
+
+def ensure_copy(bin_dir: Path) -> Path:
+    return ensure_tool("dsec-copy", bin_dir)
