@@ -10,7 +10,7 @@ ROOT=$(pwd)
 VENV="$ROOT/.venv"
 
 APT_PACKAGES=(crun runc mmdebstrap bubblewrap gcc libc6-dev iproute2 procps ca-certificates
-              btrfs-progs xfsprogs tar gzip zstd python3-venv)
+              btrfs-progs xfsprogs tar gzip zstd python3-venv debian-archive-keyring)
 
 log() { printf '\033[1m[dsec-install]\033[0m %s\n' "$*" >&2; }
 
@@ -44,6 +44,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 ln -sf "$VENV/bin/dsec" /usr/local/bin/dsec
+
+# Memory checkpoints need CRIU >= 4.2 (Debian 12's 3.17 fails on current kernels): unpacked from
+# Debian's next release into /var/lib/dsec/criu with a private apt state (the host's is untouched).
+if ! "$VENV/bin/python" -c 'from pathlib import Path; from dsec.edge.checkpoint import ensure_criu; ensure_criu(Path("/var/lib/dsec"))'; then
+  log "warning: CRIU >= 4.2 could not be fetched: memory checkpoints stay unavailable (everything else works)"
+fi
 
 log "images: python (default) and code (fncall / SandboxFusion); cached after the first build, ~30 s each"
 "$VENV/bin/dsec" image build python --quiet

@@ -39,7 +39,12 @@ def python_image() -> str:
 def edge_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
     base = tmp_path_factory.mktemp("dsec-edge")
     run_dir = Path("/run") / f"dsec-test-{secrets.token_hex(4)}"  # unique across concurrent pytest runs
-    yield {"data_dir": base / "data", "run_dir": run_dir, "layers_dir": LAYERS}
+    yield {
+        "data_dir": base / "data",
+        "run_dir": run_dir,
+        "layers_dir": LAYERS,
+        "criu_dir": LAYERS.parent / "criu",
+    }
     shutil.rmtree(run_dir, ignore_errors=True)
 
 

@@ -36,6 +36,7 @@ class EdgeSettings(BaseSettings):
     run_dir: Path = Path("/run/dsec")
     layers_dir: Path | None = None
     runtime: str = "crun"
+    criu_dir: Path = Path("/var/lib/dsec/criu")  # host-wide, unpacked by install.sh
     uid_offset: int = 100000
     max_sandboxes: int = 4000
     capacity_cpu: float = _default_cpu_capacity()
@@ -55,6 +56,11 @@ class EdgeSettings(BaseSettings):
         if not re.fullmatch(r"[a-z0-9]{1,12}", v):
             raise ValueError("edge name must be 1-12 lowercase letters or digits (it is part of sandbox ids)")
         return v
+
+    @property
+    def criu_root(self) -> Path:
+        """Where install.sh unpacks CRIU (memory checkpoints): shared by every edge of a host."""
+        return self.criu_dir
 
     @property
     def layer_root(self) -> Path:

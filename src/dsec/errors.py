@@ -99,6 +99,10 @@ class LayerNotFound(NotFound):
     code = "layer_not_found"
 
 
+class CheckpointNotFound(NotFound):
+    code = "checkpoint_not_found"
+
+
 class FileNotFound(NotFound, FileNotFoundError):
     code = "file_not_found"
 

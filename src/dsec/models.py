@@ -209,5 +209,40 @@ class SnapshotRequest(_Model):
     scrub: list[str] = Field(default_factory=list, max_length=1024, description="absolute paths to leave out")
 
 
+class CheckpointRequest(_Model):
+    leave_running: bool = Field(
+        True, description="keep the processes running after the dump (else kill them)"
+    )
+
+
+class CheckpointTree(_Model):
+    root: int = Field(description="pid of the tree's root inside the sandbox")
+    pids: list[int]
+    cmdline: str
+
+
+class Checkpoint(_Model):
+    id: str = Field(description="restore it with POST /v1/checkpoints/{id}/restore")
+    sandbox: str
+    project: str
+    image: str
+    cpu: float = Field(description="the sandbox's shape; a restore into a new sandbox gets the same")
+    memory_mb: int
+    trees: list[CheckpointTree]
+    size_bytes: int = Field(description="process images (the files copied with them come on top)")
+    leave_running: bool
+    created_at: float
+    timings_ms: dict[str, float] = Field(default_factory=dict)
+
+
+class RestoreRequest(_Model):
+    sandbox_id: str | None = Field(
+        None,
+        description="restore into this running sandbox (its processes are replaced); "
+        "by default a new sandbox with the checkpoint's files and spec is created",
+    )
+    labels: dict[str, str] = Field(default_factory=dict, description="labels of the new sandbox")
+
+
 class ForkRequest(_Model):
     n: int = Field(1, ge=1, le=256)

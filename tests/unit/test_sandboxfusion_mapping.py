@@ -32,8 +32,9 @@ def app(*, auth: bool, run_result: FnCallResult | Exception) -> TestClient:
     return TestClient(a)
 
 
-OK = FnCallResult(run=Stage(status="Finished", return_code=0, stdout="1\n"), files={"a": "eA==", "b": None},
-                  worker="w1")
+OK = FnCallResult(
+    run=Stage(status="Finished", return_code=0, stdout="1\n"), files={"a": "eA==", "b": None}, worker="w1"
+)
 
 
 @pytest.mark.parametrize(

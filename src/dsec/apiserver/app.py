@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pydantic import BaseModel, Field
 
 from dsec import __version__, errors
-from dsec.apiserver.edges import EdgeAPI, HttpEdge
+from dsec.apiserver.edges import EdgeAPI, HttpEdge, edge_of
 from dsec.apiserver.placement import EdgeDirectory, EdgeView
 from dsec.apiserver.routes import Gate, Target, bearer, install_error_handlers, model_response, sandbox_router
 from dsec.compat.sandboxfusion import sandboxfusion_router
@@ -33,7 +33,7 @@ from dsec.compat.swerex import swerex_router
 from dsec.edge.pools import PoolInfo, PoolSpec
 from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult
 from dsec.iam import IAM, Principal, Quota
-from dsec.models import EdgeStatus, ForkRequest, SandboxInfo, SandboxSpec
+from dsec.models import EdgeStatus, ForkRequest, RestoreRequest, SandboxInfo, SandboxSpec
 
 _PrincipalFn = Callable[[Request], Principal]
 
@@ -196,6 +196,7 @@ def create_api_app(
     _install_sandbox_routes(app, st, principal)
     _install_sandbox_stop_routes(app, st, principal)
     _install_state_routes(app, st, principal)
+    _install_checkpoint_routes(app, st, principal)
     _install_image_pool_routes(app, st, principal, require_admin)
     _install_edge_routes(app, st, principal)
     _install_iam_routes(app, st, principal, require_admin)
@@ -413,6 +414,62 @@ def _install_state_routes(app: FastAPI, st: ApiServerState, principal: _Principa
                 deleted = True
         if not deleted:
             raise errors.ImageNotFound(f"there is no snapshot {name!r}")
+        return Response(status_code=204)
+
+
+def _install_checkpoint_routes(app: FastAPI, st: ApiServerState, principal: _PrincipalFn) -> None:
+    """Memory checkpoints: list, restore (into a new sandbox: admitted like a create), delete.
+    Taking one is a per-sandbox route (routes.py); checkpoint ids name their edge like sandbox ids."""
+    iam, directory = st.iam, st.directory
+
+    def edge_for(cid: str) -> EdgeAPI:
+        try:
+            return directory.edge_for(cid)
+        except errors.SandboxNotFound:
+            raise errors.CheckpointNotFound(
+                f"there is no checkpoint {cid} (ids look like <edge>-ckpt-<12 hex digits>; "
+                "GET /v1/checkpoints lists yours)"
+            ) from None
+
+    @app.get("/v1/checkpoints")
+    async def checkpoints(request: Request) -> dict[str, Any]:
+        scope = iam.visible_projects(principal(request))
+        lists = await asyncio.gather(*(e.checkpoints(scope) for e in directory.all()), return_exceptions=True)
+        return {
+            "checkpoints": [c.model_dump(mode="json") for lst in lists if isinstance(lst, list) for c in lst]
+        }
+
+    @app.post("/v1/checkpoints/{cid}/restore", response_model=SandboxInfo, status_code=201)
+    async def restore(cid: str, body: RestoreRequest, request: Request) -> Response:
+        """Restore into a new sandbox (admitted like a create) or into a running one."""
+        p = principal(request)
+        scope = iam.visible_projects(p)
+        edge = edge_for(cid)
+        if body.sandbox_id is not None:
+            if edge_of(body.sandbox_id) != edge.name:
+                raise errors.InvalidRequest(
+                    f"checkpoint {cid} lives on edge {edge.name}; restore it into a sandbox of that edge "
+                    "or into a new sandbox"
+                )
+            return model_response(await edge.restore(cid, body, scope), 201)
+        ck = next((c for c in await edge.checkpoints(scope) if c.id == cid), None)
+        if ck is None:
+            raise errors.CheckpointNotFound(f"there is no checkpoint {cid} in your projects")
+        key = f"pending-{secrets.token_hex(8)}"
+        iam.reserve(key, ck.project, ck.cpu, ck.memory_mb)
+        try:
+            info = await edge.restore(cid, body, scope)
+        except BaseException:
+            iam.release(key)
+            raise
+        iam.rekey(key, info.id)
+        st.events.publish("created", id=info.id, edge=info.edge, image=info.spec.image, restored_from=cid)
+        return model_response(info, 201)
+
+    @app.delete("/v1/checkpoints/{cid}", status_code=204)
+    async def delete_checkpoint(cid: str, request: Request) -> Response:
+        scope = iam.visible_projects(principal(request))
+        await edge_for(cid).delete_checkpoint(cid, scope)
         return Response(status_code=204)
 
 

@@ -28,6 +28,8 @@ from dsec.edge.edge import encode_content
 from dsec.edge.pools import PoolInfo, PoolSpec
 from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult
 from dsec.models import (
+    Checkpoint,
+    CheckpointRequest,
     EdgeStatus,
     ExecRequest,
     ExecResult,
@@ -35,6 +37,7 @@ from dsec.models import (
     FileEdit,
     FileStat,
     FileWrite,
+    RestoreRequest,
     SandboxInfo,
     SandboxSpec,
     SessionCreate,
@@ -119,7 +122,13 @@ class EdgeAPI(ABC):
     @abstractmethod
     async def fork(self, sid: str, n: int, projects: Projects) -> builtins.list[SandboxInfo]: ...
     @abstractmethod
-    async def checkpoint(self, sid: str, projects: Projects) -> None: ...
+    async def checkpoint(self, sid: str, req: CheckpointRequest, projects: Projects) -> Checkpoint: ...
+    @abstractmethod
+    async def checkpoints(self, projects: Projects) -> builtins.list[Checkpoint]: ...
+    @abstractmethod
+    async def restore(self, cid: str, req: RestoreRequest, projects: Projects) -> SandboxInfo: ...
+    @abstractmethod
+    async def delete_checkpoint(self, cid: str, projects: Projects) -> None: ...
     @abstractmethod
     async def snapshots(self) -> builtins.list[dict[str, Any]]: ...
     @abstractmethod
@@ -281,9 +290,18 @@ class LocalEdge(EdgeAPI):
         self._check(sid, projects)
         return await self.edge.fork(sid, n)
 
-    async def checkpoint(self, sid: str, projects: Projects) -> None:
+    async def checkpoint(self, sid: str, req: CheckpointRequest, projects: Projects) -> Checkpoint:
         self._check(sid, projects)
-        await self.edge.checkpoint(sid)
+        return await self.edge.checkpoint(sid, leave_running=req.leave_running)
+
+    async def checkpoints(self, projects: Projects) -> builtins.list[Checkpoint]:
+        return self.edge.list_checkpoints(projects)
+
+    async def restore(self, cid: str, req: RestoreRequest, projects: Projects) -> SandboxInfo:
+        return await self.edge.restore(cid, sandbox_id=req.sandbox_id, labels=req.labels, projects=projects)
+
+    async def delete_checkpoint(self, cid: str, projects: Projects) -> None:
+        self.edge.delete_checkpoint(cid, projects)
 
     async def snapshots(self) -> builtins.list[dict[str, Any]]:
         return self.edge.list_snapshots()
@@ -519,8 +537,22 @@ class HttpEdge(EdgeAPI):
     async def snapshots(self) -> builtins.list[dict[str, Any]]:
         return list((await self._call("GET", "/v1/snapshots")).json()["snapshots"])
 
-    async def checkpoint(self, sid: str, projects: Projects) -> None:
-        await self._call("POST", f"/v1/sandboxes/{sid}/checkpoint", projects)
+    async def checkpoint(self, sid: str, req: CheckpointRequest, projects: Projects) -> Checkpoint:
+        r = await self._call("POST", f"/v1/sandboxes/{sid}/checkpoint", projects, json_body=req.model_dump())
+        return Checkpoint.model_validate_json(r.content)
+
+    async def checkpoints(self, projects: Projects) -> builtins.list[Checkpoint]:
+        r = await self._call("GET", "/v1/checkpoints", projects)
+        return [Checkpoint.model_validate(x) for x in r.json()["checkpoints"]]
+
+    async def restore(self, cid: str, req: RestoreRequest, projects: Projects) -> SandboxInfo:
+        r = await self._call(
+            "POST", f"/v1/checkpoints/{cid}/restore", projects, json_body=req.model_dump(mode="json")
+        )
+        return SandboxInfo.model_validate_json(r.content)
+
+    async def delete_checkpoint(self, cid: str, projects: Projects) -> None:
+        await self._call("DELETE", f"/v1/checkpoints/{cid}", projects)
 
     async def delete_snapshot(self, name: str) -> None:
         await self._call("DELETE", f"/v1/snapshots/{name}")

@@ -23,6 +23,8 @@ from pydantic import BaseModel
 from dsec import errors
 from dsec.apiserver.edges import EdgeAPI, Projects
 from dsec.models import (
+    Checkpoint,
+    CheckpointRequest,
     ExecRequest,
     ExecResult,
     FileContent,
@@ -164,11 +166,10 @@ def sandbox_router(observe_exec: ExecObserver | None = None) -> APIRouter:
         t = await _target(request, sid)
         return model_response(await t.edge.snapshot(sid, body, t.projects), 201)
 
-    @r.post("/checkpoint", status_code=201)
-    async def checkpoint(sid: str, request: Request) -> Response:
+    @r.post("/checkpoint", response_model=Checkpoint, status_code=201)
+    async def checkpoint(sid: str, request: Request, body: CheckpointRequest | None = None) -> Response:
         t = await _target(request, sid)
-        await t.edge.checkpoint(sid, t.projects)
-        return Response(status_code=201)
+        return model_response(await t.edge.checkpoint(sid, body or CheckpointRequest(), t.projects), 201)
 
     @r.get("/trajectory")
     async def trajectory(

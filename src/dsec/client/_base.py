@@ -26,6 +26,8 @@ from pydantic import BaseModel, ValidationError
 from dsec import errors
 from dsec.client import config
 from dsec.models import (
+    Checkpoint,
+    CheckpointRequest,
     EdgeStatus,
     ExecRequest,
     ExecResult,
@@ -35,6 +37,7 @@ from dsec.models import (
     FileWrite,
     ForkRequest,
     MiB,
+    RestoreRequest,
     SandboxInfo,
     SandboxSpec,
     SessionCreate,
@@ -577,8 +580,22 @@ def fork(sandbox_id: str, n: int) -> Call[list[SandboxInfo]]:
     return Call(Request("POST", _sb(sandbox_id, "fork"), json=body), _models(SandboxInfo, "sandboxes"))
 
 
-def checkpoint(sandbox_id: str) -> Call[None]:
-    return Call(Request("POST", _sb(sandbox_id, "checkpoint")), _none)
+def checkpoint(sandbox_id: str, leave_running: bool) -> Call[Checkpoint]:
+    body = _dump(_validated(CheckpointRequest, leave_running=leave_running))
+    return Call(Request("POST", _sb(sandbox_id, "checkpoint"), json=body), _model(Checkpoint))
+
+
+def checkpoints() -> Call[list[Checkpoint]]:
+    return Call(Request("GET", "/v1/checkpoints", idempotent=True), _models(Checkpoint, "checkpoints"))
+
+
+def restore(checkpoint_id: str, sandbox_id: str | None, labels: dict[str, str] | None) -> Call[SandboxInfo]:
+    body = _dump(_validated(RestoreRequest, sandbox_id=sandbox_id, labels=labels or {}))
+    return Call(Request("POST", f"/v1/checkpoints/{checkpoint_id}/restore", json=body), _model(SandboxInfo))
+
+
+def delete_checkpoint(checkpoint_id: str) -> Call[None]:
+    return Call(Request("DELETE", f"/v1/checkpoints/{checkpoint_id}", idempotent=True), _none)
 
 
 def snapshots() -> Call[list[dict[str, Any]]]:

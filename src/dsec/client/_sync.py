@@ -18,6 +18,7 @@ from dsec import errors
 from dsec.client import _base
 from dsec.client._base import Call, Request, SpecOptions, StepArg, T
 from dsec.models import (
+    Checkpoint,
     EdgeStatus,
     ExecResult,
     FileStat,
@@ -206,6 +207,20 @@ class Client:
     def delete_snapshot(self, snapshot_id: str) -> None:
         self._call(_base.delete_snapshot(snapshot_id))
 
+    def checkpoints(self) -> builtins.list[Checkpoint]:
+        return self._call(_base.checkpoints())
+
+    def restore(
+        self, checkpoint_id: str, *, sandbox_id: str | None = None, labels: dict[str, str] | None = None
+    ) -> Sandbox:
+        """Restore a memory checkpoint: into a new sandbox with the checkpoint's files and spec
+        (the default), or into the running sandbox `sandbox_id`, whose processes it replaces."""
+        info = self._call(_base.restore(checkpoint_id, sandbox_id, labels))
+        return Sandbox(self, info.id, info)
+
+    def delete_checkpoint(self, checkpoint_id: str) -> None:
+        self._call(_base.delete_checkpoint(checkpoint_id))
+
     def prewarm(self, count: int, image: str = "python", **spec: Unpack[SpecOptions]) -> dict[str, Any]:
         """Keep ``count`` sandboxes of this spec warm in a pool; returns the PoolInfo."""
         return self._call(_base.prewarm(count, _base.build_spec(image, spec)))
@@ -345,10 +360,12 @@ class Sandbox:
         infos = self._client._call(_base.fork(self.id, n))
         return [Sandbox(self._client, i.id, i) for i in infos]
 
-    def checkpoint(self) -> None:
-        """Checkpoint the processes' memory to disk. Raises UnsupportedOperation on this
-        platform (the message says why); use pause() or snapshot() instead."""
-        self._client._call(_base.checkpoint(self.id))
+    def checkpoint(self, *, leave_running: bool = True) -> Checkpoint:
+        """Checkpoint the sandbox's processes (memory, CRIU) with a copy of its files; restore
+        with `client.restore(checkpoint.id)` (a new sandbox) or `restore(id, sandbox_id=...)`.
+        Only processes running on their own qualify (start them with `nohup CMD > FILE 2>&1 &`);
+        anything else raises UnsupportedOperation with `details["reason"]`."""
+        return self._client._call(_base.checkpoint(self.id, leave_running))
 
     def trajectory(self, *, after_seq: int = 0, limit: int | None = None) -> dict[str, Any]:
         """The sandbox's logged operations in order (`entries`) and counts (`stats`:

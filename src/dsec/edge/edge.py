@@ -17,6 +17,7 @@ import io
 import itertools
 import logging
 import os
+import re
 import secrets
 import shutil
 import tarfile
@@ -31,6 +32,7 @@ from typing import Any
 from dsec import errors
 from dsec.backends.container import Container, ContainerBackend, ContainerPlan, mounts_under, unmount_all
 from dsec.config import EdgeSettings
+from dsec.edge import checkpoint as ckpt
 from dsec.edge.files import SandboxFiles
 from dsec.edge.pools import POOL_PROJECT, PoolInfo, PoolSpec, WarmPools
 from dsec.edge.process import PipeReader, RawResult, run_process, spawn
@@ -44,6 +46,8 @@ from dsec.isolation.spec import DEFAULT_PATH, Limits
 from dsec.layers import LayerStore, import_dir_layer
 from dsec.layers.store import Image
 from dsec.models import (
+    Checkpoint,
+    CheckpointTree,
     EdgeStatus,
     ExecRequest,
     ExecResult,
@@ -912,17 +916,144 @@ class Edge:
 
     # --- memory checkpoints -----------------------------------------------------------
 
-    async def checkpoint(self, sandbox_id: str) -> None:
-        """Checkpoint the sandbox's processes (memory state) to disk. Not available yet:
-        the error says exactly why, so callers can fall back to pause() or snapshot()."""
-        self._lookup(sandbox_id)
-        raise errors.UnsupportedOperation(
-            f"sandbox {sandbox_id} cannot be checkpointed: the OCI runtime here (crun 1.8.1) is built "
-            "without CRIU, and dumping the sandbox directly with CRIU 4.1 would have to restore the init's "
-            "control socket and its handle on the writable layer, which this edge does not support yet. "
-            "Use pause() to keep processes in memory across a preemption, or snapshot() to keep the files",
-            reason="no_criu_runtime",
+    def _checkpoints_dir(self) -> Path:
+        return self.settings.data_dir / "checkpoints"
+
+    def _checkpoint_dir(self, checkpoint_id: str) -> Path:
+        if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*-ckpt-[0-9a-f]{12}", checkpoint_id):
+            raise errors.CheckpointNotFound(
+                f"{checkpoint_id!r} is not a checkpoint id (like edge-ckpt-0123...)"
+            )
+        d = self._checkpoints_dir() / checkpoint_id
+        if not (d / "checkpoint.json").is_file():
+            raise errors.CheckpointNotFound(f"there is no checkpoint {checkpoint_id} on edge {self.name}")
+        return d
+
+    def _checkpoint_model(self, d: Path) -> Checkpoint:
+        info = ckpt.CheckpointInfo.load(d)
+        spec = SandboxSpec.model_validate_json((d / "spec.json").read_text())
+        return Checkpoint(
+            id=d.name,
+            sandbox=info.sandbox,
+            project=spec.project,
+            image=spec.image,
+            cpu=spec.cpu,
+            memory_mb=spec.memory_mb,
+            trees=[CheckpointTree(root=t.root, pids=t.pids, cmdline=t.cmdline) for t in info.trees],
+            size_bytes=info.size_bytes,
+            leave_running=info.leave_running,
+            created_at=info.created_at,
+            timings_ms=info.timings_ms,
         )
+
+    async def checkpoint(self, sandbox_id: str, *, leave_running: bool = True) -> Checkpoint:
+        """Checkpoint the sandbox's processes (CRIU) together with a copy of its files, taken
+        while they are stopped, so that memory and files match. Only processes that run on
+        their own can be checkpointed (not a running exec or a session: their pipes end in
+        this edge); anything else fails with a coded reason that says what to do instead."""
+        sb = self._get(sandbox_id)  # resumes a paused sandbox: CRIU cannot seize frozen tasks
+        criu = ckpt.find_criu(self.settings.criu_root)
+        cid = f"{self.name}-ckpt-{secrets.token_hex(6)}"
+        dest = self._checkpoints_dir() / cid
+        dest.parent.mkdir(parents=True, exist_ok=True)
+
+        async def copy_files() -> None:
+            await copy_tree(self._copy_tool, sb.container.upper, dest / "fs")
+            for layer in _chain(sb.record.extra_lower):  # a fork's or a restored sandbox's layers
+                await copy_tree_under(self._copy_tool, Path(layer), dest / "fs")
+
+        t0 = time.perf_counter()
+        info = await ckpt.dump(
+            sb.container,
+            dest,
+            criu=criu,
+            uid_offset=self.settings.uid_offset,
+            leave_running=leave_running,
+            while_stopped=copy_files,
+        )
+        (dest / "spec.json").write_text(sb.record.spec.model_dump_json())
+        info.timings_ms["total"] = (time.perf_counter() - t0) * 1000
+        info.save()
+        result = self._checkpoint_model(dest)
+        await self.log_event(
+            sandbox_id,
+            "checkpoint",
+            {"op": "checkpoint", "leave_running": leave_running},
+            {"id": cid, "trees": [t.root for t in result.trees]},
+        )
+        return result
+
+    async def restore(
+        self,
+        checkpoint_id: str,
+        *,
+        sandbox_id: str | None = None,
+        labels: dict[str, str] | None = None,
+        projects: set[str] | None = None,
+    ) -> SandboxInfo:
+        """Restore a checkpoint's processes: into a new sandbox stacking the checkpoint's files
+        (the default; the checkpoint's spec), or into a running sandbox, whose processes are
+        replaced (its files stay as they are: the processes' open files must still match)."""
+        d = self._checkpoint_dir(checkpoint_id)
+        spec = SandboxSpec.model_validate_json((d / "spec.json").read_text())
+        if projects is not None and spec.project not in projects:
+            raise errors.CheckpointNotFound(f"there is no checkpoint {checkpoint_id} in your projects")
+        criu = ckpt.find_criu(self.settings.criu_root)
+        t0 = time.perf_counter()
+        if sandbox_id is not None:
+            self.check_access(sandbox_id, projects)
+            sb = self._get(sandbox_id)
+            for s in list(sb.sessions.values()):
+                with contextlib.suppress(Exception):
+                    s.close(kill=False)
+            sb.sessions.clear()
+            await ckpt.kill_user_processes(self.cgroups, sb.id)
+            roots = await ckpt.restore(
+                sb.container, d, criu=criu, cgroups=self.cgroups, group_name=self._group_name(sb)
+            )
+            info = sb.info(self.name)
+        else:
+            if labels:
+                spec = spec.model_copy(update={"labels": {**spec.labels, **labels}})
+            spec = spec.model_copy(update={"labels": {**spec.labels, "dsec.restored-from": checkpoint_id}})
+            # The checkpoint's files are stacked as they are (read-only, shared by every restore).
+            info = await self._create(spec, None, t0, extra_lower=str(d / "fs"))
+            sb = self.sandboxes[info.id]
+            try:
+                roots = await ckpt.restore(
+                    sb.container, d, criu=criu, cgroups=self.cgroups, group_name=self._group_name(sb)
+                )
+            except BaseException:
+                await self.stop(info.id)
+                raise
+            info = sb.info(self.name)
+        info.timings_ms["restore"] = (time.perf_counter() - t0) * 1000
+        await self.log_event(
+            sb.id, "restore", {"op": "restore", "checkpoint": checkpoint_id}, {"roots": roots}
+        )
+        return info
+
+    def list_checkpoints(self, projects: set[str] | None = None) -> builtins.list[Checkpoint]:
+        out = []
+        with contextlib.suppress(FileNotFoundError):
+            for d in sorted(self._checkpoints_dir().iterdir()):
+                with contextlib.suppress(errors.DsecError, OSError, ValueError):
+                    c = self._checkpoint_model(d)
+                    if projects is None or c.project in projects:
+                        out.append(c)
+        return out
+
+    def delete_checkpoint(self, checkpoint_id: str, projects: set[str] | None = None) -> None:
+        d = self._checkpoint_dir(checkpoint_id)
+        if projects is not None and self._checkpoint_model(d).project not in projects:
+            raise errors.CheckpointNotFound(f"there is no checkpoint {checkpoint_id} in your projects")
+        users = [sb.id for sb in self.sandboxes.values() if str(d / "fs") in _chain(sb.record.extra_lower)]
+        if users:
+            raise errors.Conflict(
+                f"checkpoint {checkpoint_id} holds the files of live sandboxes ({', '.join(users[:5])}); "
+                "stop them first"
+            )
+        shutil.rmtree(d)
 
     # --- snapshots and forks ----------------------------------------------------------
 
@@ -1105,8 +1236,9 @@ class Edge:
     def _release_fork_layers(self, chain: str | None) -> None:
         """Remove the fork layers of a chain that no live sandbox stacks any more."""
         used = {p for sb in self.sandboxes.values() for p in _chain(sb.record.extra_lower)}
-        for path in _chain(chain):
-            if path not in used:
+        forks = self.settings.edge_run_dir / "forks"
+        for path in _chain(chain):  # a checkpoint's files (also stacked) belong to the checkpoint
+            if path not in used and Path(path).parent.parent == forks:
                 shutil.rmtree(Path(path).parent, ignore_errors=True)
 
     # --- fncall ---------------------------------------------------------------------

@@ -26,7 +26,7 @@ from dsec.config import EdgeSettings
 from dsec.edge.edge import Edge
 from dsec.edge.pools import PoolInfo, PoolSpec
 from dsec.fncall.models import FnCallRequest, JupyterRequest
-from dsec.models import EdgeStatus, ForkRequest, SandboxInfo, SandboxSpec
+from dsec.models import EdgeStatus, ForkRequest, RestoreRequest, SandboxInfo, SandboxSpec
 
 log = logging.getLogger("dsec.edge.server")
 
@@ -101,6 +101,7 @@ def create_edge_app(
     app.include_router(sandbox_router())
     _install_sandbox_routes(app, edge, local)
     _install_pool_image_routes(app, local)
+    _install_checkpoint_routes(app, local)
     return app
 
 
@@ -141,6 +142,22 @@ def _install_sandbox_routes(app: FastAPI, edge: Edge, local: LocalEdge) -> None:
     @app.delete("/v1/sandboxes/{sid}", status_code=204)
     async def stop(sid: str, request: Request) -> Response:
         await local.stop(sid, _projects(request))
+        return Response(status_code=204)
+
+
+def _install_checkpoint_routes(app: FastAPI, local: LocalEdge) -> None:
+    @app.get("/v1/checkpoints")
+    async def checkpoints(request: Request) -> dict[str, Any]:
+        cps = await local.checkpoints(_projects(request))
+        return {"checkpoints": [c.model_dump(mode="json") for c in cps]}
+
+    @app.post("/v1/checkpoints/{cid}/restore", response_model=SandboxInfo, status_code=201)
+    async def restore(cid: str, body: RestoreRequest, request: Request) -> Response:
+        return model_response(await local.restore(cid, body, _projects(request)), 201)
+
+    @app.delete("/v1/checkpoints/{cid}", status_code=204)
+    async def delete_checkpoint(cid: str, request: Request) -> Response:
+        await local.delete_checkpoint(cid, _projects(request))
         return Response(status_code=204)
 
 
