@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import os
 import re
 import secrets
@@ -193,7 +194,22 @@ async def test_no_network(edge):
 
 
 async def test_mount_ptrace_unshare_denied(edge):
+    # The first sandbox of an edge gets the profile compiled by crun; later ones get that
+    # program back precompiled (annotation run.oci.seccomp_bpf_data): both must hold.
+    first = await edge.create(SandboxSpec(image="python"))
     sb = await edge.create(SandboxSpec(image="python"))
+    configs = [
+        json.loads((edge.backend.sandboxes_dir / x.id / "config.json").read_text()) for x in (first, sb)
+    ]
+    assert "seccomp" in configs[0]["linux"] and "run.oci.seccomp_bpf_data" not in configs[0].get(
+        "annotations", {}
+    )
+    assert "seccomp" not in configs[1]["linux"] and configs[1]["annotations"]["run.oci.seccomp_bpf_data"]
+    for x in (first, sb):
+        await check_denied(edge, x)
+
+
+async def check_denied(edge, sb):
     r = await py(
         edge,
         sb.id,
