@@ -96,6 +96,12 @@ def service(
     os.environ.pop("DSEC_CONFIG", None)
     for name in list(svc.procs):
         svc.stop(name)
-    shutil.rmtree(env["DSEC_EDGE_RUN_DIR"], ignore_errors=True)
+    from dsec.backends.container import mounts_under, unmount_all
+
+    run_dir = env["DSEC_EDGE_RUN_DIR"]
+    for m in sorted(mounts_under(Path(run_dir).parent), key=len, reverse=True):  # a killed edge's
+        if m == run_dir or m.startswith(f"{run_dir}/"):
+            unmount_all(Path(m))
+    shutil.rmtree(run_dir, ignore_errors=True)
     # uvicorn re-raises the signal after a graceful shutdown
     assert proc.returncode in (0, -15), (tmp / "up.log").read_text()[-3000:]

@@ -63,9 +63,13 @@ async def test_kill_edge_then_adopt(edge_dirs, python_image):
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         proc.stdout.close()  # type: ignore[union-attr]
-    # sandbox mounts live only in the sandboxes' own mount namespaces
+    # sandbox mounts live only in the sandboxes' own mount namespaces; the host holds just
+    # the edge's run tmpfs, which outlives the edge process with the sandboxes in it
     assert not dsec_mounts("dur-")
-    assert not [m for m in Path("/proc/mounts").read_text().splitlines() if str(settings.run_dir) in m]
+    run_mounts = [
+        m.split()[:3] for m in Path("/proc/mounts").read_text().splitlines() if str(settings.run_dir) in m
+    ]
+    assert run_mounts == [["dsec-run-dur", str(settings.edge_run_dir), "tmpfs"]]
 
     # While no edge runs, one sandbox dies (its init is killed from the host).
     victim = ids[2]
@@ -88,7 +92,9 @@ async def test_kill_edge_then_adopt(edge_dirs, python_image):
         await edge.close()
     assert not dsec_mounts("dur-")
     assert not dsec_cgroups("dur-")
-    assert not list((settings.edge_run_dir / "sandboxes").iterdir())
+    assert not [m for m in Path("/proc/mounts").read_text().splitlines() if str(settings.run_dir) in m]
+    sandboxes = settings.edge_run_dir / "sandboxes"
+    assert not sandboxes.exists() or not list(sandboxes.iterdir())
 
 
 async def test_reconciler_removes_orphans(edge):

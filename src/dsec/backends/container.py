@@ -503,6 +503,20 @@ def mounts_under(prefix: Path) -> list[str]:
     return out
 
 
+def fs_type(path: Path) -> str:
+    """The file system type of the mount holding `path` (longest mount point prefix)."""
+    p = os.path.realpath(path)
+    best, kind = "", ""
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            fields = line.split()
+            target = fields[1].replace("\\040", " ")
+            inside = p == target or p.startswith(target.rstrip("/") + "/")
+            if inside and len(target) >= len(best):
+                best, kind = target, fields[2]
+    return kind
+
+
 def unmount_all(target: Path) -> None:
     """Unmount `target` (stacked mounts included); ignore it if nothing is mounted."""
     for _ in range(8):
