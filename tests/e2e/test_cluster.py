@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import secrets
 import shutil
+import subprocess
 import time
 from collections import Counter
 from pathlib import Path
@@ -99,3 +100,81 @@ def test_two_edges_share_load_and_survive_apiserver_restart(tmp_path, python_ima
         shutil.rmtree(f"/run/dsec-e2e-{run_id}-{name}", ignore_errors=True)
         assert not glob.glob(f"/sys/fs/cgroup/*/dsec/{name}-*")
         assert not [m for m in Path("/proc/mounts").read_text().splitlines() if f"dsec-{name}-" in m]
+
+
+def test_snapshot_restores_on_another_edge(tmp_path, python_image):
+    """The edge holding a snapshot is full: the apiserver moves the snapshot's layer to the
+    other edge (its own layer store) over HTTP and restores it there."""
+    from .conftest import LAYERS
+
+    data = tmp_path / "data"
+    run_id = secrets.token_hex(4)
+    env = _env(tmp_path, f"dsec-e2e-{run_id}")
+    env["DSEC_EDGE_FNCALL_IMAGE"] = ""
+    api_port = free_port()
+    url = f"http://127.0.0.1:{api_port}"
+    procs = {
+        "api": start(
+            ["apiserver", "--port", str(api_port), "--data-dir", str(data)], env, tmp_path / "api.log"
+        )
+    }
+    store_b = tmp_path / "layers-b"  # a second host's store: the base image, no snapshots
+    subprocess.run(["cp", "-al", str(LAYERS), str(store_b)], check=True)
+
+    def edge(name: str, cap: int, layers: Path) -> subprocess.Popen[bytes]:
+        return start(
+            [
+                "edge",
+                "--apiserver",
+                url,
+                "--name",
+                name,
+                "--port",
+                str(free_port()),
+                "--data-dir",
+                str(data),
+                "--run-dir",
+                f"/run/dsec-e2e-{run_id}-{name}",
+                "--token",
+                (data / "cluster-token").read_text().strip(),
+                "--max-sandboxes",
+                str(cap),
+                "--no-keep-sandboxes",
+            ],
+            {**env, "DSEC_EDGE_LAYERS_DIR": str(layers)},
+            tmp_path / f"{name}.log",
+        )
+
+    try:
+        deadline = time.monotonic() + 30
+        while not (data / "cluster-token").exists() or not (data / "admin-token").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        admin = (data / "admin-token").read_text().strip()
+        procs["sa"] = edge("sa", 1, LAYERS)
+        wait_healthy(url, edges=1)
+        with Client(url, admin) as c:
+            src = c.create("python", memory_mb=128)
+            src.exec("mkdir -p /work && echo from-sa > /work/state")
+            snap = src.snapshot()
+            for f in (store_b / "images").glob("snap-*"):
+                f.unlink()  # the copy of the store may hold other runs' snapshots
+            procs["sb"] = edge("sb", 4, store_b)
+            wait_healthy(url, edges=2)
+            restored = c.create(snapshot=snap.id)  # sa is full (src): restored on sb
+            assert restored.id.startswith("sb-")
+            assert restored.files.read("/work/state") == "from-sa\n"
+            layer_b = store_b / "layers" / snap.layer.split("@")[0]
+            assert layer_b.is_dir()
+            restored.stop()
+            src.stop()
+            c.delete_snapshot(snap.id)  # from both edges
+            assert not (store_b / "images" / f"{snap.id}.json").exists()
+    finally:
+        for p in procs.values():
+            p.terminate()
+        for p in procs.values():
+            p.wait(60)
+    for name in ("sa", "sb"):
+        shutil.rmtree(f"/run/dsec-e2e-{run_id}-{name}", ignore_errors=True)
+        assert not glob.glob(f"/sys/fs/cgroup/*/dsec/{name}-*")

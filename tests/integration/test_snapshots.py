@@ -6,6 +6,7 @@ import asyncio
 import os
 import secrets
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -152,3 +153,60 @@ async def test_fork_copy_never_follows_links_out_of_the_sandbox(edge):
         assert r.exit_code != 0 and "HOSTSECRET" not in r.stdout
     finally:
         shutil.rmtree(secret_dir)
+
+
+async def test_snapshot_moves_to_an_edge_without_it(edge, edge_dirs, tmp_path):
+    """A snapshot made on one edge restores on another whose layer store lacks it: the
+    missing layer travels as an archive and must hash to its digest."""
+    from dsec.apiserver.app import _transfer_image
+    from dsec.apiserver.edges import LocalEdge
+    from dsec.config import EdgeSettings
+    from dsec.edge import Edge
+
+    sb = await edge.create(SandboxSpec(image="python", project="default"))
+    await sh(
+        edge,
+        sb.id,
+        "mkdir -p /work && echo moved > /work/state && setfattr -n user.k -v v /work/state || true",
+    )
+    snap = await edge.snapshot(sb.id, [])
+    # edge B: its own layer store, holding the base image (hard links) but not the snapshot
+    store_b = tmp_path / "layers-b"
+    subprocess.run(["cp", "-al", str(edge_dirs["layers_dir"]), str(store_b)], check=True)
+    shutil.rmtree(store_b / "images" / f"{snap.id}.json", ignore_errors=True)
+    (store_b / "images" / f"{snap.id}.json").unlink(missing_ok=True)
+    top = snap.layer.split("@")[0]
+    shutil.rmtree(store_b / "layers" / top, ignore_errors=True)
+    b = Edge(
+        EdgeSettings(
+            name="t" + secrets.token_hex(4),
+            reconcile_interval_s=3600,
+            fncall_image="",
+            data_dir=tmp_path / "data-b",
+            run_dir=Path(f"/run/dsec-test-{secrets.token_hex(4)}"),
+            layers_dir=store_b,
+        )
+    )
+    await b.start()
+    try:
+        assert not b.layers.has_image(snap.id)
+        manifest = edge.image_manifest(snap.id)
+        assert b.missing_layers(manifest) == [snap.layer]
+        # a corrupted transfer is refused
+        bad = tmp_path / "bad.tar"
+        subprocess.run(["tar", "-cf", str(bad), "-C", str(tmp_path), "data-b"], check=True)
+        with pytest.raises(errors.InvalidRequest):
+            await b.import_layer(snap.layer, manifest["digests"][snap.layer], bad)
+        assert not b.layers.has_layer(snap.layer)
+        await _transfer_image(LocalEdge(edge), LocalEdge(b), snap.id)
+        assert b.layers.get_layer(snap.layer).digest == manifest["digests"][snap.layer]
+        restored = await b.create(SandboxSpec(image=snap.id, project="default"))
+        assert await sh(b, restored.id, "cat /work/state") == "moved\n"
+        # a snapshot stays in its project
+        with pytest.raises(errors.ImageNotFound):
+            await b.create(SandboxSpec(image=snap.id, project="other"))
+        assert b.list_snapshots({"other"}) == [] and len(b.list_snapshots({"default"})) == 1
+        await b.stop(restored.id)
+    finally:
+        await b.close()
+        shutil.rmtree(b.settings.run_dir, ignore_errors=True)

@@ -13,10 +13,12 @@ import asyncio
 import contextlib
 import json
 import secrets
+import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Query, Request, Response
@@ -397,20 +399,20 @@ def _install_state_routes(app: FastAPI, st: ApiServerState, principal: _Principa
 
     @app.get("/v1/snapshots")
     async def snapshots(request: Request) -> dict[str, Any]:
-        principal(request)
+        scope = iam.visible_projects(principal(request))
         out = []
         for e in directory.all():
             with contextlib.suppress(errors.DsecError):
-                out += [{**x, "edge": e.name} for x in await e.snapshots()]
+                out += [{**x, "edge": e.name} for x in await e.snapshots(scope)]
         return {"snapshots": out}
 
     @app.delete("/v1/snapshots/{name}", status_code=204)
     async def delete_snapshot(name: str, request: Request) -> Response:
-        principal(request)
+        scope = iam.visible_projects(principal(request))
         deleted = False
-        for e in directory.all():
+        for e in directory.all():  # every copy (pulled ones included)
             with contextlib.suppress(errors.ImageNotFound):
-                await e.delete_snapshot(name)
+                await e.delete_snapshot(name, scope)
                 deleted = True
         if not deleted:
             raise errors.ImageNotFound(f"there is no snapshot {name!r}")
@@ -665,13 +667,39 @@ async def _candidates(st: ApiServerState, spec: SandboxSpec) -> list[EdgeView]:
 
 async def _place(st: ApiServerState, spec: SandboxSpec) -> SandboxInfo:
     last: errors.DsecError | None = None
-    for view in await _candidates(st, spec):
+    holders = await _candidates(st, spec)
+    for view in holders:
         st.directory.note_placed(view)
         try:
             return await view.api.create(spec)
         except (errors.CapacityExhausted, errors.Unavailable) as e:
             last = e  # the edge has the final say: try the next candidate
+    # Every edge holding the image is full: move it to one that is not (a snapshot made on
+    # one edge restores on any), least loaded first.
+    others = sorted(
+        (v for v in st.directory.views.values() if v.healthy and v not in holders and v.status is not None),
+        key=lambda v: v.load(spec),
+    )
+    for view in others:
+        try:
+            await _transfer_image(holders[0].api, view.api, spec.image)
+            st.directory.note_placed(view)
+            return await view.api.create(spec)
+        except (errors.CapacityExhausted, errors.Unavailable) as e:
+            last = e
     raise errors.CapacityExhausted(f"every edge that has image {spec.image!r} is full; retry later") from last
+
+
+async def _transfer_image(source: EdgeAPI, target: EdgeAPI, name: str) -> None:
+    """Copy an image's missing layers (relayed through this process) and its manifest."""
+    manifest = await source.image_manifest(name)
+    with tempfile.TemporaryDirectory(prefix="dsec-transfer-") as tmp:
+        for ref in await target.missing_layers(manifest):
+            archive = Path(tmp) / "layer.tar"
+            await source.fetch_layer(ref, archive)
+            await target.push_layer(ref, manifest["digests"][ref], archive)
+            archive.unlink()
+    await target.put_image(manifest)
 
 
 def _refresh_gauges(st: ApiServerState) -> None:

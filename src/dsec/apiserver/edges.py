@@ -130,9 +130,19 @@ class EdgeAPI(ABC):
     @abstractmethod
     async def delete_checkpoint(self, cid: str, projects: Projects) -> None: ...
     @abstractmethod
-    async def snapshots(self) -> builtins.list[dict[str, Any]]: ...
+    async def snapshots(self, projects: Projects = None) -> builtins.list[dict[str, Any]]: ...
     @abstractmethod
-    async def delete_snapshot(self, name: str) -> None: ...
+    async def image_manifest(self, name: str) -> dict[str, Any]: ...
+    @abstractmethod
+    async def missing_layers(self, manifest: dict[str, Any]) -> builtins.list[str]: ...
+    @abstractmethod
+    async def fetch_layer(self, ref: str, dest: Path) -> None: ...
+    @abstractmethod
+    async def push_layer(self, ref: str, digest: str, archive: Path) -> None: ...
+    @abstractmethod
+    async def put_image(self, manifest: dict[str, Any]) -> None: ...
+    @abstractmethod
+    async def delete_snapshot(self, name: str, projects: Projects = None) -> None: ...
     @abstractmethod
     async def trajectory(
         self, sid: str, after_seq: int, limit: int | None, projects: Projects
@@ -303,11 +313,26 @@ class LocalEdge(EdgeAPI):
     async def delete_checkpoint(self, cid: str, projects: Projects) -> None:
         self.edge.delete_checkpoint(cid, projects)
 
-    async def snapshots(self) -> builtins.list[dict[str, Any]]:
-        return self.edge.list_snapshots()
+    async def snapshots(self, projects: Projects = None) -> builtins.list[dict[str, Any]]:
+        return self.edge.list_snapshots(projects)
 
-    async def delete_snapshot(self, name: str) -> None:
-        self.edge.delete_snapshot(name)
+    async def delete_snapshot(self, name: str, projects: Projects = None) -> None:
+        self.edge.delete_snapshot(name, projects)
+
+    async def image_manifest(self, name: str) -> dict[str, Any]:
+        return self.edge.image_manifest(name)
+
+    async def missing_layers(self, manifest: dict[str, Any]) -> builtins.list[str]:
+        return self.edge.missing_layers(manifest)
+
+    async def fetch_layer(self, ref: str, dest: Path) -> None:
+        await self.edge.export_layer(ref, dest)
+
+    async def push_layer(self, ref: str, digest: str, archive: Path) -> None:
+        await self.edge.import_layer(ref, digest, archive)
+
+    async def put_image(self, manifest: dict[str, Any]) -> None:
+        self.edge.put_image(manifest)
 
     async def trajectory(
         self, sid: str, after_seq: int, limit: int | None, projects: Projects
@@ -534,8 +559,49 @@ class HttpEdge(EdgeAPI):
         r = await self._call("POST", f"/v1/sandboxes/{sid}/fork", projects, json_body={"n": n})
         return [SandboxInfo.model_validate(x) for x in r.json()["sandboxes"]]
 
-    async def snapshots(self) -> builtins.list[dict[str, Any]]:
-        return list((await self._call("GET", "/v1/snapshots")).json()["snapshots"])
+    async def snapshots(self, projects: Projects = None) -> builtins.list[dict[str, Any]]:
+        return list((await self._call("GET", "/v1/snapshots", projects)).json()["snapshots"])
+
+    async def image_manifest(self, name: str) -> dict[str, Any]:
+        return dict((await self._call("GET", f"/v1/images/{name}/manifest")).json())
+
+    async def missing_layers(self, manifest: dict[str, Any]) -> builtins.list[str]:
+        r = await self._call("POST", "/v1/images/missing-layers", json_body=manifest)
+        return list(r.json()["missing"])
+
+    async def fetch_layer(self, ref: str, dest: Path) -> None:
+        try:
+            async with self.http.stream("GET", f"/v1/layers/{ref}/archive", headers=self._hdr(None)) as r:
+                if r.status_code >= 400:
+                    await r.aread()
+                    raise errors.error_from_wire(r.status_code, r.json())
+                with open(dest, "wb") as f:
+                    async for chunk in r.aiter_bytes(1 << 20):
+                        f.write(chunk)
+        except httpx.TransportError as e:
+            raise errors.Unavailable(f"edge {self.name} at {self.url} is unreachable: {e}") from e
+
+    async def push_layer(self, ref: str, digest: str, archive: Path) -> None:
+        async def body() -> AsyncIterator[bytes]:
+            with open(archive, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    yield chunk
+
+        try:
+            r = await self.http.put(
+                f"/v1/layers/{ref}/archive",
+                params={"digest": digest},
+                content=body(),
+                headers=self._hdr(None),
+                timeout=600,
+            )
+        except httpx.TransportError as e:
+            raise errors.Unavailable(f"edge {self.name} at {self.url} is unreachable: {e}") from e
+        if r.status_code >= 400:
+            raise errors.error_from_wire(r.status_code, r.json())
+
+    async def put_image(self, manifest: dict[str, Any]) -> None:
+        await self._call("POST", "/v1/images/manifest", json_body=manifest)
 
     async def checkpoint(self, sid: str, req: CheckpointRequest, projects: Projects) -> Checkpoint:
         r = await self._call("POST", f"/v1/sandboxes/{sid}/checkpoint", projects, json_body=req.model_dump())
@@ -554,8 +620,8 @@ class HttpEdge(EdgeAPI):
     async def delete_checkpoint(self, cid: str, projects: Projects) -> None:
         await self._call("DELETE", f"/v1/checkpoints/{cid}", projects)
 
-    async def delete_snapshot(self, name: str) -> None:
-        await self._call("DELETE", f"/v1/snapshots/{name}")
+    async def delete_snapshot(self, name: str, projects: Projects = None) -> None:
+        await self._call("DELETE", f"/v1/snapshots/{name}", projects)
 
     async def trajectory(
         self, sid: str, after_seq: int, limit: int | None, projects: Projects

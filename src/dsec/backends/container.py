@@ -440,7 +440,7 @@ class ContainerBackend:
 
 
 def spawn_quick(
-    argv: Sequence[str], out_fd: int, err_fd: int, inherit: Sequence[int] = ()
+    argv: Sequence[str], out_fd: int, err_fd: int, inherit: Sequence[int] = (), *, stdin_fd: int | None = None
 ) -> tuple[int, int]:
     """Start a helper program; its (pid, pidfd).
 
@@ -456,7 +456,9 @@ def spawn_quick(
             list(argv),
             os.environ,
             file_actions=[
-                (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+                (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0)
+                if stdin_fd is None
+                else (os.POSIX_SPAWN_DUP2, stdin_fd, 0),
                 (os.POSIX_SPAWN_DUP2, out_fd, 1),
                 (os.POSIX_SPAWN_DUP2, err_fd, 2),
             ],

@@ -36,7 +36,10 @@ from dsec.backends.container import (
     ContainerPlan,
     fs_type,
     mounts_under,
+    run_process_quick,
+    spawn_quick,
     unmount_all,
+    wait_quick,
 )
 from dsec.config import EdgeSettings
 from dsec.edge import checkpoint as ckpt
@@ -276,6 +279,9 @@ class Edge:
 
     async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None) -> SandboxInfo:
         t0 = time.perf_counter()
+        owner = self._image(spec.image).source.get("project")  # snapshots belong to a project
+        if owner is not None and owner != spec.project and not spec.project.startswith("_"):
+            raise errors.ImageNotFound(f"there is no snapshot {spec.image!r} in project {spec.project!r}")
         if sandbox_id is None and spec.project != POOL_PROJECT:
             pooled = self._claim_pooled(spec, t0)
             if pooled is not None:
@@ -1134,7 +1140,13 @@ class Edge:
         image = Image(
             name=name,
             layers=[*base.layers, layer.ref],
-            source={"type": "snapshot", "sandbox": sandbox_id, "base": base.name, "scrubbed": scrubbed},
+            source={
+                "type": "snapshot",
+                "sandbox": sandbox_id,
+                "project": sb.record.spec.project,
+                "base": base.name,
+                "scrubbed": scrubbed,
+            },
         )
         self.layers.put_image(image)
         await self.log_event(sandbox_id, "snapshot", {"op": "snapshot", "scrub": scrubbed}, {"id": name})
@@ -1148,20 +1160,78 @@ class Edge:
             created_at=layer.created_at,
         )
 
-    def list_snapshots(self) -> builtins.list[dict[str, Any]]:
+    def list_snapshots(self, projects: set[str] | None = None) -> builtins.list[dict[str, Any]]:
         return [
-            i.model_dump(mode="json") for i in self.layers.list_images() if i.source.get("type") == "snapshot"
+            i.model_dump(mode="json")
+            for i in self.layers.list_images()
+            if i.source.get("type") == "snapshot"
+            and (projects is None or i.source.get("project") in projects)
         ]
 
-    def delete_snapshot(self, name: str) -> None:
+    def delete_snapshot(self, name: str, projects: set[str] | None = None) -> None:
         image = self._image(name)
         if image.source.get("type") != "snapshot":
             raise errors.InvalidRequest(f"{name} is not a snapshot")
+        if projects is not None and image.source.get("project") not in projects:
+            raise errors.ImageNotFound(f"there is no snapshot {name!r} in your projects")
         if any(sb.record.spec.image == name for sb in self.sandboxes.values()):
             raise errors.Conflict(f"snapshot {name} is in use by live sandboxes; stop them first")
         self.layers.delete_image(name)
         with contextlib.suppress(errors.DsecError):
             self.layers.delete_layer(image.layers[-1])
+
+    # --- moving images between edges (a snapshot restored where it was not made) ---------
+
+    def image_manifest(self, name: str) -> dict[str, Any]:
+        """An image and the digests of its layers, for another edge to pull it."""
+        image = self._image(name)
+        return {
+            "image": image.model_dump(mode="json"),
+            "digests": {str(r): self.layers.get_layer(r).digest for r in image.layers},
+        }
+
+    def missing_layers(self, manifest: dict[str, Any]) -> builtins.list[str]:
+        return [ref for ref in manifest["digests"] if not self.layers.has_layer(ref)]
+
+    async def export_layer(self, ref: str, dest: Path) -> None:
+        """Write layer `ref` as a tar archive (owners as stored, xattrs, whiteouts, holes)."""
+        tree = self.layers.layer_path(ref)
+        if not tree.is_dir():
+            raise errors.LayerNotFound(f"edge {self.name} has no layer {ref}")
+        with open(dest, "wb") as out:
+            argv = ["tar", "--xattrs", "--xattrs-include=*", "--numeric-owner", "--sparse", "-C", str(tree)]
+            rc = await run_process_quick([*argv, "-cf", "-", "."], out.fileno())
+        if rc != 0:
+            raise errors.InternalError(f"archiving layer {ref} failed (tar exit {rc})")
+
+    async def import_layer(self, ref: str, digest: str, archive: Path) -> None:
+        """Add a layer pulled from another edge; its content must hash to `digest`."""
+        name, _, version = ref.partition("@")
+        if self.layers.has_layer(ref):
+            return
+        with self.layers.staging() as stage, open(archive, "rb") as src, open(os.devnull, "wb") as devnull:
+            argv = ["tar", "--xattrs", "--xattrs-include=*", "--numeric-owner", "-xpf", "-", "-C", str(stage)]
+            pid, pidfd = spawn_quick(argv, devnull.fileno(), devnull.fileno(), stdin_fd=src.fileno())
+            if await wait_quick(pid, pidfd) != 0:
+                raise errors.InvalidRequest(f"the archive of layer {ref} does not unpack")
+            layer = await asyncio.get_running_loop().run_in_executor(
+                None,
+                lambda: self.layers.commit_layer(
+                    stage, name, version, {"type": "pulled", "ref": ref}, shift=False
+                ),
+            )
+        if layer.digest != digest:
+            self.layers.delete_layer(ref)
+            raise errors.InvalidRequest(
+                f"layer {ref} arrived corrupted (digest {layer.digest}, expected {digest})"
+            )
+
+    def put_image(self, manifest: dict[str, Any]) -> None:
+        image = Image.model_validate(manifest["image"])
+        missing = self.missing_layers(manifest)
+        if missing:
+            raise errors.LayerNotFound(f"cannot register image {image.name}: layers {missing} are missing")
+        self.layers.put_image(image)
 
     async def fork(self, sandbox_id: str, n: int) -> builtins.list[SandboxInfo]:
         """`n` new sandboxes from this one's current files, copy-on-write, independent afterwards.
