@@ -108,3 +108,36 @@ def test_checkpoint_and_restore_through_the_sdk(service):
             x.stop()
         c.delete_checkpoint(ck.id)
         assert c.checkpoints() == []
+
+
+def test_snapshots_count_against_quota(service):
+    with httpx.Client(base_url=service.url, headers={"Authorization": f"Bearer {service.token}"}) as http:
+        quota = {"max_snapshots": 2, "max_snapshot_mb": 3}
+        assert http.post("/v1/projects", json={"name": "snapq", "quota": quota}).status_code == 200
+        tok = http.post("/v1/principals", json={"name": "snapq-user", "projects": ["snapq"]}).json()["token"]
+    with Client(service.url, tok) as c:
+        sb = c.create("python", project="snapq")
+        sb.exec("mkdir -p /work && head -c 5000000 /dev/urandom > /work/big")
+        with pytest.raises(errors.QuotaExceeded) as exc:
+            sb.snapshot()  # ~5 MiB > 3 MiB
+        assert "max_snapshot_mb" in exc.value.message
+        assert c.snapshots() == []  # refused snapshots are not kept
+        sb.exec("rm /work/big")
+        first = sb.snapshot()
+        second = sb.snapshot()
+        with pytest.raises(errors.QuotaExceeded) as exc:
+            sb.snapshot()  # a third: over max_snapshots
+        assert "max_snapshots" in exc.value.message
+        assert sorted(s["name"] for s in c.snapshots()) == sorted([first.id, second.id])
+        c.delete_snapshot(first.id)  # gives the slot back
+        third = sb.snapshot()
+        for s in (second, third):
+            c.delete_snapshot(s.id)
+        with Client(service.url, service.token) as admin:
+            other = admin.create("python")
+            mine = sb.snapshot()
+            with pytest.raises(errors.ImageNotFound):  # a snapshot restores only in its project
+                admin.create(snapshot=mine.id)
+            other.stop()
+            c.delete_snapshot(mine.id)
+        sb.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import sqlite3
 import threading
 import time
 from collections.abc import Iterator
@@ -397,3 +398,401 @@ def test_concurrent_processes(db_path: Path, quota: Quota, cpu: float, mem: int,
     with IAM(db_path) as check:
         assert len(check.reservations()) == expected
         assert check.usage("hot").sandboxes == expected
+
+
+# ---------------------------------------------------------------- snapshot quotas
+
+
+def test_snapshot_quota_fields_flow_through(iam: IAM) -> None:
+    q = Quota(max_sandboxes=4, max_snapshots=3, max_snapshot_mb=100)
+    assert iam.create_project("org", quota=q).quota == q
+    assert iam.get_project("org").quota == q
+    assert [p.quota for p in iam.list_projects() if p.name == "org"] == [q]
+    assert iam.effective_quota("org") == q
+    with pytest.raises(errors.InvalidRequest, match=r"max_snapshots=4 .* 3 snapshots .* 'org'"):
+        iam.create_project("team", parent="org", quota=Quota(max_snapshots=4))
+    with pytest.raises(errors.InvalidRequest, match="max_snapshot_mb"):
+        iam.create_project("team", parent="org", quota=Quota(max_snapshot_mb=101))
+    iam.create_project("team", parent="org", quota=Quota(max_snapshot_mb=50))
+    assert iam.effective_quota("team") == Quota(max_sandboxes=4, max_snapshots=3, max_snapshot_mb=50)
+    with pytest.raises(errors.InvalidRequest, match="'team'"):
+        iam.set_quota("org", Quota(max_snapshot_mb=49))  # team (50) would no longer fit
+    updated = Quota(max_snapshots=10, max_snapshot_mb=60)
+    assert iam.set_quota("org", updated).quota == updated
+    assert iam.get_project("org").quota == updated
+    with pytest.raises(ValueError):
+        Quota(max_snapshot_mb=-1)
+
+
+def test_reserve_release_snapshots(iam: IAM) -> None:
+    iam.create_project("p", quota=Quota(max_snapshots=3, max_snapshot_mb=100))
+    iam.reserve_snapshot("snap-1", "p", 40)
+    iam.reserve_snapshot("snap-1", "p", 40)  # idempotent
+    assert iam.usage("p") == Usage(sandboxes=0, cpu=0, memory_mb=0, snapshots=1, snapshot_mb=40)
+    iam.reserve_snapshot("snap-2", "p", 59.2)  # type: ignore[arg-type]  # rounded up to 60
+    assert iam.snapshot_reservations() == {"snap-1": ("p", 40), "snap-2": ("p", 60)}
+    with pytest.raises(
+        errors.QuotaExceeded, match=r"project 'p' is out of MiB of snapshots: 100 of 100"
+    ) as ei:
+        iam.reserve_snapshot("snap-3", "p", 1)
+    assert ei.value.status == 429
+    assert ei.value.details == {
+        "project": "p",
+        "dimension": "max_snapshot_mb",
+        "usage": 100,
+        "limit": 100,
+        "requested": 1,
+    }
+    assert "delete snapshots" in str(ei.value) and "max_snapshot_mb of project 'p'" in str(ei.value)
+    iam.reserve_snapshot("snap-3", "p", 0)  # an empty snapshot still counts
+    with pytest.raises(errors.QuotaExceeded, match="out of snapshots: 3 of 3") as ei:
+        iam.reserve_snapshot("snap-4", "p", 0)
+    assert ei.value.details["dimension"] == "max_snapshots"
+    assert iam.usage("p") == Usage(sandboxes=0, cpu=0, memory_mb=0, snapshots=3, snapshot_mb=100)
+    iam.release_snapshot("snap-2")
+    iam.release_snapshot("snap-2")  # idempotent
+    iam.release_snapshot("never-existed")
+    assert iam.usage("p").snapshot_mb == 40
+    iam.reserve_snapshot("snap-4", "p", 60)
+    assert iam.usage("p") == Usage(sandboxes=0, cpu=0, memory_mb=0, snapshots=3, snapshot_mb=100)
+    # A failed admission leaves nothing behind.
+    assert set(iam.snapshot_reservations()) == {"snap-1", "snap-3", "snap-4"}
+
+
+def test_snapshot_reservation_errors(iam: IAM) -> None:
+    iam.create_project("p")
+    iam.reserve_snapshot("s", "p", 10)
+    with pytest.raises(errors.Conflict, match="'p'") as ei:
+        iam.reserve_snapshot("s", "default", 10)
+    assert ei.value.status == 409
+    with pytest.raises(errors.Conflict, match="10 MiB"):
+        iam.reserve_snapshot("s", "p", 11)  # a different size needs resize_snapshot
+    with pytest.raises(errors.NotFound, match="'ghost'"):
+        iam.reserve_snapshot("x", "ghost", 1)
+    for bad in (-1, -0.5, float("nan"), float("inf")):
+        with pytest.raises(errors.InvalidRequest, match="size_mb"):
+            iam.reserve_snapshot("x", "p", bad)  # type: ignore[arg-type]
+    with pytest.raises(errors.InvalidRequest, match="non-empty"):
+        iam.reserve_snapshot("", "p", 1)
+    with pytest.raises(errors.NotFound, match="'x'"):
+        iam.resize_snapshot("x", 1)
+    assert iam.snapshot_reservations() == {"s": ("p", 10)}
+    assert iam.usage("p").snapshots == 1
+
+
+def test_resize_snapshot(iam: IAM) -> None:
+    iam.create_project("org", quota=Quota(max_snapshot_mb=100))
+    iam.create_project("team", parent="org")
+    iam.reserve_snapshot("a", "team", 30)
+    iam.reserve_snapshot("b", "org", 30)
+    iam.resize_snapshot("a", 70)
+    assert iam.usage("org").snapshot_mb == 100 and iam.usage("team").snapshot_mb == 70
+    with pytest.raises(errors.QuotaExceeded, match=r"project 'org' \(an ancestor of 'team'\)") as ei:
+        iam.resize_snapshot("a", 71)
+    assert ei.value.details["requested"] == 1
+    assert iam.snapshot_reservations()["a"] == ("team", 70)  # unchanged on refusal
+    iam.resize_snapshot("a", 5)  # shrinking always succeeds
+    iam.resize_snapshot("a", 5)
+    assert iam.usage("org") == Usage(sandboxes=0, cpu=0, memory_mb=0, snapshots=2, snapshot_mb=35)
+    assert iam.usage("team").snapshot_mb == 5
+    with pytest.raises(errors.InvalidRequest):
+        iam.resize_snapshot("a", -1)
+
+
+def test_snapshot_quota_nested(iam: IAM) -> None:
+    iam.create_project("org", quota=Quota(max_snapshots=5, max_snapshot_mb=1000))
+    iam.create_project("a", parent="org", quota=Quota(max_snapshots=4))
+    iam.create_project("b", parent="org")
+    iam.create_project("b1", parent="b", quota=Quota(max_snapshot_mb=200))
+    for i in range(3):
+        iam.reserve_snapshot(f"a{i}", "a", 100)
+    iam.reserve_snapshot("b0", "b", 100)
+    # b1's own bound: 200 MiB.
+    with pytest.raises(errors.QuotaExceeded, match=r"project 'b1' is out of MiB of snapshots"):
+        iam.reserve_snapshot("b1-big", "b1", 201)
+    iam.reserve_snapshot("b1-0", "b1", 200)
+    # org holds 5 snapshots (siblings count against the parent), so a's own bound (4) is never reached.
+    with pytest.raises(
+        errors.QuotaExceeded, match=r"project 'org' \(an ancestor of 'a'\) is out of snapshots"
+    ) as ei:
+        iam.reserve_snapshot("a3", "a", 1)
+    assert ei.value.details["project"] == "org"
+    assert iam.usage("org") == Usage(sandboxes=0, cpu=0, memory_mb=0, snapshots=5, snapshot_mb=600)
+    assert iam.usage("b") == Usage(sandboxes=0, cpu=0, memory_mb=0, snapshots=2, snapshot_mb=300)
+    assert iam.usage("b", recursive=False) == Usage(
+        sandboxes=0, cpu=0, memory_mb=0, snapshots=1, snapshot_mb=100
+    )
+    assert iam.usage("org", recursive=False).snapshots == 0
+    iam.release_snapshot("b0")
+    iam.reserve_snapshot("a3", "a", 1)
+    with pytest.raises(errors.QuotaExceeded, match=r"project 'a' is out of snapshots: 4 of 4"):
+        iam.release_snapshot("a0")
+        iam.reserve_snapshot("a4", "a", 1)
+        iam.reserve_snapshot("a5", "a", 1)  # the nearest bound is reported first
+    assert iam.usage("a").snapshots == 4
+    # The MiB bound of org, reached from a grandchild: org holds a1, a2, a3, a4 and b1-0 = 402 MiB.
+    iam.release_snapshot("a4")
+    iam.set_quota("org", Quota(max_snapshots=5, max_snapshot_mb=300))  # lowering below usage is allowed
+    with pytest.raises(
+        errors.QuotaExceeded, match=r"'org' \(an ancestor of 'b1'\) is out of MiB of snapshots"
+    ):
+        iam.reserve_snapshot("b1-1", "b1", 0)
+    usages = iam.usages()
+    assert set(usages) == {"default", "org", "a", "b", "b1"}
+    assert usages["org"] == iam.usage("org") and usages["b1"] == iam.usage("b1")
+
+
+def test_sandbox_and_snapshot_reservations_are_independent(iam: IAM) -> None:
+    iam.create_project(
+        "p", quota=Quota(max_sandboxes=1, max_memory_mb=100, max_snapshots=1, max_snapshot_mb=100)
+    )
+    iam.reserve("same-key", "p", 1, 100)
+    iam.reserve_snapshot("same-key", "p", 100)  # another namespace: no Conflict
+    assert iam.usage("p") == Usage(sandboxes=1, cpu=1, memory_mb=100, snapshots=1, snapshot_mb=100)
+    iam.release("same-key")
+    assert iam.usage("p") == Usage(sandboxes=0, cpu=0, memory_mb=0, snapshots=1, snapshot_mb=100)
+    assert iam.snapshot_reservations() == {"same-key": ("p", 100)}
+    assert iam.reservations() == {}
+    iam.reserve("sb", "p", 1, 100)  # sandbox quota is back; snapshot usage does not count against it
+    iam.release_snapshot("sb")  # a sandbox key is not a snapshot key
+    iam.release_snapshot("same-key")
+    assert iam.usage("p") == Usage(sandboxes=1, cpu=1, memory_mb=100, snapshots=0, snapshot_mb=0)
+    assert iam.reservations() == {"sb": "p"}
+    # Reconciliation of one kind never releases the other.
+    iam.reserve_snapshot("snap", "p", 5)
+    time.sleep(0.05)
+    assert iam.reconcile(set(), older_than_s=0.01) == ["sb"]
+    assert iam.snapshot_reservations() == {"snap": ("p", 5)}
+    iam.reserve("sb2", "p", 1, 1)
+    assert iam.reconcile_snapshots(set(), older_than_s=0.01) == ["snap"]
+    assert iam.reservations() == {"sb2": "p"}
+    assert iam.usage("p") == Usage(sandboxes=1, cpu=1, memory_mb=1, snapshots=0, snapshot_mb=0)
+
+
+def test_reconcile_snapshots_keeps_live_and_young(iam: IAM) -> None:
+    for k in ("live", "stale"):
+        iam.reserve_snapshot(k, "default", 10)
+    assert iam.reconcile_snapshots({"live"}) == []  # younger than 30 s
+    time.sleep(0.05)
+    iam.reserve_snapshot("fresh", "default", 1)
+    assert iam.reconcile_snapshots({"live"}, older_than_s=0.04) == ["stale"]
+    assert iam.usage("default").snapshot_mb == 11
+
+
+@pytest.mark.parametrize(
+    ("quota", "size", "expected"),
+    [
+        (Quota(max_snapshots=50), 10, 50),
+        (Quota(max_snapshot_mb=1000), 64, 15),
+    ],
+    ids=["count", "mib"],
+)
+def test_concurrent_snapshot_reservations_shared_instance(
+    iam: IAM, quota: Quota, size: int, expected: int
+) -> None:
+    iam.create_project("org", quota=quota)
+    iam.create_project("hot", parent="org")
+    admitted = _hammer(lambda k, c, m: iam.reserve_snapshot(k, "hot", m), 200, 16, 0, size, "t")
+    assert admitted == expected
+    assert len(iam.snapshot_reservations()) == expected
+    assert iam.usage("org").snapshots == expected
+    assert iam.usage("org").snapshot_mb == expected * size
+
+
+def test_concurrent_snapshot_reservations_separate_connections(db_path: Path) -> None:
+    """Sandboxes and snapshots admitted at once by 16 threads with their own connections."""
+    with IAM(db_path) as setup:
+        setup.create_project("org", quota=Quota(max_sandboxes=30, max_snapshots=40, max_snapshot_mb=700))
+        setup.create_project("hot", parent="org")
+    local = threading.local()
+    opened: list[IAM] = []
+    lock = threading.Lock()
+
+    def mine() -> IAM:
+        if not hasattr(local, "iam"):
+            local.iam = IAM(db_path)
+            with lock:
+                opened.append(local.iam)
+        i: IAM = local.iam
+        return i
+
+    def reserve(key: str, cpu: float, mem: int) -> None:
+        if int(key.rsplit("-", 1)[1]) % 2:
+            mine().reserve(key, "hot", cpu, mem)
+        else:
+            mine().reserve_snapshot(key, "hot", 10)
+
+    try:
+        assert _hammer(reserve, 200, 16, 0, 0, "s") == 30 + 40
+    finally:
+        for i in opened:
+            i.close()
+    with IAM(db_path) as check:
+        assert check.usage("org") == Usage(sandboxes=30, cpu=0, memory_mb=0, snapshots=40, snapshot_mb=400)
+        assert len(check.reservations()) == 30 and len(check.snapshot_reservations()) == 40
+
+
+def _snapshot_process_worker(db_path: str, worker: int, n: int, start: Any, out: Any) -> None:
+    iam = IAM(Path(db_path))
+    admitted = 0
+    try:
+        start.wait()
+        for i in range(n):
+            try:
+                iam.reserve_snapshot(f"w{worker}-{i}", "hot", 64)
+                admitted += 1
+            except errors.QuotaExceeded:
+                pass
+    finally:
+        iam.close()
+        out.put(admitted)
+
+
+def test_concurrent_snapshot_processes(db_path: Path) -> None:
+    with IAM(db_path) as setup:
+        setup.create_project("hot", quota=Quota(max_snapshot_mb=1000))
+    ctx = multiprocessing.get_context("spawn")
+    procs_n, per = 4, 25
+    start, out = ctx.Barrier(procs_n), ctx.Queue()
+    procs = [
+        ctx.Process(target=_snapshot_process_worker, args=(str(db_path), w, per, start, out))
+        for w in range(procs_n)
+    ]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    out.close()
+    out.join_thread()
+    assert sum(results) == 15
+    with IAM(db_path) as check:
+        assert check.usage("hot") == Usage(sandboxes=0, cpu=0, memory_mb=0, snapshots=15, snapshot_mb=960)
+
+
+# ---------------------------------------------------------------- schema migration
+
+# The schema as dsec wrote it at version 1 (before snapshot quotas), verbatim.
+_V1_SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS projects (
+        name TEXT PRIMARY KEY,
+        parent TEXT REFERENCES projects(name),
+        max_sandboxes INTEGER,
+        max_cpu REAL,
+        max_memory_mb INTEGER,
+        created_at REAL NOT NULL,
+        used_sandboxes INTEGER NOT NULL DEFAULT 0,
+        used_cpu_m INTEGER NOT NULL DEFAULT 0,
+        used_memory_mb INTEGER NOT NULL DEFAULT 0
+    )""",
+    "CREATE INDEX IF NOT EXISTS projects_parent ON projects(parent)",
+    """CREATE TABLE IF NOT EXISTS principals (
+        id TEXT PRIMARY KEY,
+        name TEXT NOT NULL UNIQUE,
+        admin INTEGER NOT NULL,
+        token_hash TEXT NOT NULL UNIQUE,
+        created_at REAL NOT NULL
+    )""",
+    """CREATE TABLE IF NOT EXISTS grants (
+        principal_id TEXT NOT NULL REFERENCES principals(id) ON DELETE CASCADE,
+        project TEXT NOT NULL REFERENCES projects(name),
+        PRIMARY KEY (principal_id, project)
+    ) WITHOUT ROWID""",
+    """CREATE TABLE IF NOT EXISTS reservations (
+        key TEXT PRIMARY KEY,
+        project TEXT NOT NULL REFERENCES projects(name),
+        cpu_m INTEGER NOT NULL,
+        memory_mb INTEGER NOT NULL,
+        created_at REAL NOT NULL
+    )""",
+    "CREATE INDEX IF NOT EXISTS reservations_project ON reservations(project)",
+    "CREATE INDEX IF NOT EXISTS reservations_created ON reservations(created_at)",
+)
+
+
+def _make_v1_db(path: Path) -> None:
+    db = sqlite3.connect(str(path), isolation_level=None)
+    try:
+        db.execute("PRAGMA journal_mode = WAL")
+        for stmt in _V1_SCHEMA:
+            db.execute(stmt)
+        db.execute("PRAGMA user_version = 1")
+        now = time.time()
+        db.execute(
+            "INSERT INTO projects (name, parent, max_sandboxes, max_cpu, max_memory_mb, created_at,"
+            " used_sandboxes, used_cpu_m, used_memory_mb) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            ("default", None, None, None, None, now, 1, 500, 64),
+        )
+        db.execute(
+            "INSERT INTO projects (name, parent, max_sandboxes, max_cpu, max_memory_mb, created_at,"
+            " used_sandboxes, used_cpu_m, used_memory_mb) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            ("team", "default", 5, 2.0, None, now, 1, 500, 64),
+        )
+        db.execute(
+            "INSERT INTO reservations (key, project, cpu_m, memory_mb, created_at) VALUES (?, ?, ?, ?, ?)",
+            ("sb-old", "team", 500, 64, now),
+        )
+        db.execute(
+            "INSERT INTO principals (id, name, admin, token_hash, created_at) VALUES (?, ?, ?, ?, ?)",
+            ("pr_1", "admin", 1, "0" * 64, now),
+        )
+        db.execute("INSERT INTO grants (principal_id, project) VALUES (?, ?)", ("pr_1", "default"))
+    finally:
+        db.close()
+
+
+def test_migrates_a_v1_database(db_path: Path) -> None:
+    _make_v1_db(db_path)
+    with IAM(db_path) as iam:
+        assert iam.bootstrap() is None  # the admin survives
+        team = iam.get_project("team")
+        assert team.parent == "default"
+        assert team.quota == Quota(max_sandboxes=5, max_cpu=2.0)
+        assert team.quota.max_snapshots is None and team.quota.max_snapshot_mb is None
+        assert iam.usage("default") == Usage(sandboxes=1, cpu=0.5, memory_mb=64, snapshots=0, snapshot_mb=0)
+        assert iam.reservations() == {"sb-old": "team"}
+        assert iam.snapshot_reservations() == {}
+        # The new columns and table work.
+        iam.set_quota("team", Quota(max_sandboxes=5, max_cpu=2.0, max_snapshots=1))
+        iam.reserve_snapshot("snap", "team", 3)
+        with pytest.raises(errors.QuotaExceeded, match="out of snapshots"):
+            iam.reserve_snapshot("snap2", "team", 3)
+        iam.release("sb-old")
+        assert iam.usage("default") == Usage(sandboxes=0, cpu=0, memory_mb=0, snapshots=1, snapshot_mb=3)
+    with IAM(db_path) as again:  # opening a migrated database is a no-op
+        assert again.usage("team").snapshot_mb == 3
+        assert again.get_project("team").quota.max_snapshots == 1
+    db = sqlite3.connect(str(db_path))
+    try:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 2
+        cols = {r[1] for r in db.execute("PRAGMA table_info(projects)")}
+        assert {"max_snapshots", "max_snapshot_mb", "used_snapshots", "used_snapshot_mb"} <= cols
+    finally:
+        db.close()
+
+
+def test_concurrent_openers_migrate_once(db_path: Path) -> None:
+    _make_v1_db(db_path)
+    with ThreadPoolExecutor(8) as pool:
+        opened = list(pool.map(lambda _: IAM(db_path), range(8)))
+    try:
+        for i in opened:
+            assert i.usage("team") == Usage(sandboxes=1, cpu=0.5, memory_mb=64)
+        opened[0].reserve_snapshot("s", "team", 1)
+        assert opened[-1].usage("default").snapshots == 1
+    finally:
+        for i in opened:
+            i.close()
+
+
+def test_refuses_a_newer_database(db_path: Path) -> None:
+    with IAM(db_path):
+        pass
+    db = sqlite3.connect(str(db_path))
+    try:
+        db.execute("PRAGMA user_version = 99")
+    finally:
+        db.close()
+    with pytest.raises(errors.InvalidRequest, match="upgrade dsec"):
+        IAM(db_path)

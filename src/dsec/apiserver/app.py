@@ -35,7 +35,15 @@ from dsec.compat.swerex import swerex_router
 from dsec.edge.pools import PoolInfo, PoolSpec
 from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult
 from dsec.iam import IAM, Principal, Quota
-from dsec.models import EdgeStatus, ForkRequest, RestoreRequest, SandboxInfo, SandboxSpec
+from dsec.models import (
+    EdgeStatus,
+    ForkRequest,
+    RestoreRequest,
+    SandboxInfo,
+    SandboxSpec,
+    SnapshotInfo,
+    SnapshotRequest,
+)
 
 _PrincipalFn = Callable[[Request], Principal]
 
@@ -190,6 +198,7 @@ def create_api_app(
         return Target(directory.edge_for(sid), iam.visible_projects(p))
 
     app.state.resolve = resolve
+    _install_snapshot_route(app, st, principal)  # before the shared router: it adds quota admission
     app.include_router(sandbox_router(st.metrics.exec_latency.observe))
     app.include_router(swerex_router())
     _install_fncall_routes(app, st, principal, compat_auth)
@@ -414,9 +423,38 @@ def _install_state_routes(app: FastAPI, st: ApiServerState, principal: _Principa
             with contextlib.suppress(errors.ImageNotFound):
                 await e.delete_snapshot(name, scope)
                 deleted = True
+        if deleted:
+            iam.release_snapshot(name)
         if not deleted:
             raise errors.ImageNotFound(f"there is no snapshot {name!r}")
         return Response(status_code=204)
+
+
+def _install_snapshot_route(app: FastAPI, st: ApiServerState, principal: _PrincipalFn) -> None:
+    """Snapshots count against their project's quota (max_snapshots, max_snapshot_mb): a slot
+    is reserved before the copy, the size once it is known; over the limit, the snapshot is
+    deleted again and the caller gets quota_exceeded."""
+    iam, directory = st.iam, st.directory
+
+    @app.post("/v1/sandboxes/{sid}/snapshot", response_model=SnapshotInfo, status_code=201)
+    async def snapshot(sid: str, body: SnapshotRequest, request: Request) -> Response:
+        p = principal(request)
+        scope = iam.visible_projects(p)
+        edge = directory.edge_for(sid)
+        project = (await edge.get(sid, scope)).spec.project
+        pending = f"pending-{secrets.token_hex(8)}"
+        iam.reserve_snapshot(pending, project, 0)  # the count, before paying for the copy
+        try:
+            info = await edge.snapshot(sid, body, scope)
+        finally:
+            iam.release_snapshot(pending)
+        try:
+            iam.reserve_snapshot(info.id, project, -(-info.size_bytes // (1 << 20)))
+        except errors.DsecError:
+            with contextlib.suppress(errors.DsecError):
+                await edge.delete_snapshot(info.id, scope)
+            raise
+        return model_response(info, 201)
 
 
 def _install_checkpoint_routes(app: FastAPI, st: ApiServerState, principal: _PrincipalFn) -> None:

@@ -16,12 +16,20 @@ Design notes
 * Admission (:meth:`IAM.reserve`) is one ``BEGIN IMMEDIATE`` transaction: the write lock is taken
   before usage is read, so concurrent admissions (threads or processes) serialise and a quota
   can never be overshot.
+* Snapshot storage is admitted the same way (:meth:`IAM.reserve_snapshot`) but kept in its own
+  ``snapshot_reservations`` table and ``used_snapshot*`` columns, so sandbox and snapshot keys
+  never meet: :meth:`IAM.release` only gives back sandboxes, :meth:`IAM.release_snapshot` only
+  snapshots. Sizes are whole MiB, rounded up per snapshot.
+* Schema changes are additive: opening an older database adds the missing columns (with their
+  defaults) inside the same ``BEGIN IMMEDIATE`` transaction that creates the tables, then bumps
+  ``user_version``; a database newer than this code is refused.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import re
 import secrets
 import sqlite3
@@ -45,7 +53,7 @@ TOKEN_PREFIX = "dsec_"
 _PROJECT_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 _PRINCIPAL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
 _MILLI = 1000
-_SCHEMA_VERSION = 1
+_SCHEMA_VERSION = 2  # 2: snapshot quotas (max_snapshot*, used_snapshot*, snapshot_reservations)
 
 _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS projects (
@@ -57,7 +65,11 @@ _SCHEMA = (
         created_at REAL NOT NULL,
         used_sandboxes INTEGER NOT NULL DEFAULT 0,
         used_cpu_m INTEGER NOT NULL DEFAULT 0,
-        used_memory_mb INTEGER NOT NULL DEFAULT 0
+        used_memory_mb INTEGER NOT NULL DEFAULT 0,
+        max_snapshots INTEGER,
+        max_snapshot_mb INTEGER,
+        used_snapshots INTEGER NOT NULL DEFAULT 0,
+        used_snapshot_mb INTEGER NOT NULL DEFAULT 0
     )""",
     "CREATE INDEX IF NOT EXISTS projects_parent ON projects(parent)",
     """CREATE TABLE IF NOT EXISTS principals (
@@ -81,6 +93,23 @@ _SCHEMA = (
     )""",
     "CREATE INDEX IF NOT EXISTS reservations_project ON reservations(project)",
     "CREATE INDEX IF NOT EXISTS reservations_created ON reservations(created_at)",
+    """CREATE TABLE IF NOT EXISTS snapshot_reservations (
+        key TEXT PRIMARY KEY,
+        project TEXT NOT NULL REFERENCES projects(name),
+        size_mb INTEGER NOT NULL,
+        created_at REAL NOT NULL
+    )""",
+    "CREATE INDEX IF NOT EXISTS snapshot_reservations_project ON snapshot_reservations(project)",
+    "CREATE INDEX IF NOT EXISTS snapshot_reservations_created ON snapshot_reservations(created_at)",
+)
+
+# Columns added after schema version 1, by table: a database from an older dsec gains them on open
+# (``CREATE TABLE IF NOT EXISTS`` leaves an existing table as it was).
+_ADDED_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("projects", "max_snapshots", "INTEGER"),
+    ("projects", "max_snapshot_mb", "INTEGER"),
+    ("projects", "used_snapshots", "INTEGER NOT NULL DEFAULT 0"),
+    ("projects", "used_snapshot_mb", "INTEGER NOT NULL DEFAULT 0"),
 )
 
 # The project and its ancestors, nearest first, with their quotas and recursive usage.
@@ -92,7 +121,8 @@ WITH RECURSIVE anc(name, depth) AS (
     WHERE p.parent IS NOT NULL
 )
 SELECT p.name, p.max_sandboxes, p.max_cpu, p.max_memory_mb,
-       p.used_sandboxes, p.used_cpu_m, p.used_memory_mb
+       p.used_sandboxes, p.used_cpu_m, p.used_memory_mb,
+       p.max_snapshots, p.max_snapshot_mb, p.used_snapshots, p.used_snapshot_mb
 FROM anc JOIN projects p ON p.name = anc.name ORDER BY anc.depth
 """
 
@@ -117,6 +147,9 @@ class Quota(BaseModel):
     max_sandboxes: int | None = Field(default=None, ge=0)
     max_cpu: float | None = Field(default=None, ge=0)
     max_memory_mb: int | None = Field(default=None, ge=0)
+    max_snapshots: int | None = Field(default=None, ge=0)
+    #: Total size of the subtree's snapshots in MiB, each snapshot rounded up to a whole MiB.
+    max_snapshot_mb: int | None = Field(default=None, ge=0)
 
 
 class Project(BaseModel):
@@ -138,12 +171,16 @@ class Usage(BaseModel):
     sandboxes: int
     cpu: float
     memory_mb: int
+    snapshots: int = 0
+    snapshot_mb: int = 0
 
 
 _DIMENSIONS: tuple[tuple[str, str], ...] = (
     ("max_sandboxes", "sandboxes"),
     ("max_cpu", "CPUs"),
     ("max_memory_mb", "MiB of memory"),
+    ("max_snapshots", "snapshots"),
+    ("max_snapshot_mb", "MiB of snapshots"),
 )
 
 
@@ -164,8 +201,17 @@ def _fmt(value: float) -> str:
 
 
 def _quota_of(row: sqlite3.Row) -> Quota:
-    return Quota(
-        max_sandboxes=row["max_sandboxes"], max_cpu=row["max_cpu"], max_memory_mb=row["max_memory_mb"]
+    return Quota(**{field: row[field] for field, _ in _DIMENSIONS})
+
+
+def _usage_of(row: sqlite3.Row) -> Usage:
+    """The recursive usage kept on a project row."""
+    return Usage(
+        sandboxes=row["used_sandboxes"],
+        cpu=row["used_cpu_m"] / _MILLI,
+        memory_mb=row["used_memory_mb"],
+        snapshots=row["used_snapshots"],
+        snapshot_mb=row["used_snapshot_mb"],
     )
 
 
@@ -259,6 +305,10 @@ class IAM:
                 )
             for stmt in _SCHEMA:
                 db.execute(stmt)
+            for table, column, decl in _ADDED_COLUMNS:
+                have = {r["name"] for r in db.execute(f"PRAGMA table_info({table})")}
+                if column not in have:
+                    db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
             db.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
 
     @contextmanager
@@ -344,10 +394,11 @@ class IAM:
                 self._project_row(db, parent)
                 _check_fits(name, quota, parent, self._effective(db, parent))
             now = time.time()
+            fields = [field for field, _ in _DIMENSIONS]
             db.execute(
-                "INSERT INTO projects (name, parent, max_sandboxes, max_cpu, max_memory_mb, created_at)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (name, parent, quota.max_sandboxes, quota.max_cpu, quota.max_memory_mb, now),
+                f"INSERT INTO projects (name, parent, {', '.join(fields)}, created_at)"
+                f" VALUES (?, ?, {', '.join('?' * len(fields))}, ?)",
+                (name, parent, *(getattr(quota, f) for f in fields), now),
             )
         return Project(name=name, parent=parent, quota=quota, created_at=now)
 
@@ -381,9 +432,10 @@ class IAM:
                     cq = _project_from_row(child).quota
                     _check_fits(child["name"], cq, pname, pbound)
                     stack.append((child["name"], _tighten(pbound, cq)))
+            fields = [field for field, _ in _DIMENSIONS]
             db.execute(
-                "UPDATE projects SET max_sandboxes = ?, max_cpu = ?, max_memory_mb = ? WHERE name = ?",
-                (quota.max_sandboxes, quota.max_cpu, quota.max_memory_mb, name),
+                f"UPDATE projects SET {', '.join(f'{f} = ?' for f in fields)} WHERE name = ?",
+                (*(getattr(quota, f) for f in fields), name),
             )
         return Project(name=name, parent=parent, quota=quota, created_at=row["created_at"])
 
@@ -622,17 +674,21 @@ class IAM:
         with self._lock:
             row = self._project_row(self._db, project)
             if recursive:
-                return Usage(
-                    sandboxes=row["used_sandboxes"],
-                    cpu=row["used_cpu_m"] / _MILLI,
-                    memory_mb=row["used_memory_mb"],
-                )
+                return _usage_of(row)
             n, cpu_m, mem = self._db.execute(
                 "SELECT COUNT(*), COALESCE(SUM(cpu_m), 0), COALESCE(SUM(memory_mb), 0)"
                 " FROM reservations WHERE project = ?",
                 (project,),
             ).fetchone()
-            return Usage(sandboxes=n, cpu=cpu_m / _MILLI, memory_mb=mem)
+            snaps, snap_mb = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(size_mb), 0) FROM snapshot_reservations WHERE project = ?",
+                (project,),
+            ).fetchone()
+            return Usage(sandboxes=n, cpu=cpu_m / _MILLI, memory_mb=mem, snapshots=snaps, snapshot_mb=snap_mb)
+
+    def usages(self) -> dict[str, Usage]:
+        """Recursive usage of every project (as :meth:`usage` reports it), read in one query."""
+        return {r["name"]: _usage_of(r) for r in self._read("SELECT * FROM projects ORDER BY name")}
 
     def reservations(self) -> dict[str, str]:
         return {r[0]: r[1] for r in self._read("SELECT key, project FROM reservations")}
@@ -648,15 +704,147 @@ class IAM:
                     released.append(key)
         return sorted(released)
 
+    # ------------------------------------------------------------------ snapshot storage
+
+    def reserve_snapshot(self, key: str, project: str, size_mb: int) -> None:
+        """Atomically admit snapshot ``key`` of ``size_mb`` MiB into ``project``, or raise QuotaExceeded.
+
+        Checks ``max_snapshots`` and ``max_snapshot_mb`` of the project and every ancestor. A
+        fractional size is rounded up to a whole MiB. Idempotent: reserving an existing key again
+        for the same project and size is a no-op; another project or size is a :class:`Conflict`
+        (use :meth:`resize_snapshot` to change a size).
+        """
+        if not key:
+            raise InvalidRequest("snapshot reservation key must be a non-empty string (the snapshot name)")
+        mb = _snapshot_mb(key, size_mb)
+        with self._write() as db:
+            existing = db.execute(
+                "SELECT project, size_mb FROM snapshot_reservations WHERE key = ?", (key,)
+            ).fetchone()
+            if existing is not None:
+                if existing["project"] == project and existing["size_mb"] == mb:
+                    return
+                raise Conflict(
+                    f"snapshot reservation {key!r} is already held in project {existing['project']!r} "
+                    f"with {existing['size_mb']} MiB, not {project!r} with {mb} MiB: release it first, "
+                    "resize it, or use a new key",
+                    key=key,
+                    project=existing["project"],
+                    size_mb=existing["size_mb"],
+                )
+            chain = db.execute(_ANCESTORS_SQL, (project,)).fetchall()
+            if not chain:
+                self._project_row(db, project)  # raises NotFound
+            for row in chain:
+                _admit_snapshot(row, project, 1, mb)
+            db.execute(
+                "INSERT INTO snapshot_reservations (key, project, size_mb, created_at) VALUES (?, ?, ?, ?)",
+                (key, project, mb, time.time()),
+            )
+            self._add_snapshot_usage(db, [r["name"] for r in chain], 1, mb)
+
+    def resize_snapshot(self, key: str, size_mb: int) -> None:
+        """Change the size held by snapshot reservation ``key``; growth is admitted like a new reservation.
+
+        Shrinking always succeeds. On :class:`QuotaExceeded` the reservation keeps its old size.
+        """
+        mb = _snapshot_mb(key, size_mb)
+        with self._write() as db:
+            row = db.execute(
+                "SELECT project, size_mb FROM snapshot_reservations WHERE key = ?", (key,)
+            ).fetchone()
+            if row is None:
+                raise NotFound(
+                    f"no snapshot reservation under key {key!r}: reserve it with reserve_snapshot first",
+                    key=key,
+                )
+            delta = mb - row["size_mb"]
+            if delta == 0:
+                return
+            chain = db.execute(_ANCESTORS_SQL, (row["project"],)).fetchall()
+            if delta > 0:
+                for r in chain:
+                    _admit_snapshot(r, row["project"], 0, delta)
+            db.execute("UPDATE snapshot_reservations SET size_mb = ? WHERE key = ?", (mb, key))
+            self._add_snapshot_usage(db, [r["name"] for r in chain], 0, delta)
+
+    @staticmethod
+    def _add_snapshot_usage(db: sqlite3.Connection, names: list[str], n: int, size_mb: int) -> None:
+        db.execute(
+            "UPDATE projects SET used_snapshots = used_snapshots + ?, used_snapshot_mb = used_snapshot_mb + ?"
+            f" WHERE name IN ({','.join('?' * len(names))})",
+            (n, size_mb, *names),
+        )
+
+    def _release_snapshot(self, db: sqlite3.Connection, key: str) -> bool:
+        row = db.execute(
+            "SELECT project, size_mb FROM snapshot_reservations WHERE key = ?", (key,)
+        ).fetchone()
+        if row is None:
+            return False
+        names = [r["name"] for r in db.execute(_ANCESTORS_SQL, (row["project"],))]
+        db.execute("DELETE FROM snapshot_reservations WHERE key = ?", (key,))
+        self._add_snapshot_usage(db, names, -1, -row["size_mb"])
+        return True
+
+    def release_snapshot(self, key: str) -> None:
+        """Give back the snapshot reservation ``key``; unknown keys are ignored."""
+        with self._write() as db:
+            self._release_snapshot(db, key)
+
+    def snapshot_reservations(self) -> dict[str, tuple[str, int]]:
+        """``key -> (project, size_mb)`` of every snapshot reservation."""
+        rows = self._read("SELECT key, project, size_mb FROM snapshot_reservations")
+        return {r[0]: (r[1], r[2]) for r in rows}
+
+    def reconcile_snapshots(self, live_keys: set[str], older_than_s: float = 30.0) -> list[str]:
+        """Release snapshot reservations not in ``live_keys`` older than ``older_than_s``; return the keys."""
+        cutoff = time.time() - older_than_s
+        released: list[str] = []
+        with self._write() as db:
+            rows = db.execute(
+                "SELECT key FROM snapshot_reservations WHERE created_at < ?", (cutoff,)
+            ).fetchall()
+            for (key,) in rows:
+                if key not in live_keys and self._release_snapshot(db, key):
+                    released.append(key)
+        return sorted(released)
+
+
+def _snapshot_mb(key: str, size_mb: float) -> int:
+    """``size_mb`` as whole MiB (rounded up), or InvalidRequest if negative or not a finite number."""
+    if isinstance(size_mb, bool) or not isinstance(size_mb, int | float) or not math.isfinite(size_mb):
+        raise InvalidRequest(f"snapshot size_mb ({size_mb!r}) must be a number of MiB", key=key)
+    if size_mb < 0:
+        raise InvalidRequest(f"snapshot size_mb ({_fmt(size_mb)}) must not be negative", key=key)
+    return math.ceil(size_mb)
+
+
+_Check = tuple[str, str, float | None, float, float, float]  # field, unit, limit, used, wanted, scale
+
 
 def _admit(row: sqlite3.Row, project: str, cpu_m: int, memory_mb: int) -> None:
     """Raise QuotaExceeded if adding one sandbox of (cpu_m, memory_mb) would overflow ``row``'s quota."""
-    name = row["name"]
-    checks: tuple[tuple[str, str, float | None, float, float, float], ...] = (
+    checks: tuple[_Check, ...] = (
         ("max_sandboxes", "sandboxes", row["max_sandboxes"], row["used_sandboxes"], 1, 1),
         ("max_cpu", "CPUs", row["max_cpu"], row["used_cpu_m"] / _MILLI, cpu_m / _MILLI, _MILLI),
         ("max_memory_mb", "MiB of memory", row["max_memory_mb"], row["used_memory_mb"], memory_mb, 1),
     )
+    _check_limits(row["name"], project, checks, "sandbox", "delete sandboxes, ask for fewer resources")
+
+
+def _admit_snapshot(row: sqlite3.Row, project: str, n: int, size_mb: int) -> None:
+    """Raise QuotaExceeded if ``n`` more snapshots of ``size_mb`` MiB in all overflow ``row``'s quota."""
+    checks: list[_Check] = []
+    if n:
+        checks.append(("max_snapshots", "snapshots", row["max_snapshots"], row["used_snapshots"], n, 1))
+    checks.append(
+        ("max_snapshot_mb", "MiB of snapshots", row["max_snapshot_mb"], row["used_snapshot_mb"], size_mb, 1)
+    )
+    _check_limits(row["name"], project, checks, "snapshot", "delete snapshots you no longer need")
+
+
+def _check_limits(name: str, project: str, checks: Sequence[_Check], what: str, remedy: str) -> None:
     for field, unit, limit, used, want, scale in checks:
         if limit is None:
             continue
@@ -665,9 +853,8 @@ def _admit(row: sqlite3.Row, project: str, cpu_m: int, memory_mb: int) -> None:
             continue
         where = f"project {name!r}" if name == project else f"project {name!r} (an ancestor of {project!r})"
         raise QuotaExceeded(
-            f"{where} is out of {unit}: {_fmt(used)} of {_fmt(limit)} in use and this sandbox needs "
-            f"{_fmt(want)} more; delete sandboxes, ask for fewer resources, or ask an admin to raise "
-            f"{field} of project {name!r}",
+            f"{where} is out of {unit}: {_fmt(used)} of {_fmt(limit)} in use and this {what} needs "
+            f"{_fmt(want)} more; {remedy}, or ask an admin to raise {field} of project {name!r}",
             project=name,
             dimension=field,
             usage=used,
