@@ -116,6 +116,14 @@ class EditMismatch(Conflict):
     code = "edit_mismatch"
 
 
+class SandboxFailed(DsecError):
+    """The sandbox itself died (its init exited or was killed, e.g. out of memory): an
+    environment failure, not the task's. Create a new sandbox."""
+
+    code = "sandbox_failed"
+    status = 410
+
+
 class SandboxNotRunning(Conflict):
     code = "sandbox_not_running"
 

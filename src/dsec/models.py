@@ -33,6 +33,7 @@ class SandboxSpec(_Model):
     memory_mb: int = Field(1024, ge=16, le=262144)
     pids: int = Field(1024, ge=8, le=65536, description="max processes and threads")
     disk_mb: int = Field(2048, ge=1, le=1048576, description="size of the writable layer")
+    disk_inodes: int = Field(262144, ge=1024, le=16777216, description="files the writable layer can hold")
     env: Annotated[dict[str, str], Field(max_length=256)] = Field(default_factory=dict)
     user: ShortStr = "root"
     workdir: ShortStr = "/work"
@@ -68,6 +69,11 @@ class SandboxInfo(_Model):
     last_active: float
     reason: str | None = None
     timings_ms: dict[str, float] = Field(default_factory=dict)
+    telemetry: dict[str, int] = Field(
+        default_factory=dict,
+        description="misbehaviour counters (GET only): oom_kills, pids_limit_hits, timeouts, "
+        "output_truncated, disk_full, disk_used_bytes, disk_used_inodes, denied_connections",
+    )
 
 
 class Step(_Model):
@@ -107,6 +113,11 @@ class ExecResult(_Model):
     duration: float
     truncated: bool = False
     timed_out: bool = False
+    misbehaviour: dict[str, int] = Field(
+        default_factory=dict,
+        description="limit hits during this call (oom_kills, pids_limit_hits, disk_full): an "
+        "environment limit, not the task, may explain the result",
+    )
     seq: int | None = Field(None, description="this operation's number in the sandbox's trajectory log")
     replayed: bool = False
 

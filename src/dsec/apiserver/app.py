@@ -37,6 +37,7 @@ from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest, Jupy
 from dsec.iam import IAM, Principal, Quota
 from dsec.models import (
     EdgeStatus,
+    ExecResult,
     ForkRequest,
     RestoreRequest,
     SandboxInfo,
@@ -102,9 +103,25 @@ class Metrics:
         self.failures = Counter(
             "dsec_failures_total", "Failed operations by reason", ["op", "reason"], registry=r
         )
+        self.misbehaviour = Counter(
+            "dsec_misbehaviour",
+            "Limit hits seen in exec results: oom_kills, pids_limit_hits, disk_full, timeouts, "
+            "output_truncated (an environment limit, not the task, may explain a reward)",
+            ["kind"],
+            registry=r,
+        )
         self.live = Gauge("dsec_live_sandboxes", "Live sandboxes", ["edge", "image", "project"], registry=r)
         self.pool_ready = Gauge("dsec_pool_ready", "Ready sandboxes in warm pools", ["edge"], registry=r)
         self.edges = Gauge("dsec_edges_healthy", "Healthy edges", registry=r)
+
+    def observe_exec(self, seconds: float, res: ExecResult) -> None:
+        self.exec_latency.observe(seconds)
+        for kind, n in res.misbehaviour.items():
+            self.misbehaviour.labels(kind).inc(n)
+        if res.timed_out:
+            self.misbehaviour.labels("timeouts").inc()
+        if res.truncated:
+            self.misbehaviour.labels("output_truncated").inc()
 
 
 class EventBus:
@@ -199,7 +216,8 @@ def create_api_app(
 
     app.state.resolve = resolve
     _install_snapshot_route(app, st, principal)  # before the shared router: it adds quota admission
-    app.include_router(sandbox_router(st.metrics.exec_latency.observe))
+
+    app.include_router(sandbox_router(st.metrics.observe_exec))
     app.include_router(swerex_router())
     _install_fncall_routes(app, st, principal, compat_auth)
 

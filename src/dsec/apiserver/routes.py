@@ -50,7 +50,7 @@ class Target:
 
 
 Resolver = Callable[[Request, str], Awaitable[Target]]
-ExecObserver = Callable[[float], None]
+ExecObserver = Callable[[float, ExecResult], None]
 
 
 async def _target(request: Request, sid: str) -> Target:
@@ -199,7 +199,7 @@ def _add_exec_routes(r: APIRouter, observe_exec: ExecObserver | None) -> None:
         t = await _target(request, sid)
         res = await t.edge.exec(sid, body, t.projects)
         if observe_exec is not None:
-            observe_exec(time.perf_counter() - t0)
+            observe_exec(time.perf_counter() - t0, res)
         return model_response(res)
 
     @r.post("/exec/stream")

@@ -180,6 +180,23 @@ class Container:
     exited: asyncio.Future[None]
     timings_ms: dict[str, float] = field(default_factory=dict)
     upper_fd: int = -1  # O_PATH on the writable layer's tmpfs root (upper/ and work/)
+    exit_status: tuple[int, int] | None = None  # (si_code, si_status) of the init, once reaped
+
+    def exit_reason(self) -> str:
+        if self.exit_status is None:
+            return "its init exited"
+        code, status = self.exit_status
+        if code in (os.CLD_KILLED, os.CLD_DUMPED):
+            return f"its init was killed by {signal.Signals(status).name}"
+        return f"its init exited with status {status}"
+
+    def disk_usage(self) -> tuple[int, int, bool]:
+        """(bytes, inodes) used in the writable layer, and whether either is exhausted."""
+        if self.upper_fd < 0:
+            return 0, 0, False
+        st = os.statvfs(f"/proc/{os.getpid()}/fd/{self.upper_fd}")
+        used = (st.f_blocks - st.f_bfree) * st.f_frsize
+        return used, st.f_files - st.f_ffree, st.f_bavail == 0 or st.f_favail == 0
 
     @property
     def upper(self) -> Path:
@@ -206,6 +223,7 @@ class ContainerPlan:
     limits: Limits
     disk_mb: int
     env: dict[str, str]
+    disk_inodes: int = 262144
 
 
 class ContainerBackend:
@@ -272,7 +290,7 @@ class ContainerBackend:
             raise InvalidRequest(
                 f"image has too many layers ({len(plan.lowerdirs)}) to stack; merge some layers"
             )
-        tmpfs = f"size={plan.disk_mb}m,mode=0755,uid={host_root},gid={host_root}"
+        tmpfs = f"size={plan.disk_mb}m,nr_inodes={plan.disk_inodes},mode=0755,uid={host_root},gid={host_root}"
         mounts = [str(up), tmpfs, str(rootfs), opts, str(host_root)]
         config = build_config(
             hostname=plan.id,
@@ -365,12 +383,15 @@ class ContainerBackend:
             # The edge is a child subreaper, so the shim became our child when the
             # runtime exited: reap it, or it lingers as a zombie (and keeps cgroup refs).
             with contextlib.suppress(ChildProcessError, OSError):
-                os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
+                res = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
+                if res is not None:
+                    container.exit_status = (res.si_code, res.si_status)
             if not exited.done():
                 exited.set_result(None)
 
+        container = Container(sandbox_id, pid, actual, d, pidfd, ShimChannel(sock), exited, upper_fd=upper_fd)
         loop.add_reader(pidfd, on_exit)
-        return Container(sandbox_id, pid, actual, d, pidfd, ShimChannel(sock), exited, upper_fd=upper_fd)
+        return container
 
     # --- adopt / destroy --------------------------------------------------------
 

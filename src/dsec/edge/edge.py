@@ -103,6 +103,9 @@ class Sandbox:
     sessions: dict[str, Session] = field(default_factory=dict)
     counter: itertools.count[int] = field(default_factory=itertools.count)
     stopping: bool = False
+    stats: Counter[str] = field(default_factory=Counter)  # timeouts, output_truncated, disk_full
+    seen_events: dict[str, int] = field(default_factory=dict)  # kernel counters at the last look
+    disk_was_full: bool = False
 
     @property
     def id(self) -> str:
@@ -144,6 +147,9 @@ class Edge:
         self._epoch = secrets.token_hex(3)
         self._lock_fd = -1
         self._terminating: dict[str, asyncio.Task[None]] = {}
+        # Sandboxes that died on their own (init killed, e.g. out of memory): their callers get
+        # sandbox_failed with the reason instead of not_found (the most recent 10,000).
+        self._failed: dict[str, Record] = {}
         self.trajlog = TrajectoryLog(settings.data_dir / f"trajlog-{settings.name}.db")
         self._inflight: dict[tuple[str, int], asyncio.Future[None]] = {}
 
@@ -334,7 +340,7 @@ class Edge:
             lowers += self.layers.lowerdirs(image)
             env = {"PATH": DEFAULT_PATH, "HOSTNAME": sid, **spec.env}
             limits = Limits(spec.cpu, spec.memory_mb, spec.pids + PID_RESERVE)
-            plan = ContainerPlan(sid, lowers, limits, spec.disk_mb, env)
+            plan = ContainerPlan(sid, lowers, limits, spec.disk_mb, env, spec.disk_inodes)
             # The sandbox's first trajectory reservation (an fsync) overlaps the runtime start
             # instead of delaying its first operation (~1 ms off the first exec).
             prepared = asyncio.ensure_future(self.trajlog.prepare(sid))
@@ -414,8 +420,17 @@ class Edge:
     def _watch_exit(self, sb: Sandbox) -> None:
         def on_exit(_: asyncio.Future[None]) -> None:
             if not sb.stopping and sb.id in self.sandboxes:
-                log.warning("sandbox %s exited unexpectedly", sb.id)
-                sb.record.reason = "sandbox init exited"
+                events = self.cgroups.events(sb.id)
+                reason = f"the sandbox failed: {sb.container.exit_reason()}"
+                if events["oom_kills"]:
+                    limit = sb.record.spec.memory_mb
+                    reason += f" after {events['oom_kills']} out-of-memory kill(s) (memory_mb={limit})"
+                log.warning("sandbox %s: %s", sb.id, reason)
+                sb.record.state = SandboxState.FAILED
+                sb.record.reason = reason
+                self._failed[sb.id] = sb.record
+                while len(self._failed) > 10_000:
+                    self._failed.pop(next(iter(self._failed)))
                 self._begin_stop(sb.id)
 
         sb.container.exited.add_done_callback(on_exit)
@@ -425,11 +440,18 @@ class Edge:
     def check_access(self, sandbox_id: str, projects: set[str] | None) -> None:
         """Hide sandboxes outside `projects` (None: every project) as if they did not exist."""
         sb = self.sandboxes.get(sandbox_id)
-        if projects is not None and (sb is None or sb.record.spec.project not in projects):
+        rec = sb.record if sb is not None else self._failed.get(sandbox_id)
+        if projects is not None and (rec is None or rec.spec.project not in projects):
             raise errors.SandboxNotFound(f"sandbox {sandbox_id} does not exist or is not in your projects")
 
     def _lookup(self, sandbox_id: str) -> Sandbox:
         sb = self.sandboxes.get(sandbox_id)
+        if sb is None and sandbox_id in self._failed:
+            raise errors.SandboxFailed(
+                f"sandbox {sandbox_id}: {self._failed[sandbox_id].reason}; this is an environment "
+                "failure, not the task's: create a new sandbox",
+                reason=self._failed[sandbox_id].reason,
+            )
         if sb is None or sb.stopping or sb.record.spec.project.startswith("_"):
             raise errors.SandboxNotFound(
                 f"sandbox {sandbox_id} does not exist on edge {self.name} (stopped or never created)"
@@ -447,7 +469,58 @@ class Edge:
         return sb
 
     def get(self, sandbox_id: str) -> SandboxInfo:
-        return self._lookup(sandbox_id).info(self.name)
+        """The sandbox with its misbehaviour telemetry (a failed one: its state and reason)."""
+        failed = self._failed.get(sandbox_id)
+        if failed is not None and sandbox_id not in self.sandboxes:
+            return SandboxInfo(
+                id=failed.id,
+                state=SandboxState.FAILED,
+                spec=failed.spec,
+                edge=self.name,
+                created_at=failed.created_at,
+                last_active=failed.last_active,
+                reason=failed.reason,
+            )
+        sb = self._lookup(sandbox_id)
+        info = sb.info(self.name)
+        info.telemetry = self.telemetry(sb)
+        return info
+
+    def telemetry(self, sb: Sandbox) -> dict[str, int]:
+        out = Counter(self.cgroups.events(sb.id))
+        out.update(sb.stats)  # refused forks of finished calls, timeouts, truncations, full disks
+        used, inodes, _ = sb.container.disk_usage()
+        return {
+            **{k: 0 for k in ("oom_kills", "pids_limit_hits", "timeouts", "output_truncated", "disk_full")},
+            **out,
+            "disk_used_bytes": used,
+            "disk_used_inodes": inodes,
+        }
+
+    def _misbehaviour(self, sb: Sandbox, res: RawResult) -> dict[str, int]:
+        """Limit hits during one call, for its result and the trajectory. The kernel counters
+        are read only when the call did not succeed (a clean exit leaves them alone, save a
+        background process's misfortune, which the next failed call or GET reports)."""
+        if res.timed_out:
+            sb.stats["timeouts"] += 1
+        if res.truncated:
+            sb.stats["output_truncated"] += 1
+        if res.exit_code == 0 and not res.timed_out:
+            if sb.disk_was_full:  # freed since? then the next fill counts again
+                sb.disk_was_full = sb.container.disk_usage()[2]
+            return {}
+        now = self.cgroups.events(sb.id)
+        out = {k: v - sb.seen_events.get(k, 0) for k, v in now.items() if v > sb.seen_events.get(k, 0)}
+        sb.seen_events = now
+        if res.pids_limit_hits:
+            sb.stats["pids_limit_hits"] += res.pids_limit_hits
+            out["pids_limit_hits"] = out.get("pids_limit_hits", 0) + res.pids_limit_hits
+        _, _, full = sb.container.disk_usage()
+        if full and not sb.disk_was_full:
+            sb.stats["disk_full"] += 1
+            out["disk_full"] = 1
+        sb.disk_was_full = full
+        return out
 
     # --- pause / resume --------------------------------------------------------------
 
@@ -506,7 +579,10 @@ class Edge:
     async def stop(self, sandbox_id: str, *, wait: bool = True) -> None:
         """Stop a sandbox. It is gone for every caller at once; with `wait=False` the
         host resources are torn down in the background (close() waits for them)."""
-        task = self._begin_stop(sandbox_id)
+        if sandbox_id not in self.sandboxes and self._failed.pop(sandbox_id, None) is not None:
+            task = self._terminating.get(sandbox_id)  # it stopped itself: forget the failure
+        else:
+            task = self._begin_stop(sandbox_id)
         if wait and task is not None:
             await asyncio.shield(task)
 
@@ -614,7 +690,10 @@ class Edge:
         action = {"op": "exec", **req.model_dump(include={"cmd", "stdin", "env", "cwd", "user"})}
 
         async def run() -> dict[str, Any]:
-            return (await self._run(sb, req)).to_exec_result().model_dump()
+            raw = await self._run(sb, req)
+            result = raw.to_exec_result()
+            result.misbehaviour = self._misbehaviour(sb, raw)
+            return result.model_dump()
 
         obs, seq, replayed = await self._logged(sb, "exec", action, req.step, run)
         return ExecResult.model_validate({**obs, "seq": seq, "replayed": replayed})

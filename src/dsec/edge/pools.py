@@ -33,13 +33,23 @@ class PoolSpec(BaseModel):
     memory_mb: int = 1024
     pids: int = 1024
     disk_mb: int = 2048
+    disk_inodes: int = 262144
     user: str = "root"
     workdir: str = "/work"
     min_size: int = Field(0, ge=0, le=10000)
     max_size: int = Field(64, ge=0, le=10000)
 
     def key(self) -> tuple[object, ...]:
-        return (self.image, self.cpu, self.memory_mb, self.pids, self.disk_mb, self.user, self.workdir)
+        return (
+            self.image,
+            self.cpu,
+            self.memory_mb,
+            self.pids,
+            self.disk_mb,
+            self.disk_inodes,
+            self.user,
+            self.workdir,
+        )
 
     def base_spec(self) -> SandboxSpec:
         return SandboxSpec(
@@ -48,6 +58,7 @@ class PoolSpec(BaseModel):
             memory_mb=self.memory_mb,
             pids=self.pids,
             disk_mb=self.disk_mb,
+            disk_inodes=self.disk_inodes,
             user=self.user,
             workdir=self.workdir,
             project=POOL_PROJECT,
@@ -63,7 +74,16 @@ class PoolInfo(BaseModel):
 
 
 def spec_key(spec: SandboxSpec) -> tuple[object, ...]:
-    return (spec.image, spec.cpu, spec.memory_mb, spec.pids, spec.disk_mb, spec.user, spec.workdir)
+    return (
+        spec.image,
+        spec.cpu,
+        spec.memory_mb,
+        spec.pids,
+        spec.disk_mb,
+        spec.disk_inodes,
+        spec.user,
+        spec.workdir,
+    )
 
 
 @dataclass

@@ -10,6 +10,7 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dsec.backends.container import Container, resolve_once
@@ -96,6 +97,7 @@ class RawResult:
     duration: float
     truncated: bool
     timed_out: bool
+    pids_limit_hits: int = 0  # forks refused in this call's cgroup (read only when it failed)
 
     def to_exec_result(self) -> ExecResult:
         return ExecResult(
@@ -225,8 +227,10 @@ async def run_process(
         feeder.cancel()
         out.close()
         err.close()
+        code = exit_code(status) if status is not None else 137
+        # A refused fork is counted in the cgroup of the task that tried (v1), which goes now.
+        refused = _pids_max_events(proc.group.path) if code != 0 or timed_out else 0
         release_group(proc.group)
-    code = exit_code(status) if status is not None else 137
     return RawResult(
         stdout=bytes(out.buf),
         stderr=bytes(err.buf),
@@ -234,7 +238,18 @@ async def run_process(
         duration=time.perf_counter() - t0,
         truncated=out.truncated or err.truncated,
         timed_out=timed_out,
+        pids_limit_hits=refused,
     )
+
+
+def _pids_max_events(group: Path) -> int:
+    try:
+        for line in (group / "pids.events").read_text().splitlines():
+            if line.startswith("max "):
+                return int(line[4:])
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 async def _feed(fd: int, data: bytes) -> None:

@@ -108,6 +108,23 @@ class CgroupHost:
     def procs(self, sandbox_id: str) -> list[int]:
         return read_procs(self.tracking_dir(sandbox_id))
 
+    def events(self, sandbox_id: str) -> dict[str, int]:
+        """Kernel-counted limit hits of a sandbox: OOM kills (memory) and refused forks
+        (pids, at the user group that holds the limit and at the sandbox's own)."""
+        out = {"oom_kills": 0, "pids_limit_hits": 0}
+        if self.version == 2:
+            base = self.root / PARENT / sandbox_id
+            out["oom_kills"] = _keyed(base / "memory.events", "oom_kill")
+            out["pids_limit_hits"] = _keyed(base / "pids.events", "max")
+            return out
+        mem = self.v1_mounts.get("memory", self.root / "memory") / PARENT / sandbox_id
+        out["oom_kills"] = _keyed(mem / "memory.oom_control", "oom_kill")
+        pids = self.tracking_dir(sandbox_id)
+        out["pids_limit_hits"] = _keyed(pids / "pids.events", "max") + _keyed(
+            pids / USER_GROUP / "pids.events", "max"
+        )
+        return out
+
     def memory_bytes(self, sandbox_id: str) -> int | None:
         if self.version == 2:
             f = self.root / PARENT / sandbox_id / "memory.current"
@@ -254,6 +271,18 @@ def kill_group(d: Path, version: int, deadline_s: float = 5.0) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.001)
+
+
+def _keyed(f: Path, key: str) -> int:
+    """The value of `key` in a flat-keyed cgroup file (`key value` lines); 0 if absent."""
+    try:
+        for line in f.read_text().splitlines():
+            k, _, v = line.partition(" ")
+            if k == key:
+                return int(v)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def _subgroups(d: Path) -> list[Path]:

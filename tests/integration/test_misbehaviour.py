@@ -1,0 +1,78 @@
+"""Limits a sandbox runs into, and how they are reported (issue #6): disk quota (bytes and
+inodes) gives ENOSPC inside and never fills the node; OOM kills, pids-limit hits, timeouts,
+truncated output and a full disk are counted per call (in the result and the trajectory), on
+the sandbox (GET) and in metrics; a sandbox that dies is `failed` with a reason and a
+distinct error code."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+
+import pytest
+
+from dsec import errors
+from dsec.models import ExecRequest, SandboxSpec, SandboxState
+
+pytestmark = [pytest.mark.root, pytest.mark.asyncio]
+
+
+async def test_disk_quota_bytes_and_inodes_give_enospc_inside(edge):
+    free_before = shutil.disk_usage("/").free
+    sb = await edge.create(SandboxSpec(image="python", disk_mb=8, disk_inodes=2048))
+    r = await edge.exec(sb.id, ExecRequest(cmd="head -c 20000000 /dev/zero > /work/big; echo rc=$?"))
+    assert "rc=1" in r.stdout and "No space left on device" in r.stderr
+    assert r.misbehaviour == {}  # the shell exited 0: its `echo` ran after the failed write
+    r = await edge.exec(sb.id, ExecRequest(cmd="head -c 20000000 /dev/zero > /work/big2"))
+    assert r.exit_code != 0 and r.misbehaviour.get("disk_full") == 1
+    await edge.exec(sb.id, ExecRequest(cmd="rm -f /work/big /work/big2"))
+    r = await edge.exec(
+        sb.id,
+        ExecRequest(cmd="mkdir -p /work/many && cd /work/many && for i in $(seq 4000); do : > f$i; done"),
+    )
+    assert r.exit_code != 0 and "No space left on device" in r.stderr
+    assert r.misbehaviour.get("disk_full") == 1  # out of inodes this time
+    t = edge.get(sb.id).telemetry
+    assert t["disk_full"] >= 1 and 1500 < t["disk_used_inodes"] <= 2048
+    assert abs(shutil.disk_usage("/").free - free_before) < 50_000_000  # the node never filled
+
+
+async def test_oom_pids_timeouts_and_truncation_are_counted(edge):
+    sb = await edge.create(SandboxSpec(image="python", memory_mb=64, pids=32))
+    r = await edge.exec(sb.id, ExecRequest(cmd="python3 -c 'b = bytearray(200 << 20); print(len(b))'"))
+    assert r.exit_code == 137 and r.misbehaviour.get("oom_kills", 0) >= 1
+    r = await edge.exec(
+        sb.id, ExecRequest(cmd="for i in $(seq 100); do sleep 0.3 & done 2>/dev/null; wait", timeout=10)
+    )
+    assert r.misbehaviour.get("pids_limit_hits", 0) >= 1, r
+    await asyncio.sleep(0.5)  # the sleeps that did start hold the pids until they end
+    r = await edge.exec(sb.id, ExecRequest(cmd="sleep 5", timeout=0.2))
+    assert r.timed_out
+    r = await edge.exec(sb.id, ExecRequest(cmd="yes | head -c 1000000", max_output_bytes=1000))
+    assert r.truncated and len(r.stdout) <= 1000
+    t = edge.get(sb.id).telemetry
+    assert t["oom_kills"] >= 1 and t["pids_limit_hits"] >= 1
+    assert t["timeouts"] == 1 and t["output_truncated"] == 1
+    # the trajectory keeps what the call saw
+    entries = (await edge.trajectory(sb.id))["entries"]
+    assert any((e.get("observation") or {}).get("misbehaviour", {}).get("oom_kills") for e in entries)
+
+
+async def test_a_sandbox_that_dies_is_failed_with_a_reason(edge):
+    sb = await edge.create(SandboxSpec(image="python"))
+    os.kill(edge.sandboxes[sb.id].container.pid, signal.SIGKILL)  # its runtime dies under it
+    for _ in range(200):
+        if sb.id not in edge.sandboxes:
+            break
+        await asyncio.sleep(0.01)
+    info = edge.get(sb.id)
+    assert info.state is SandboxState.FAILED and "SIGKILL" in (info.reason or "")
+    with pytest.raises(errors.SandboxFailed) as e:
+        await edge.exec(sb.id, ExecRequest(cmd="true"))
+    assert e.value.status == 410 and e.value.code == "sandbox_failed"
+    assert "environment failure" in e.value.message
+    await edge.stop(sb.id)  # acknowledging it forgets it
+    with pytest.raises(errors.SandboxNotFound):
+        edge.get(sb.id)
