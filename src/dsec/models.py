@@ -43,6 +43,12 @@ class SandboxSpec(_Model):
     )
     ttl_action: Literal["stop", "pause"] = Field("stop", description="what the idle TTL does")
     project: ShortStr = "default"
+    protected_paths: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="paths of the image (graders, reference answers) moved out of the sandbox at "
+        "create: the agent cannot read them; POST .../verify brings them back for one command",
+    )
 
     @field_validator("workdir")
     @classmethod
@@ -218,6 +224,10 @@ class SnapshotInfo(_Model):
 
 class SnapshotRequest(_Model):
     scrub: list[str] = Field(default_factory=list, max_length=1024, description="absolute paths to leave out")
+
+
+class ProtectRequest(_Model):
+    paths: list[str] = Field(min_length=1, max_length=64, description="absolute paths to move into the vault")
 
 
 class CheckpointRequest(_Model):

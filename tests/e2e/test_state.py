@@ -141,3 +141,17 @@ def test_snapshots_count_against_quota(service):
             other.stop()
             c.delete_snapshot(mine.id)
         sb.stop()
+
+
+def test_protect_and_verify_through_the_sdk(service):
+    with Client() as c:
+        sb = c.create("python")
+        sb.files.write("/grader/test.sh", "echo graded $(cat /work/out)")
+        assert sb.protect(["/grader"]) == ["/grader"]
+        sb.exec("echo 7 > /work/out")
+        assert sb.exec("cat /grader/test.sh").exit_code != 0
+        r = sb.verify("sh /grader/test.sh")
+        assert r.stdout == "graded 7\n" and r.seq is not None
+        with pytest.raises(errors.InvalidRequest):
+            sb.protect(["relative/path"])
+        sb.stop()

@@ -76,3 +76,52 @@ async def test_a_sandbox_that_dies_is_failed_with_a_reason(edge):
     await edge.stop(sb.id)  # acknowledging it forgets it
     with pytest.raises(errors.SandboxNotFound):
         edge.get(sb.id)
+
+
+async def test_protected_paths_are_out_of_reach_until_verification(edge):
+    # A grader written into the image-like filesystem, then protected at create time.
+    sb = await edge.create(SandboxSpec(image="python"))
+    await edge.exec(
+        sb.id, ExecRequest(cmd="mkdir -p /grader && echo 'ANSWER=42' > /grader/key && echo s > /srv/solution")
+    )
+    assert await edge.protect(sb.id, ["/grader"]) == ["/grader"]
+    # the agent, root inside, with every trick: nothing there to read
+    r = await edge.exec(
+        sb.id,
+        ExecRequest(cmd="cat /grader/key; ls -a /grader; grep -r ANSWER= / --include=key 2>/dev/null; true"),
+    )
+    assert "ANSWER" not in r.stdout and "No such file" in r.stderr
+    with pytest.raises(errors.FileNotFound):
+        edge.read_file(sb.id, "/grader/key")
+    # a lurking agent process that waits for the grader to appear
+    await edge.exec(
+        sb.id,
+        ExecRequest(
+            cmd="nohup sh -c 'while :; do cat /grader/key >> /tmp/stolen 2>/dev/null; sleep 0.005; done' "
+            ">/dev/null 2>&1 &"
+        ),
+    )
+    r = await edge.verify(sb.id, ExecRequest(cmd="cat /grader/key; cat /srv/solution"))
+    assert r.stdout == "ANSWER=42\ns\n"
+    # the lurker was gone before the grader came back, and the grader is gone again
+    r = await edge.exec(
+        sb.id, ExecRequest(cmd="cat /tmp/stolen 2>/dev/null; test -e /grader/key && echo still")
+    )
+    assert "ANSWER" not in r.stdout and "still" not in r.stdout
+    # verification can run again (graders stay in the vault until the sandbox stops)
+    assert (await edge.verify(sb.id, ExecRequest(cmd="cat /grader/key"))).stdout == "ANSWER=42\n"
+    vault = edge._vault(sb.id)
+    assert vault.exists()
+    await edge.stop(sb.id)
+    assert not vault.exists()
+
+
+async def test_protected_paths_at_create(edge):
+    with pytest.raises(errors.FileNotFound):
+        await edge.create(SandboxSpec(image="python", protected_paths=["/no/such/grader"]))
+    sb = await edge.create(SandboxSpec(image="python", protected_paths=["/etc/os-release"]))
+    r = await edge.exec(sb.id, ExecRequest(cmd="cat /etc/os-release"))
+    assert r.exit_code != 0
+    r = await edge.verify(sb.id, ExecRequest(cmd="grep -c Debian /etc/os-release"))
+    assert r.stdout.strip() != "0"
+    await edge.stop(sb.id)

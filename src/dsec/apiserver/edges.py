@@ -130,6 +130,12 @@ class EdgeAPI(ABC):
     @abstractmethod
     async def delete_checkpoint(self, cid: str, projects: Projects) -> None: ...
     @abstractmethod
+    async def protect(
+        self, sid: str, paths: builtins.list[str], projects: Projects
+    ) -> builtins.list[str]: ...
+    @abstractmethod
+    async def verify(self, sid: str, req: ExecRequest, projects: Projects) -> ExecResult: ...
+    @abstractmethod
     async def snapshots(self, projects: Projects = None) -> builtins.list[dict[str, Any]]: ...
     @abstractmethod
     async def image_manifest(self, name: str) -> dict[str, Any]: ...
@@ -315,6 +321,14 @@ class LocalEdge(EdgeAPI):
 
     async def snapshots(self, projects: Projects = None) -> builtins.list[dict[str, Any]]:
         return self.edge.list_snapshots(projects)
+
+    async def protect(self, sid: str, paths: builtins.list[str], projects: Projects) -> builtins.list[str]:
+        self._check(sid, projects)
+        return await self.edge.protect(sid, paths)
+
+    async def verify(self, sid: str, req: ExecRequest, projects: Projects) -> ExecResult:
+        self._check(sid, projects)
+        return await self.edge.verify(sid, req)
 
     async def delete_snapshot(self, name: str, projects: Projects = None) -> None:
         self.edge.delete_snapshot(name, projects)
@@ -561,6 +575,16 @@ class HttpEdge(EdgeAPI):
 
     async def snapshots(self, projects: Projects = None) -> builtins.list[dict[str, Any]]:
         return list((await self._call("GET", "/v1/snapshots", projects)).json()["snapshots"])
+
+    async def protect(self, sid: str, paths: builtins.list[str], projects: Projects) -> builtins.list[str]:
+        r = await self._call("POST", f"/v1/sandboxes/{sid}/protect", projects, json_body={"paths": paths})
+        return list(r.json()["protected"])
+
+    async def verify(self, sid: str, req: ExecRequest, projects: Projects) -> ExecResult:
+        r = await self._call(
+            "POST", f"/v1/sandboxes/{sid}/verify", projects, json_body=req.model_dump(mode="json")
+        )
+        return ExecResult.model_validate_json(r.content)
 
     async def image_manifest(self, name: str) -> dict[str, Any]:
         return dict((await self._call("GET", f"/v1/images/{name}/manifest")).json())

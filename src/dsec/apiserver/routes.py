@@ -31,6 +31,7 @@ from dsec.models import (
     FileEdit,
     FileStat,
     FileWrite,
+    ProtectRequest,
     SandboxInfo,
     SessionCreate,
     SessionInfo,
@@ -165,6 +166,16 @@ def sandbox_router(observe_exec: ExecObserver | None = None) -> APIRouter:
     async def snapshot(sid: str, body: SnapshotRequest, request: Request) -> Response:
         t = await _target(request, sid)
         return model_response(await t.edge.snapshot(sid, body, t.projects), 201)
+
+    @r.post("/protect")
+    async def protect(sid: str, body: ProtectRequest, request: Request) -> dict[str, Any]:
+        t = await _target(request, sid)
+        return {"protected": await t.edge.protect(sid, body.paths, t.projects)}
+
+    @r.post("/verify", response_model=ExecResult)
+    async def verify(sid: str, body: ExecRequest, request: Request) -> Response:
+        t = await _target(request, sid)
+        return model_response(await t.edge.verify(sid, body, t.projects))
 
     @r.post("/checkpoint", response_model=Checkpoint, status_code=201)
     async def checkpoint(sid: str, request: Request, body: CheckpointRequest | None = None) -> Response:

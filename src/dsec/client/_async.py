@@ -367,6 +367,36 @@ class AsyncSandbox:
         infos = await self._client._call(_base.fork(self.id, n))
         return [AsyncSandbox(self._client, i.id, i) for i in infos]
 
+    async def protect(self, paths: list[str]) -> list[str]:
+        """Move `paths` (graders, reference answers) out of the sandbox: its processes cannot
+        read them any more; `verify()` runs one command with them back."""
+        return await self._client._call(_base.protect(self.id, list(paths)))
+
+    async def verify(
+        self,
+        cmd: str | list[str],
+        *,
+        timeout: float = 300,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        user: str | None = None,
+        max_output_bytes: int = 1 << 20,
+        step: StepArg = None,
+    ) -> ExecResult:
+        """The platform's verification step: every process of the sandbox is killed, the
+        protected paths come back, `cmd` runs (as `user`, root by default), they leave again."""
+        req = _base.exec_request(
+            cmd,
+            timeout=timeout,
+            stdin=None,
+            env=env,
+            cwd=cwd,
+            user=user,
+            max_output_bytes=max_output_bytes,
+            step=step,
+        )
+        return await self._client._call(_base.verify(self.id, req))
+
     async def checkpoint(self, *, leave_running: bool = True) -> Checkpoint:
         """Checkpoint the sandbox's processes (memory, CRIU) with a copy of its files; restore
         with `client.restore(checkpoint.id)` (a new sandbox) or `restore(id, sandbox_id=...)`.

@@ -37,6 +37,7 @@ from dsec.models import (
     FileWrite,
     ForkRequest,
     MiB,
+    ProtectRequest,
     RestoreRequest,
     SandboxInfo,
     SandboxSpec,
@@ -578,6 +579,19 @@ def snapshot(sandbox_id: str, scrub: list[str]) -> Call[SnapshotInfo]:
 def fork(sandbox_id: str, n: int) -> Call[list[SandboxInfo]]:
     body = _dump(_validated(ForkRequest, n=n))
     return Call(Request("POST", _sb(sandbox_id, "fork"), json=body), _models(SandboxInfo, "sandboxes"))
+
+
+def protect(sandbox_id: str, paths: list[str]) -> Call[list[str]]:
+    body = _dump(_validated(ProtectRequest, paths=paths))
+
+    def parse(response: httpx.Response) -> list[str]:
+        return list(response.json()["protected"])
+
+    return Call(Request("POST", _sb(sandbox_id, "protect"), json=body), parse)
+
+
+def verify(sandbox_id: str, req: ExecRequest) -> Call[ExecResult]:
+    return Call(Request("POST", _sb(sandbox_id, "verify"), json=_dump(req)), _model(ExecResult))
 
 
 def checkpoint(sandbox_id: str, leave_running: bool) -> Call[Checkpoint]:

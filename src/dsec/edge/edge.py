@@ -15,6 +15,7 @@ import fcntl
 import hashlib
 import io
 import itertools
+import json
 import logging
 import os
 import re
@@ -284,6 +285,16 @@ class Edge:
         return self.layers.get_image(name)
 
     async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None) -> SandboxInfo:
+        info = await self._create_plain(spec, sandbox_id)
+        if spec.protected_paths:
+            try:
+                await self.protect(info.id, spec.protected_paths)
+            except BaseException:
+                await self.stop(info.id)
+                raise
+        return info
+
+    async def _create_plain(self, spec: SandboxSpec, sandbox_id: str | None) -> SandboxInfo:
         t0 = time.perf_counter()
         owner = self._image(spec.image).source.get("project")  # snapshots belong to a project
         if owner is not None and owner != spec.project and not spec.project.startswith("_"):
@@ -616,6 +627,7 @@ class Edge:
                 s.close(kill=False)  # the whole pid namespace dies with the shim
         sb.sessions.clear()
         os.close(sb.root_fd)
+        shutil.rmtree(self._vault(sb.id), ignore_errors=True)
         try:
             await self.backend.destroy(sb.container)
         except Exception:
@@ -952,6 +964,72 @@ class Edge:
             msg = res.stderr.decode(errors="replace").strip()[-500:]
             raise errors.InternalError(f"packing {path} failed: {msg or 'more than 1 GiB'}")
         return res.stdout
+
+    # --- protected paths (graders, reference answers) -------------------------------
+
+    def _vault(self, sandbox_id: str) -> Path:
+        return self.settings.data_dir / "vault" / sandbox_id
+
+    async def protect(self, sandbox_id: str, paths: builtins.list[str]) -> builtins.list[str]:
+        """Move `paths` out of the sandbox into a vault on the host (root only): the agent's
+        processes cannot read what is not there. verify() brings them back for one command
+        run by the platform, with every agent process gone."""
+        sb = self._get(sandbox_id)
+        vault = self._vault(sandbox_id)
+        vault.mkdir(parents=True, exist_ok=True, mode=0o700)
+        index_file = vault / "index.json"
+        index: list[dict[str, Any]] = json.loads(index_file.read_text()) if index_file.exists() else []
+        done = []
+        for raw in paths:
+            if not raw.startswith("/") or "\0" in raw or os.path.normpath(raw) == "/":
+                raise errors.InvalidRequest(
+                    f"protected path {raw!r} must be absolute and not /, e.g. /grader"
+                )
+            path = os.path.normpath(raw)
+            kind = sb.files.stat(path).type
+            data = await self.download_tar(sandbox_id, path)
+            blob = vault / f"{len(index)}.tar"
+            blob.write_bytes(data)
+            index.append({"path": path, "dir": kind == "dir", "blob": blob.name})
+            index_file.write_text(json.dumps(index))
+            sb.files.delete(path, recursive=True)
+            done.append(path)
+        await self.log_event(sandbox_id, "protect", {"op": "protect", "paths": done}, {})
+        return done
+
+    async def verify(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        """Run the platform's verification: every agent process is killed (and its sessions
+        closed), the protected paths come back, `req` runs, and they leave again."""
+        sb = self._get(sandbox_id)
+        index_file = self._vault(sandbox_id) / "index.json"
+        index: list[dict[str, Any]] = json.loads(index_file.read_text()) if index_file.exists() else []
+        for s in list(sb.sessions.values()):
+            with contextlib.suppress(Exception):
+                s.close(kill=False)
+        sb.sessions.clear()
+        await ckpt.kill_user_processes(self.cgroups, sb.id)  # nobody left to read them
+        action = {"op": "verify", **req.model_dump(include={"cmd", "env", "cwd", "user"})}
+
+        async def run() -> dict[str, Any]:
+            try:
+                for entry in index:
+                    data = (self._vault(sandbox_id) / entry["blob"]).read_bytes()
+                    target = entry["path"] if entry["dir"] else (os.path.dirname(entry["path"]) or "/")
+                    with contextlib.suppress(errors.FileNotFound):
+                        sb.files.delete(entry["path"], recursive=True)  # whatever the agent left there
+                    await self.upload_tar(sandbox_id, target, data)
+                raw = await self._run(sb, req)
+            finally:
+                await ckpt.kill_user_processes(self.cgroups, sb.id)  # nothing the verifier started stays
+                for entry in index:
+                    with contextlib.suppress(errors.DsecError):
+                        sb.files.delete(entry["path"], recursive=True)
+            result = raw.to_exec_result()
+            result.misbehaviour = self._misbehaviour(sb, raw)
+            return result.model_dump()
+
+        obs, seq, replayed = await self._logged(sb, "verify", action, req.step, run)
+        return ExecResult.model_validate({**obs, "seq": seq, "replayed": replayed})
 
     # --- reaping, re-adoption, reconciliation ----------------------------------------
 
