@@ -34,6 +34,9 @@ class SandboxSpec(_Model):
     pids: int = Field(1024, ge=8, le=65536, description="max processes and threads")
     disk_mb: int = Field(2048, ge=1, le=1048576, description="size of the writable layer")
     disk_inodes: int = Field(262144, ge=1024, le=16777216, description="files the writable layer can hold")
+    max_output_bytes: int = Field(
+        1 * MiB, ge=0, le=64 * MiB, description="ceiling on what any call in this sandbox captures per stream"
+    )
     env: Annotated[dict[str, str], Field(max_length=256)] = Field(default_factory=dict)
     user: ShortStr = "root"
     workdir: ShortStr = "/work"

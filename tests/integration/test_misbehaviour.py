@@ -125,3 +125,43 @@ async def test_protected_paths_at_create(edge):
     r = await edge.verify(sb.id, ExecRequest(cmd="grep -c Debian /etc/os-release"))
     assert r.stdout.strip() != "0"
     await edge.stop(sb.id)
+
+
+async def test_output_floods_are_capped_everywhere(edge):
+    from dsec.models import SessionCreate, SessionKind, SessionRun
+
+    cap = 4096
+    sb = await edge.create(SandboxSpec(image="python", max_output_bytes=cap))
+    r = await edge.exec(sb.id, ExecRequest(cmd="yes", timeout=1))  # asks for the default 1 MiB
+    assert r.truncated and len(r.stdout) <= cap and len(r.stderr) <= cap
+    for kind, code in (
+        (SessionKind.BASH, "yes | head -c 50000000"),
+        (SessionKind.PYTHON, "for i in range(200000): print('y' * 100)"),
+        (SessionKind.PYTHON, "import sys; sys.stderr.write('e' * 50_000_000); 'x' * 50_000_000"),
+    ):
+        s = await edge.session_create(sb.id, SessionCreate(kind=kind))
+        res = await edge.session_run(sb.id, s.id, SessionRun(code=code, timeout=60))
+        assert res.truncated, (kind, code)
+        assert len(res.output) <= cap and len(res.stderr) <= cap
+        ok = await edge.session_run(
+            sb.id, s.id, SessionRun(code="print(1)" if kind == "python" else "echo 1")
+        )
+        assert ok.output == "1\n"  # the session survived the flood
+    entries = (await edge.trajectory(sb.id))["entries"]
+    for e in entries:  # nothing bigger than the cap was logged either
+        obs = e.get("observation") or {}
+        assert all(len(obs.get(k) or "") <= cap for k in ("stdout", "stderr", "output"))
+
+
+async def test_bash_session_output_just_past_the_cap(edge):
+    from dsec.models import SessionCreate, SessionKind, SessionRun
+
+    cap = 1000
+    sb = await edge.create(SandboxSpec(image="python", max_output_bytes=cap))
+    s = await edge.session_create(sb.id, SessionCreate(kind=SessionKind.BASH))
+    for extra in (0, 1, 10, 30, 60, 100, 5000):  # the end marker lands in the buffer, across, in the tail
+        res = await edge.session_run(
+            sb.id, s.id, SessionRun(code=f"yes a | tr -d '\\n' | head -c {cap + extra}; false", timeout=10)
+        )
+        assert not res.timed_out and res.exit_code == 1, (extra, res)
+        assert res.output == "a" * min(cap, cap + extra) and res.truncated == (extra > 0), extra

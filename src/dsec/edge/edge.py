@@ -693,7 +693,7 @@ class Edge:
             gid=gid,
             stdin=stdin,
             timeout=req.timeout,
-            cap=req.max_output_bytes if cap is None else cap,
+            cap=min(req.max_output_bytes, sb.record.spec.max_output_bytes) if cap is None else cap,
             sink=sink,
         )
 
@@ -799,7 +799,8 @@ class Edge:
 
         async def run() -> dict[str, Any]:
             try:
-                return (await s.run(req.code, req.timeout, req.max_output_bytes)).model_dump()
+                cap = min(req.max_output_bytes, sb.record.spec.max_output_bytes)
+                return (await s.run(req.code, req.timeout, cap)).model_dump()
             except errors.SessionNotFound:
                 sb.sessions.pop(session_id, None)
                 s.close()

@@ -35,6 +35,10 @@ class PipeReader:
         self.buf = bytearray()
         self.truncated = False
         self.total = 0
+        # With tail_cap > 0, the last tail_cap bytes past the cap are kept (a session's end
+        # marker must be found even after a flood that was cut).
+        self.tail_cap = 0
+        self.tail = b""
         self.eof = asyncio.get_running_loop().create_future()
         self.changed = asyncio.Event()
         self._on_cap = on_cap
@@ -59,6 +63,8 @@ class PipeReader:
                 self._sink(chunk[:room])
             if len(chunk) > room:
                 self.buf += chunk[: max(room, 0)]
+                if self.tail_cap:
+                    self.tail = (self.tail + chunk[max(room, 0) :])[-self.tail_cap :]
                 if not self.truncated:
                     self.truncated = True
                     if self._on_cap is not None:

@@ -38,6 +38,21 @@ os.dup2(nul, 0); os.close(nul); os.dup2(2, 1)
 sys.stdin = open(os.devnull)
 sys.stdout = sys.stderr = os.fdopen(os.dup(2), "w", buffering=1)
 ns = {"__name__": "__main__", "__builtins__": __builtins__}
+class Capped(io.TextIOBase):
+    # keeps the first `cap` characters, counts the rest: a print flood costs no memory
+    def __init__(self, cap):
+        self.cap, self.parts, self.kept, self.over = cap, [], 0, False
+    def writable(self):
+        return True
+    def write(self, s):
+        room = self.cap - self.kept
+        if room > 0:
+            self.parts.append(s[:room]); self.kept += min(len(s), room)
+        if len(s) > room:
+            self.over = True
+        return len(s)
+    def getvalue(self):
+        return "".join(self.parts)
 def run(code, out, err):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         tree = ast.parse(code, "<session>")
@@ -55,12 +70,15 @@ while True:
         if not line:
             break
         req = json.loads(line)
-        out, err, error = io.StringIO(), io.StringIO(), None
+        cap = int(req.get("cap", 1 << 20))
+        out, err, error = Capped(cap), Capped(cap), None
         try:
             run(req["code"], out, err)
         except BaseException:
-            error = traceback.format_exc()
-        cout.write(json.dumps({"stdout": out.getvalue(), "stderr": err.getvalue(), "error": error}) + "\n")
+            error = traceback.format_exc()[-cap:]
+        reply = {"stdout": out.getvalue(), "stderr": err.getvalue(), "error": error}
+        reply["truncated"] = out.over or err.over
+        cout.write(json.dumps(reply, ensure_ascii=False) + "\n")
         cout.flush()
     except KeyboardInterrupt:
         cout.write(json.dumps({"stdout": "", "stderr": "", "error": "KeyboardInterrupt"}) + "\n")
@@ -135,11 +153,17 @@ class Session:
         self.out.buf.clear()
         self.out.truncated = False
         self.out.cap = max(cap, 0) + len(marker) + 64
+        self.out.tail_cap = len(marker) + 64  # past a flood, the end marker is in the tail
+        self.out.tail = b""
         self._send(f"eval {ansi_c_quote(code)} </dev/null\nprintf '\\n{marker}%d\\n' $?\n".encode())
         token = marker.encode()
 
+        def end() -> bytes:  # the stream's last bytes, wherever the cap cut it
+            return bytes(self.out.buf[-self.out.tail_cap :]) + self.out.tail if self.out.tail else b""
+
         def done() -> bool:
-            return self.out.buf.rfind(token) >= 0 and self.out.buf.endswith(b"\n")
+            b = end() or self.out.buf
+            return b.rfind(token) >= 0 and b.endswith(b"\n")
 
         timed_out = False
         if (
@@ -152,15 +176,26 @@ class Session:
                 None, kill_except, self.proc.group, self.root_pid
             )
             await self._wait_for(self.out, done, 5.0)
+        tail = end()
         buf = bytes(self.out.buf)
+        self.out.tail = b""
         self.out.buf.clear()
+        if tail and tail.rfind(token) >= 0:  # a flood: the output is the first `cap` bytes
+            rc = int(tail[tail.rfind(token) + len(token) :].split(b"\n", 1)[0] or b"0")
+            return SessionResult(
+                output=buf[:cap].decode(errors="replace"),
+                exit_code=124 if timed_out else rc,
+                duration=time.perf_counter() - t0,
+                timed_out=timed_out,
+                truncated=True,
+            )
         idx = buf.rfind(token)
         if idx < 0:
             # The shell ended (exit, or killed): return what it printed.
             await asyncio.sleep(0)
             status = self.proc.exited.result() if self.proc.exited.done() else None
             return SessionResult(
-                output=buf.decode(errors="replace"),
+                output=buf[:cap].decode(errors="replace"),
                 exit_code=exit_code(status) if status is not None else 137,
                 duration=time.perf_counter() - t0,
                 timed_out=timed_out,
@@ -183,11 +218,15 @@ class Session:
         assert self.err is not None
         t0 = time.perf_counter()
         self.out.buf.clear()
-        self.out.cap = 256 * 1024 * 1024
+        # The driver caps each stream at `cap` characters; JSON escaping makes a character at
+        # most 6 bytes. Past that bound the reply is not the driver's (the code took over its
+        # pipe): it is cut, and the session reported as broken, never buffered without limit.
+        self.out.cap = 6 * 3 * max(cap, 1) + 65536
+        self.out.truncated = False
         self.err.buf.clear()
         self.err.truncated = False
         self.err.cap = cap
-        self._send(json.dumps({"code": code}).encode() + b"\n")
+        self._send(json.dumps({"code": code, "cap": cap}).encode() + b"\n")
 
         def done() -> bool:
             return self.out.buf.endswith(b"\n")
@@ -214,7 +253,10 @@ class Session:
             exit_code=124 if timed_out else (1 if reply["error"] else 0),
             duration=time.perf_counter() - t0,
             timed_out=timed_out,
-            truncated=len(stdout) > cap or len(stderr) > cap or self.err.truncated,
+            truncated=bool(reply.get("truncated"))
+            or len(stdout) > cap
+            or len(stderr) > cap
+            or self.err.truncated,
         )
 
     def proc_signal(self, sig: int) -> None:

@@ -1,0 +1,1198 @@
+"""Per-sandbox network policy: an allowlist enforced by nftables, with DNS that keeps domain rules honest.
+
+Default: nothing. A sandbox without a policy keeps its loopback-only network namespace
+and this module never touches it (no veth, no rules, no cost).
+
+Topology (one gateway per edge, created on the first policy, removed by ``close()``)::
+
+    sandbox netns                 gw netns "dsec-gw-<edge>"                  host netns
+    eth0 10.X.a.b/32  <-veth->   s<n>  10.X.0.1/32 (same address on every   dsu<tag> 10.X.255.253/30
+      default via 10.X.0.1            sandbox link; DNS forwarder listens)      -> masquerade -> uplink
+      table inet dsec (inner)    up0 10.X.255.254/30  <------ veth ------->
+                                 table inet dsec (outer): per-sandbox chains,
+                                 masquerade to up0
+
+Why a gateway namespace instead of veths in the host's namespace: the host keeps one
+link and one small nft table (``ip dsec-<edge>``: masquerade of one address, no new
+connections into the gateway) however many sandboxes run; every per-sandbox link, route,
+set and chain lives in a namespace the edge owns and deletes as a whole; and the host's
+own firewall (iptables, docker) never interacts with per-sandbox rules. The gateway also
+masquerades, so the host sees one source address and needs no route into sandbox space.
+The host must forward between its uplink and ``dsu<tag>``: the edge enables IPv4
+forwarding on those two devices only (never ``net.ipv4.ip_forward`` for all devices) and
+restores the uplink's setting when the last gateway goes.
+
+Enforcement happens twice, with the same compiled rule body:
+
+* inner: table ``inet dsec`` in the sandbox's own network namespace (output and input
+  hooks, policy drop). The sandbox's root cannot change it: its capability set has no
+  CAP_NET_ADMIN and the namespace belongs to its user namespace's parent's view of
+  the edge (tests prove it). Locally dropped packets fail at once with EPERM, so a denied
+  ``connect()`` does not hang.
+* outer: table ``inet dsec`` in the gateway: ``iifname vmap`` dispatches to the
+  sandbox's chain, which also drops spoofed source addresses. If the inner table were
+  wrong or missing, the outer one still holds.
+
+Rule order (both tables): loopback, established/related, the DNS forwarder, then the
+allowlist's exact addresses (/32: these may name a host or gateway address on purpose),
+then ``never`` (the host's own addresses, the dsec supernet of every edge's sandboxes
+and gateways, loopback, link-local incl. cloud metadata, multicast, broadcast, plus
+``blocked`` from the edge's settings), then CIDR rules, then domain rules
+(``ip daddr @<set>``), then a counted drop. So a broad 0.0.0.0/0 never reaches the node,
+the edge, the apiserver (put its addresses in ``blocked``) or another sandbox, and a
+domain that resolves to such an address (DNS rebinding) does not either.
+
+DNS: each gateway runs a forwarder (asyncio, UDP and TCP) on 10.X.0.1:53; its listening
+sockets are made in the gateway namespace, its upstream sockets in the host's (so the
+host's resolver, even a 127.0.0.53 stub, works). It knows a sandbox by the source address
+of the query (spoofing is dropped by the outer chain), answers names outside the
+sandbox's domain rules with NXDOMAIN (AAAA with no data: sandboxes are IPv4-only),
+forwards the rest, and before replying adds every A record of the answer to the
+matching rules' sets, inner and outer, with a timeout of the record's TTL (clamped, plus
+grace). So a name resolved through the forwarder connects; an address that did not come
+from an allowed name does not. The sandbox's ``/etc/resolv.conf`` must name the forwarder
+(:meth:`NetHost.resolv_conf`); the edge writes it through its file API.
+
+Updates are atomic: one nftables transaction per table flushes the chains and loads the
+new rules; domain sets whose pattern stays keep their learned addresses, the others are
+deleted. Established connections continue (conntrack); new ones follow the new policy.
+
+Commands go through libnftables (ctypes) from one worker thread that enters the target
+namespace with setns(2) for each call (a pidfd for sandboxes, so a reused pid is never
+hit) and returns to the host's: ~0.1-0.3 ms per transaction, no process. Links and
+addresses are set with one ``ip -batch`` per side on the first policy of a sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import ctypes
+import ctypes.util
+import hashlib
+import ipaddress
+import json
+import logging
+import os
+import random
+import re
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+log = logging.getLogger("dsec.netpolicy")
+
+T = TypeVar("T")
+
+CLONE_NEWNET = 0x40000000
+DNS_PORT = 53
+DNS_MIN_TTL = 5  # an element shorter than this would expire before the client connects
+DNS_MAX_TTL = 3600  # longer TTLs are rewritten down to this in the reply
+DNS_GRACE_S = 10  # set timeout = TTL + grace: a client caches for at most TTL
+DNS_UPSTREAM_TIMEOUT = 2.0
+MAX_RULES = 256
+SANDBOX_IF = "eth0"
+GW_UPLINK_IF = "up0"
+DEFAULT_SUPERNET = "10.240.0.0/12"
+# Never reachable by CIDR or domain rules (exact /32 rules still are).
+ALWAYS_BLOCKED = (
+    "0.0.0.0/8",
+    "127.0.0.0/8",
+    "169.254.0.0/16",  # link-local, cloud metadata services
+    "224.0.0.0/4",  # multicast
+    "240.0.0.0/4",  # reserved, 255.255.255.255
+)
+
+# --------------------------------------------------------------------------- the policy model
+
+Protocol = Literal["tcp", "udp", "icmp"]
+_LABEL = r"[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?"
+_DOMAIN = re.compile(rf"^(\*\.)?({_LABEL}\.)*{_LABEL}$")
+_PORTS = re.compile(r"^(\d{1,5})(?:-(\d{1,5}))?$")
+
+
+class NetRule(BaseModel):
+    """One allowlist entry: a destination, ports, protocols.
+
+    ``to``: a domain (``pypi.org``; ``*.pythonhosted.org`` = every subdomain, not the
+    apex), an IPv4 address or an IPv4 CIDR. ``ports``: numbers or ``"lo-hi"`` ranges;
+    empty = every port. ``protocols``: tcp (default), udp, icmp (ports do not apply)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    to: Annotated[str, Field(min_length=1, max_length=253)]
+    ports: Annotated[list[int | str], Field(max_length=64)] = Field(default_factory=list)
+    protocols: Annotated[list[Protocol], Field(min_length=1, max_length=3)] = Field(
+        default_factory=lambda: list[Protocol](["tcp"])
+    )
+
+    @field_validator("to")
+    @classmethod
+    def _dest(cls, v: str) -> str:
+        v = v.strip().lower().rstrip(".")
+        try:
+            net = ipaddress.ip_network(v, strict=False)
+        except ValueError:
+            if not _DOMAIN.match(v):
+                raise ValueError(f"{v!r} is not a domain, an IPv4 address or an IPv4 CIDR") from None
+            if v.replace(".", "").isdigit():
+                raise ValueError(f"{v!r} is not a valid IPv4 address") from None
+            return v
+        if net.version != 4:
+            raise ValueError("sandboxes have IPv4 connectivity only; give an IPv4 address or CIDR")
+        return str(net) if net.prefixlen < 32 else str(net.network_address)
+
+    @field_validator("ports")
+    @classmethod
+    def _ports(cls, v: list[int | str]) -> list[int | str]:
+        out: list[int | str] = []
+        for p in v:
+            m = _PORTS.match(str(p).strip())
+            lo, hi = (int(m.group(1)), int(m.group(2) or m.group(1))) if m else (0, 0)
+            if not m or not (1 <= lo <= hi <= 65535):
+                raise ValueError(f"port {p!r} must be 1-65535 or a range 'lo-hi'")
+            out.append(lo if lo == hi else f"{lo}-{hi}")
+        return out
+
+    @property
+    def is_domain(self) -> bool:
+        return not self.to[0].isdigit()
+
+    @property
+    def is_exact_ip(self) -> bool:
+        return not self.is_domain and "/" not in self.to
+
+    def matches(self, name: str) -> bool:
+        """Does a (lowercase, dot-free-ended) DNS name fall under this domain rule?"""
+        if not self.is_domain:
+            return False
+        if self.to.startswith("*."):
+            return name.endswith(self.to[1:]) and len(name) > len(self.to) - 1
+        return name == self.to
+
+
+class NetworkPolicy(BaseModel):
+    """A sandbox's egress allowlist. ``allow=[]`` (attached, nothing allowed) and no
+    policy at all (loopback only) both deny everything; only a policy makes a link."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    allow: Annotated[list[NetRule], Field(max_length=MAX_RULES)] = Field(default_factory=list)
+
+    def domain_rules(self, name: str) -> list[NetRule]:
+        return [r for r in self.allow if r.matches(name)]
+
+
+# --------------------------------------------------------------------------- syscalls, libnftables
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
+
+
+def setns(fd: int, nstype: int = CLONE_NEWNET) -> None:
+    """setns(2) for the calling thread only; `fd` may be a namespace file or a pidfd."""
+    if _libc.setns(fd, nstype) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"setns: {os.strerror(err)}")
+
+
+class NftError(RuntimeError):
+    pass
+
+
+class _LibNft:
+    """The few libnftables calls we need: run a script (one transaction), get its output."""
+
+    NFT_CTX_OUTPUT_JSON = 1 << 4
+
+    def __init__(self) -> None:
+        name = ctypes.util.find_library("nftables") or "libnftables.so.1"
+        try:
+            lib = ctypes.CDLL(name, use_errno=True)
+        except OSError as e:
+            raise NftError("libnftables is missing: install the apt package nftables") from e
+        lib.nft_ctx_new.restype = ctypes.c_void_p
+        lib.nft_ctx_new.argtypes = [ctypes.c_uint32]
+        lib.nft_ctx_free.argtypes = [ctypes.c_void_p]
+        for f in ("nft_ctx_buffer_output", "nft_ctx_buffer_error"):
+            getattr(lib, f).argtypes = [ctypes.c_void_p]
+        for f in ("nft_ctx_get_output_buffer", "nft_ctx_get_error_buffer"):
+            getattr(lib, f).argtypes = [ctypes.c_void_p]
+            getattr(lib, f).restype = ctypes.c_char_p
+        lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        lib.nft_ctx_output_set_flags.argtypes = [ctypes.c_void_p, ctypes.c_uint]
+        self.lib = lib
+
+    def run(self, script: str, *, json_output: bool = False) -> str:
+        """Run `script` in the calling thread's network namespace (the context's netlink
+        socket is opened here, so a context is made per call)."""
+        lib = self.lib
+        ctx = lib.nft_ctx_new(0)
+        if not ctx:
+            raise NftError("nft_ctx_new failed")
+        try:
+            lib.nft_ctx_buffer_output(ctx)
+            lib.nft_ctx_buffer_error(ctx)
+            if json_output:
+                lib.nft_ctx_output_set_flags(ctx, self.NFT_CTX_OUTPUT_JSON)
+            rc = lib.nft_run_cmd_from_buffer(ctx, script.encode())
+            out = (lib.nft_ctx_get_output_buffer(ctx) or b"").decode(errors="replace")
+            if rc != 0:
+                err = (lib.nft_ctx_get_error_buffer(ctx) or b"").decode(errors="replace")
+                raise NftError(err.strip() or f"nft failed ({rc})")
+            return out
+        finally:
+            lib.nft_ctx_free(ctx)
+
+
+class NetnsWorker:
+    """One thread that runs calls inside other network namespaces, one at a time.
+
+    setns(2) changes only the calling thread, so the event loop's thread never moves;
+    this thread enters the target (a namespace file or a pidfd) per call and always goes
+    back to the namespace it started in."""
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dsec-netns")
+        self._home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        self._nft: _LibNft | None = None
+
+    def _enter(self, ns_fd: int | None, fn: Callable[[], T]) -> T:
+        if ns_fd is None:
+            return fn()
+        setns(ns_fd)
+        try:
+            return fn()
+        finally:
+            try:
+                setns(self._home)
+            except OSError:  # never run another call in a foreign namespace
+                log.critical("could not return the netns worker to the host namespace")
+                os._exit(70)
+
+    async def call(self, ns_fd: int | None, fn: Callable[[], T]) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self._enter, ns_fd, fn)
+
+    async def nft(self, ns_fd: int | None, script: str, *, json_output: bool = False) -> str:
+        if self._nft is None:
+            self._nft = _LibNft()
+        nft = self._nft
+        return await self.call(ns_fd, lambda: nft.run(script, json_output=json_output))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        if self._home >= 0:
+            os.close(self._home)
+            self._home = -1
+
+
+def socket_in_netns(ns_path: str, family: int, kind: int) -> socket.socket:
+    """A socket that belongs to another network namespace (a socket keeps the namespace
+    it was made in, whichever thread uses it later)."""
+    box: list[socket.socket] = []
+    errs: list[BaseException] = []
+
+    def make() -> None:
+        try:
+            fd = os.open(ns_path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                setns(fd)
+            finally:
+                os.close(fd)
+            box.append(socket.socket(family, kind))
+        except BaseException as e:
+            errs.append(e)
+
+    t = threading.Thread(target=make, name="dsec-netns-socket")  # the thread dies in that netns
+    t.start()
+    t.join()
+    if errs:
+        raise errs[0]
+    return box[0]
+
+
+async def run_tool(argv: Sequence[str], stdin: str = "") -> tuple[int, str]:
+    """Run a helper (posix_spawn + pidfd, like the container backend) feeding `stdin`;
+    (exit code, stderr+stdout)."""
+    rfd, wfd = os.pipe()
+    ofd, efd = os.pipe()
+    try:
+        os.write(wfd, stdin.encode())  # small scripts: they fit in the pipe buffer
+        os.close(wfd)
+        wfd = -1
+        pid = os.posix_spawnp(
+            argv[0],
+            list(argv),
+            os.environ,
+            file_actions=[
+                (os.POSIX_SPAWN_DUP2, rfd, 0),
+                (os.POSIX_SPAWN_DUP2, efd, 1),
+                (os.POSIX_SPAWN_DUP2, efd, 2),
+            ],
+        )
+        os.close(efd)
+        efd = -1
+        pidfd = os.pidfd_open(pid)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        loop.add_reader(pidfd, _resolve_once, done)
+        try:
+            await done
+        finally:
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+        rc = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        out = b""
+        while select.select([ofd], [], [], 0)[0]:
+            chunk = os.read(ofd, 65536)
+            if not chunk:
+                break
+            out += chunk
+        return rc, out.decode(errors="replace").strip()
+    finally:
+        for fd in (rfd, wfd, ofd, efd):
+            if fd >= 0:
+                os.close(fd)
+
+
+def _resolve_once(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+# --------------------------------------------------------------------------- host facts
+
+
+def host_addresses(fib_trie: str = "/proc/net/fib_trie") -> set[str]:
+    """Every IPv4 address local to this process's network namespace (the host's)."""
+    out: set[str] = set()
+    last = ""
+    with contextlib.suppress(OSError), open(fib_trie) as f:
+        for line in f:
+            s = line.strip()
+            if s.startswith(("|--", "+--")):
+                last = s.split()[1]
+            elif s == "/32 host LOCAL" and last:
+                out.add(last)
+    return out
+
+
+def _host_routes() -> list[tuple[str, ipaddress.IPv4Network]]:
+    """(device, destination) of the host's IPv4 routes (main table)."""
+    routes = []
+    with contextlib.suppress(OSError), open("/proc/net/route") as f:
+        next(f)
+        for line in f:
+            p = line.split()
+            dest = ipaddress.IPv4Address(struct.pack("<I", int(p[1], 16)))
+            mask = ipaddress.IPv4Address(struct.pack("<I", int(p[7], 16)))
+            routes.append((p[0], ipaddress.IPv4Network(f"{dest}/{mask}", strict=False)))
+    return routes
+
+
+def _sysctl_path(key: str) -> Path:
+    return Path("/proc/sys") / key.replace(".", "/")
+
+
+def _read_sysctl(key: str) -> str:
+    return _sysctl_path(key).read_text().strip()
+
+
+def _write_sysctl(key: str, value: str) -> None:
+    _sysctl_path(key).write_text(value)
+
+
+def _resolv_conf_upstreams(path: str = "/etc/resolv.conf") -> list[tuple[str, int]]:
+    out = []
+    with contextlib.suppress(OSError), open(path) as f:
+        for line in f:
+            p = line.split()
+            if len(p) >= 2 and p[0] == "nameserver":
+                out.append((p[1].split("%")[0], DNS_PORT))
+    return out or [("127.0.0.1", DNS_PORT)]
+
+
+def _collapse(nets: Iterable[str]) -> list[str]:
+    v4 = [ipaddress.ip_network(n, strict=False) for n in nets]
+    return [str(n) for n in ipaddress.collapse_addresses(n for n in v4 if n.version == 4)]
+
+
+# --------------------------------------------------------------------------- rule compilation
+
+
+def _set_suffix(pattern: str) -> str:
+    return "d_" + hashlib.sha1(pattern.encode()).hexdigest()[:12]
+
+
+def _l4_matches(rule: NetRule) -> list[str]:
+    """nft match expressions for the rule's protocols and ports (one per rule line)."""
+    out = []
+    l4 = [p for p in rule.protocols if p != "icmp"]
+    if l4:
+        protos = l4[0] if len(l4) == 1 else "{ " + ", ".join(l4) + " }"
+        expr = f"meta l4proto {protos}"
+        if rule.ports:
+            expr += " th dport { " + ", ".join(str(p) for p in rule.ports) + " }"
+        out.append(expr)
+    if "icmp" in rule.protocols:
+        out.append("meta l4proto icmp")
+    return out
+
+
+def compile_body(policy: NetworkPolicy, *, set_prefix: str, counter: str) -> list[str]:
+    """The rule lines shared by the inner and the outer chain (see the module docstring)."""
+    exact = [r for r in policy.allow if r.is_exact_ip]
+    cidr = [r for r in policy.allow if not r.is_domain and not r.is_exact_ip]
+    dom = [r for r in policy.allow if r.is_domain]
+    lines = [f"ip daddr {r.to} {m} accept" for r in exact for m in _l4_matches(r)]
+    lines.append(f'ip daddr @never counter name "{counter}" drop')
+    lines += [f"ip daddr {r.to} {m} accept" for r in cidr for m in _l4_matches(r)]
+    lines += [f"ip daddr @{set_prefix}{_set_suffix(r.to)} {m} accept" for r in dom for m in _l4_matches(r)]
+    lines.append(f'counter name "{counter}" drop')
+    return lines
+
+
+def _domain_sets(policy: NetworkPolicy) -> set[str]:
+    return {_set_suffix(r.to) for r in policy.allow if r.is_domain}
+
+
+def _never_elements(never: Sequence[str]) -> str:
+    return "{ " + ", ".join(never) + " }" if never else ""
+
+
+def inner_script(
+    policy: NetworkPolicy, *, gw_ip: str, never: Sequence[str], old_sets: Iterable[str] = ()
+) -> str:
+    """One transaction that (re)loads the sandbox-side table ``inet dsec``."""
+    t = "inet dsec"
+    new_sets = _domain_sets(policy)
+    s = [
+        f"add table {t}",
+        f"add counter {t} denied",
+        f"add set {t} never {{ type ipv4_addr; flags interval; }}",
+        f"flush set {t} never",
+    ]
+    if never:
+        s.append(f"add element {t} never {_never_elements(never)}")
+    s += [f"add set {t} {n} {{ type ipv4_addr; flags timeout; }}" for n in sorted(new_sets)]
+    s += [
+        f"add chain {t} output {{ type filter hook output priority filter; policy drop; }}",
+        f"add chain {t} input {{ type filter hook input priority filter; policy drop; }}",
+        f"flush chain {t} output",
+        f"flush chain {t} input",
+        f'add rule {t} input iif "lo" accept',
+        f"add rule {t} input ct state established,related accept",
+        f'add rule {t} output oif "lo" accept',
+        f"add rule {t} output ct state established,related accept",
+    ]
+    if policy.allow:
+        s.append(f"add rule {t} output ip daddr {gw_ip} meta l4proto {{ tcp, udp }} th dport {DNS_PORT} accept")
+    s += [f"add rule {t} output {line}" for line in compile_body(policy, set_prefix="", counter="denied")]
+    s += [f"delete set {t} {n}" for n in sorted(set(old_sets) - new_sets)]
+    return "\n".join(s) + "\n"
+
+
+def gw_sandbox_script(
+    policy: NetworkPolicy, *, chain: str, ifname: str, ip: str, old_sets: Iterable[str] = ()
+) -> str:
+    """One transaction that (re)loads a sandbox's chain in the gateway's ``inet dsec``."""
+    t = "inet dsec"
+    new_sets = _domain_sets(policy)
+    counter = f"{chain}_denied"
+    s = [f"add counter {t} {counter}"]
+    s += [f"add set {t} {chain}_{n} {{ type ipv4_addr; flags timeout; }}" for n in sorted(new_sets)]
+    s += [f"add chain {t} {chain}", f"flush chain {t} {chain}"]
+    s.append(f'add rule {t} {chain} ip saddr != {ip} counter name "{counter}" drop')
+    s += [
+        f"add rule {t} {chain} {line}"
+        for line in compile_body(policy, set_prefix=f"{chain}_", counter=counter)
+    ]
+    s += [f"delete set {t} {chain}_{n}" for n in sorted(set(old_sets) - new_sets)]
+    s.append(f'add element {t} sbs {{ "{ifname}" : jump {chain} }}')
+    return "\n".join(s) + "\n"
+
+
+def gw_remove_script(*, chain: str, ifname: str, sets: Iterable[str]) -> str:
+    t = "inet dsec"
+    s = [
+        f'delete element {t} sbs {{ "{ifname}" }}',
+        f"flush chain {t} {chain}",
+        f"delete chain {t} {chain}",
+        f"delete counter {t} {chain}_denied",
+    ]
+    s += [f"delete set {t} {chain}_{n}" for n in sorted(sets)]
+    return "\n".join(s) + "\n"
+
+
+def gw_base_script(*, gw_ip: str, never: Sequence[str]) -> str:
+    t = "inet dsec"
+    s = [
+        f"add table {t}",
+        f"add set {t} never {{ type ipv4_addr; flags interval; }}",
+        f"flush set {t} never",
+    ]
+    if never:
+        s.append(f"add element {t} never {_never_elements(never)}")
+    s += [
+        f"add map {t} sbs {{ type ifname : verdict; }}",
+        f"add chain {t} forward {{ type filter hook forward priority filter; policy drop; }}",
+        f"add chain {t} input {{ type filter hook input priority filter; policy drop; }}",
+        f"add chain {t} postrouting {{ type nat hook postrouting priority srcnat; }}",
+        f"flush chain {t} forward",
+        f"flush chain {t} input",
+        f"flush chain {t} postrouting",
+        f"add rule {t} forward ct state established,related accept",
+        f"add rule {t} forward iifname vmap @sbs",
+        f'add rule {t} input iif "lo" accept',
+        f"add rule {t} input ct state established,related accept",
+        f'add rule {t} input iifname "s*" ip daddr {gw_ip} meta l4proto {{ tcp, udp }} '
+        f"th dport {DNS_PORT} accept",
+        f'add rule {t} postrouting oifname "{GW_UPLINK_IF}" masquerade',
+    ]
+    return "\n".join(s) + "\n"
+
+
+def host_script(*, table: str, host_if: str, gw_uplink_ip: str) -> str:
+    t = f"ip {table}"
+    return (
+        "\n".join(
+            [
+                f"add table {t}",
+                f"add chain {t} postrouting {{ type nat hook postrouting priority srcnat; }}",
+                f"add chain {t} forward {{ type filter hook forward priority filter; policy accept; }}",
+                f"flush chain {t} postrouting",
+                f"flush chain {t} forward",
+                f'add rule {t} postrouting ip saddr {gw_uplink_ip} oifname != "{host_if}" masquerade',
+                f'add rule {t} forward oifname "{host_if}" ct state established,related accept',
+                f'add rule {t} forward oifname "{host_if}" counter drop',  # nothing starts a flow inwards
+            ]
+        )
+        + "\n"
+    )
+
+
+def add_addresses_script(table: str, sets: Iterable[str], addrs: Sequence[tuple[str, int]]) -> str:
+    """Add (or refresh the timeout of) learned addresses. add-delete-add in one transaction
+    restarts the timeout on every kernel, whether or not the element existed."""
+    s = []
+    for name in sets:
+        elems = ", ".join(f"{a} timeout {t}s" for a, t in addrs)
+        plain = ", ".join(a for a, _ in addrs)
+        s += [
+            f"add element {table} {name} {{ {elems} }}",
+            f"delete element {table} {name} {{ {plain} }}",
+            f"add element {table} {name} {{ {elems} }}",
+        ]
+    return "\n".join(s) + "\n"
+
+
+# --------------------------------------------------------------------------- DNS messages
+
+
+class DnsError(ValueError):
+    pass
+
+
+def _skip_name(msg: bytes | bytearray, off: int) -> int:
+    while True:
+        if off >= len(msg):
+            raise DnsError("truncated name")
+        n = msg[off]
+        if n == 0:
+            return off + 1
+        if n & 0xC0 == 0xC0:
+            return off + 2
+        if n & 0xC0:
+            raise DnsError("bad label")
+        off += 1 + n
+
+
+def _read_qname(msg: bytes, off: int) -> tuple[str, int]:
+    """The question's name (no compression is legal there) and the offset after it."""
+    labels = []
+    while True:
+        if off >= len(msg):
+            raise DnsError("truncated name")
+        n = msg[off]
+        off += 1
+        if n == 0:
+            break
+        if n & 0xC0 or off + n > len(msg):
+            raise DnsError("bad question name")
+        labels.append(msg[off : off + n].decode("ascii", errors="replace").lower())
+        off += n
+    return ".".join(labels), off
+
+
+def parse_query(msg: bytes) -> tuple[int, str, int, int]:
+    """(id, qname, qtype, end of the question) of a one-question query."""
+    if len(msg) < 12:
+        raise DnsError("short message")
+    ident, flags, qd = struct.unpack_from("!HHH", msg)
+    if flags & 0x8000 or qd != 1:
+        raise DnsError("not a one-question query")
+    name, off = _read_qname(msg, 12)
+    if off + 4 > len(msg):
+        raise DnsError("truncated question")
+    qtype = struct.unpack_from("!H", msg, off)[0]
+    return ident, name, qtype, off + 4
+
+
+def reply_without_answer(query: bytes, qend: int, rcode: int) -> bytes:
+    """A reply with the query's question and no records (NXDOMAIN=3, NOERROR=0 for no data,
+    SERVFAIL=2, REFUSED=5)."""
+    ident, flags = struct.unpack_from("!HH", query)
+    flags = 0x8000 | (flags & 0x7900) | 0x0080 | rcode  # QR, opcode+RD kept, RA
+    return struct.pack("!HHHHHH", ident, flags, 1, 0, 0, 0) + query[12:qend]
+
+
+def a_records(msg: bytearray, *, max_ttl: int = DNS_MAX_TTL) -> list[tuple[str, int]]:
+    """(address, ttl) of every A record in the answer section; TTLs above `max_ttl` are
+    rewritten in place so no client caches longer than the sets remember."""
+    if len(msg) < 12:
+        raise DnsError("short message")
+    qd, an = struct.unpack_from("!HH", msg, 4)
+    off = 12
+    for _ in range(qd):
+        off = _skip_name(msg, off) + 4
+    out = []
+    for _ in range(an):
+        off = _skip_name(msg, off)
+        if off + 10 > len(msg):
+            raise DnsError("truncated record")
+        rtype, rclass, ttl, rdlen = struct.unpack_from("!HHIH", msg, off)
+        if ttl > max_ttl:
+            struct.pack_into("!I", msg, off + 4, max_ttl)
+            ttl = max_ttl
+        rdata = off + 10
+        if rdata + rdlen > len(msg):
+            raise DnsError("truncated rdata")
+        if rtype == 1 and rclass == 1 and rdlen == 4:
+            out.append((socket.inet_ntoa(bytes(msg[rdata : rdata + 4])), ttl))
+        off = rdata + rdlen
+    return out
+
+
+# --------------------------------------------------------------------------- the gateway
+
+
+@dataclass
+class SandboxNet:
+    """What the edge holds for one sandbox with a policy."""
+
+    id: str
+    pid: int
+    pidfd: int
+    index: int
+    ip: str
+    policy: NetworkPolicy
+    sets: set[str] = field(default_factory=set)  # domain set suffixes loaded now
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    dns: dict[str, int] = field(default_factory=lambda: {"dns_allowed": 0, "dns_denied": 0})
+    last_inner: tuple[int, int] = (0, 0)
+
+    @property
+    def ifname(self) -> str:
+        return f"s{self.index}"
+
+    @property
+    def chain(self) -> str:
+        return f"sb{self.index}"
+
+    def alive(self) -> bool:
+        return not select.select([self.pidfd], [], [], 0)[0]
+
+
+class NetHost:
+    """Per-edge network policy: the gateway, its DNS forwarder, per-sandbox rules.
+
+    ``apply()`` / ``remove()`` per sandbox, ``counters()`` for telemetry, ``close()`` at
+    edge shutdown. Nothing is created before the first ``apply()``."""
+
+    def __init__(
+        self,
+        edge_name: str,
+        *,
+        supernet: str = DEFAULT_SUPERNET,
+        subnet: str | None = None,
+        upstreams: Sequence[tuple[str, int]] | None = None,
+        blocked: Sequence[str] = (),
+    ) -> None:
+        self.edge = edge_name
+        tag = hashlib.sha1(edge_name.encode()).hexdigest()[:8]
+        self.gw_netns = f"dsec-gw-{edge_name}"[:64]
+        self.host_if = f"dsu{tag}"
+        self.host_table = "dsec-" + re.sub(r"[^A-Za-z0-9_.-]", "_", edge_name)
+        self.supernet = ipaddress.IPv4Network(supernet)
+        self._subnet_choice = subnet
+        self.subnet: ipaddress.IPv4Network | None = None
+        self.upstreams = list(upstreams) if upstreams else _resolv_conf_upstreams()
+        self.blocked = list(blocked)
+        self.sandboxes: dict[str, SandboxNet] = {}
+        self._by_ip: dict[str, SandboxNet] = {}
+        self._free: list[int] = []
+        self._next_index = 0
+        self._worker = NetnsWorker()
+        self._gw_fd = -1
+        self._ready = False
+        self._gw_lock = asyncio.Lock()
+        self._changed_sysctls: dict[str, str] = {}
+        self._dns: DnsForwarder | None = None
+
+    # --- addresses -------------------------------------------------------------------
+
+    @property
+    def gw_ip(self) -> str:
+        assert self.subnet is not None
+        return str(self.subnet.network_address + 1)
+
+    def _uplink_ips(self) -> tuple[str, str]:
+        assert self.subnet is not None
+        last = self.subnet.broadcast_address
+        return str(last - 2), str(last - 1)  # host end, gateway end of a /30
+
+    def _sandbox_ip(self, index: int) -> str:
+        assert self.subnet is not None
+        ip = self.subnet.network_address + 2 + index
+        if ip >= self.subnet.broadcast_address - 3:
+            raise RuntimeError(f"edge {self.edge} has no sandbox address left in {self.subnet}")
+        return str(ip)
+
+    def _pick_subnet(self) -> ipaddress.IPv4Network:
+        if self._subnet_choice:
+            return ipaddress.IPv4Network(self._subnet_choice)
+        subnets = list(self.supernet.subnets(new_prefix=max(16, self.supernet.prefixlen)))
+        used = [net for dev, net in _host_routes() if net.prefixlen > 0 and dev != self.host_if]
+        start = int(hashlib.sha1(self.edge.encode()).hexdigest(), 16) % len(subnets)
+        for i in range(len(subnets)):
+            cand = subnets[(start + i) % len(subnets)]
+            if not any(cand.overlaps(u) for u in used):
+                return cand
+        raise RuntimeError(f"no free /16 for sandbox networks in {self.supernet}")
+
+    def never(self) -> list[str]:
+        """What no CIDR or domain rule reaches: see the module docstring."""
+        return _collapse([*ALWAYS_BLOCKED, str(self.supernet), *host_addresses(), *self.blocked])
+
+    def resolv_conf(self) -> str:
+        """The /etc/resolv.conf a sandbox with a policy needs."""
+        if self.subnet is None:
+            raise RuntimeError("no policy has been applied on this edge yet")
+        return (
+            "# dsec: the edge's DNS forwarder (answers the sandbox's allowed names only)\n"
+            f"nameserver {self.gw_ip}\noptions attempts:2 timeout:2\n"
+        )
+
+    # --- the gateway -------------------------------------------------------------------
+
+    async def _ip(self, argv: Sequence[str], batch: str = "") -> None:
+        rc, out = await run_tool(argv, batch)
+        if rc != 0:
+            raise RuntimeError(f"{' '.join(argv)} failed: {out}")
+
+    async def _remove_gateway_leftovers(self) -> None:
+        """A previous edge process of this name may have left its gateway (crash, or
+        close(keep=True)): remove it; apply() rebuilds every sandbox's link."""
+        if os.path.exists(f"/run/netns/{self.gw_netns}"):
+            await run_tool(["ip", "netns", "del", self.gw_netns])
+        await run_tool(["ip", "link", "del", self.host_if])
+        with contextlib.suppress(NftError):
+            await self._worker.nft(None, f"delete table ip {self.host_table}\n")
+
+    async def ensure_gateway(self) -> None:
+        if self._ready:
+            return
+        async with self._gw_lock:
+            if self._ready:
+                return
+            t0 = time.perf_counter()
+            await self._remove_gateway_leftovers()
+            self.subnet = self._pick_subnet()
+            host_ip, gw_up_ip = self._uplink_ips()
+            try:
+                await self._ip(["ip", "netns", "add", self.gw_netns])
+                self._gw_fd = os.open(f"/run/netns/{self.gw_netns}", os.O_RDONLY | os.O_CLOEXEC)
+                await self._ip(
+                    ["ip", "-batch", "-"],
+                    f"link add {self.host_if} type veth peer name {GW_UPLINK_IF} netns {self.gw_netns}\n"
+                    f"addr add {host_ip}/30 dev {self.host_if}\n"
+                    f"link set {self.host_if} up\n",
+                )
+                await self._ip(
+                    ["ip", "-n", self.gw_netns, "-batch", "-"],
+                    f"link set lo up\naddr add {self.gw_ip}/32 dev lo\naddr add {gw_up_ip}/30 dev {GW_UPLINK_IF}\n"
+                    f"link set {GW_UPLINK_IF} up\nroute add default via {host_ip}\n",
+                )
+                await self._worker.call(self._gw_fd, lambda: _write_sysctl("net.ipv4.ip_forward", "1"))
+                self._enable_host_forwarding()
+                await self._worker.nft(
+                    None, host_script(table=self.host_table, host_if=self.host_if, gw_uplink_ip=gw_up_ip)
+                )
+                await self._worker.nft(self._gw_fd, gw_base_script(gw_ip=self.gw_ip, never=self.never()))
+                self._dns = DnsForwarder(self, self.upstreams)
+                await self._dns.start(f"/run/netns/{self.gw_netns}", self.gw_ip)
+            except BaseException:
+                await self._destroy_gateway()
+                raise
+            self._ready = True
+            ms = (time.perf_counter() - t0) * 1e3
+            log.info("network gateway %s up in %.1f ms (%s)", self.gw_netns, ms, self.subnet)
+
+    def _enable_host_forwarding(self) -> None:
+        """IPv4 forwarding is decided by the input device: our link (egress) and the
+        devices of the host's default routes (replies after un-NAT). Only those."""
+        devs = {self.host_if} | {dev for dev, net in _host_routes() if net.prefixlen == 0}
+        for dev in sorted(devs):
+            key = f"net.ipv4.conf.{dev}.forwarding"
+            with contextlib.suppress(OSError):
+                old = _read_sysctl(key)
+                if old != "1":
+                    _write_sysctl(key, "1")
+                    if dev != self.host_if:
+                        self._changed_sysctls[key] = old
+
+    def _restore_host_forwarding(self) -> None:
+        others = (
+            [n for n in os.listdir("/run/netns") if n.startswith("dsec-gw-")]
+            if os.path.isdir("/run/netns")
+            else []
+        )
+        if others:  # another edge's gateway still forwards through these devices
+            return
+        for key, old in self._changed_sysctls.items():
+            with contextlib.suppress(OSError):
+                _write_sysctl(key, old)
+        self._changed_sysctls.clear()
+
+    async def _destroy_gateway(self) -> None:
+        if self._dns is not None:
+            self._dns.close()
+            self._dns = None
+        if self._gw_fd >= 0:
+            os.close(self._gw_fd)
+            self._gw_fd = -1
+        await run_tool(["ip", "netns", "del", self.gw_netns])  # its links and their peers go with it
+        await run_tool(["ip", "link", "del", self.host_if])
+        with contextlib.suppress(NftError):
+            await self._worker.nft(None, f"delete table ip {self.host_table}\n")
+        self._restore_host_forwarding()
+        self._ready = False
+
+    # --- per sandbox ---------------------------------------------------------------------
+
+    async def apply(self, sandbox_id: str, pid: int, policy: NetworkPolicy) -> dict[str, float]:
+        """Give a running sandbox `policy` (the first call links it to the gateway; later
+        calls replace its rules atomically). Returns timings in ms."""
+        t0 = time.perf_counter()
+        await self.ensure_gateway()
+        t1 = time.perf_counter()
+        sb = self.sandboxes.get(sandbox_id)
+        created = sb is None
+        if sb is None:
+            pidfd = os.pidfd_open(pid)
+            index = self._free.pop() if self._free else self._next_index
+            if index == self._next_index:
+                self._next_index += 1
+            try:
+                sb = SandboxNet(sandbox_id, pid, pidfd, index, self._sandbox_ip(index), policy)
+            except BaseException:
+                os.close(pidfd)
+                self._free.append(index)
+                raise
+            self.sandboxes[sandbox_id] = sb
+            self._by_ip[sb.ip] = sb
+        async with sb.lock:
+            try:
+                # Rules first, inner then outer, then the link: no moment without rules.
+                await self._load_rules(sb, policy)
+                t2 = time.perf_counter()
+                if created:
+                    await self._link(sb)
+            except BaseException:
+                if created:
+                    await self._forget(sb)
+                raise
+        t3 = time.perf_counter()
+        return {"gateway": (t1 - t0) * 1e3, "rules": (t2 - t1) * 1e3, "link": (t3 - t2) * 1e3}
+
+    async def _load_rules(self, sb: SandboxNet, policy: NetworkPolicy) -> None:
+        inner = inner_script(policy, gw_ip=self.gw_ip, never=self.never(), old_sets=sb.sets)
+        outer = gw_sandbox_script(policy, chain=sb.chain, ifname=sb.ifname, ip=sb.ip, old_sets=sb.sets)
+        await self._worker.nft(sb.pidfd, inner)
+        await self._worker.nft(self._gw_fd, outer)
+        sb.policy = policy
+        sb.sets = _domain_sets(policy)
+
+    async def _link(self, sb: SandboxNet) -> None:
+        await self._ip(
+            ["ip", "-n", self.gw_netns, "-batch", "-"],
+            f"link add {sb.ifname} type veth peer name {SANDBOX_IF} netns {sb.pid}\n"
+            f"addr add {self.gw_ip}/32 dev {sb.ifname}\n"
+            f"link set {sb.ifname} up\n"
+            f"route add {sb.ip}/32 dev {sb.ifname} src {self.gw_ip}\n",
+        )
+        await self._worker.call(sb.pidfd, _allow_icmp_sockets)
+        await self._ip(
+            ["nsenter", f"--net=/proc/{sb.pid}/ns/net", "ip", "-batch", "-"],
+            f"addr add {sb.ip}/32 dev {SANDBOX_IF}\n"
+            f"link set {SANDBOX_IF} up\n"
+            f"route add {self.gw_ip}/32 dev {SANDBOX_IF} scope link\n"
+            f"route add default via {self.gw_ip} dev {SANDBOX_IF}\n",
+        )
+        if not sb.alive():  # the pid was read before we held the pidfd: be sure it is the sandbox
+            raise ProcessLookupError(sb.pid)
+
+    async def _forget(self, sb: SandboxNet) -> None:
+        self.sandboxes.pop(sb.id, None)
+        self._by_ip.pop(sb.ip, None)
+        if self._gw_fd >= 0:
+            with contextlib.suppress(NftError):
+                await self._worker.nft(
+                    self._gw_fd, gw_remove_script(chain=sb.chain, ifname=sb.ifname, sets=sb.sets)
+                )
+            if sb.alive():  # a dead sandbox's netns takes both ends of the link with it
+                await run_tool(["ip", "-n", self.gw_netns, "link", "del", sb.ifname])
+        os.close(sb.pidfd)
+        self._free.append(sb.index)
+
+    async def remove(self, sandbox_id: str) -> None:
+        """Forget a sandbox's policy: its gateway chain, sets, counter and link. The
+        sandbox's own table goes with its namespace (or stays, denying, if it still runs)."""
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is None:
+            return
+        async with sb.lock:
+            await self._forget(sb)
+
+    def policy(self, sandbox_id: str) -> NetworkPolicy | None:
+        sb = self.sandboxes.get(sandbox_id)
+        return sb.policy if sb else None
+
+    async def counters(self, sandbox_id: str) -> dict[str, int]:
+        """Denied packets and bytes (inner + outer chain), allowed and denied DNS queries."""
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is None:
+            return {}
+        inner = sb.last_inner
+        if sb.alive():
+            with contextlib.suppress(NftError, OSError):
+                out = await self._worker.nft(sb.pidfd, "list counter inet dsec denied\n", json_output=True)
+                inner = _counter(out)
+                sb.last_inner = inner
+        outer = (0, 0)
+        with contextlib.suppress(NftError, OSError):
+            cmd = f"list counter inet dsec {sb.chain}_denied\n"
+            outer = _counter(await self._worker.nft(self._gw_fd, cmd, json_output=True))
+        return {
+            "denied_packets": inner[0] + outer[0],
+            "denied_bytes": inner[1] + outer[1],
+            "denied_packets_gateway": outer[0],
+            **sb.dns,
+        }
+
+    async def learn(self, sb: SandboxNet, rules: Sequence[NetRule], addrs: Sequence[tuple[str, int]]) -> None:
+        """Allow addresses an allowed name resolved to, for the TTL (see DNS_* constants)."""
+        if not addrs:
+            return
+        timed = [(a, min(max(ttl, DNS_MIN_TTL), DNS_MAX_TTL) + DNS_GRACE_S) for a, ttl in addrs]
+        suffixes = sorted({_set_suffix(r.to) for r in rules} & sb.sets)
+        if not suffixes:
+            return
+        await self._worker.nft(sb.pidfd, add_addresses_script("inet dsec", suffixes, timed))
+        await self._worker.nft(
+            self._gw_fd, add_addresses_script("inet dsec", [f"{sb.chain}_{s}" for s in suffixes], timed)
+        )
+
+    def by_ip(self, ip: str) -> SandboxNet | None:
+        return self._by_ip.get(ip)
+
+    async def close(self, *, keep: bool = False) -> None:
+        """Remove the gateway and everything in it (``keep``: leave it for a restarted
+        edge, which rebuilds it on its first apply)."""
+        for sb in list(self.sandboxes.values()):
+            if keep:
+                os.close(sb.pidfd)
+            else:
+                with contextlib.suppress(Exception):
+                    await self.remove(sb.id)
+        self.sandboxes.clear()
+        self._by_ip.clear()
+        if self._dns is not None:
+            self._dns.close()
+            self._dns = None
+        if self._ready and not keep:
+            await self._destroy_gateway()
+        if self._gw_fd >= 0:
+            os.close(self._gw_fd)
+            self._gw_fd = -1
+        self._ready = False
+        self._worker.close()
+
+
+def _allow_icmp_sockets() -> None:
+    """Let the sandbox's (unprivileged) processes use ICMP echo sockets: they have no
+    CAP_NET_RAW; the rules decide where ICMP may go. Written as host root, so the gid range
+    is in host ids: every group."""
+    _write_sysctl("net.ipv4.ping_group_range", "0 2147483647")
+
+
+def _counter(out: str) -> tuple[int, int]:
+    for item in json.loads(out).get("nftables", []):
+        c = item.get("counter")
+        if c:
+            return int(c.get("packets", 0)), int(c.get("bytes", 0))
+    return 0, 0
+
+
+# --------------------------------------------------------------------------- the DNS forwarder
+
+
+class DnsForwarder:
+    """Answers a sandbox's queries for its allowed names only, and allows what they
+    resolve to before it replies (see the module docstring)."""
+
+    def __init__(self, host: NetHost, upstreams: Sequence[tuple[str, int]]) -> None:
+        self.host = host
+        self.upstreams = list(upstreams)
+        self._udp: asyncio.DatagramTransport | None = None
+        self._tcp: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self, netns_path: str, ip: str) -> None:
+        loop = asyncio.get_running_loop()
+        us = socket_in_netns(netns_path, socket.AF_INET, socket.SOCK_DGRAM)
+        ts = socket_in_netns(netns_path, socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            us.bind((ip, DNS_PORT))
+            ts.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            ts.bind((ip, DNS_PORT))
+            us.setblocking(False)
+            ts.setblocking(False)
+        except BaseException:
+            us.close()
+            ts.close()
+            raise
+        fwd = self
+
+        class _Udp(asyncio.DatagramProtocol):
+            def datagram_received(self, data: bytes, addr: tuple[str | Any, int]) -> None:
+                fwd._spawn(fwd._udp_query(data, addr))
+
+        transport, _ = await loop.create_datagram_endpoint(_Udp, sock=us)
+        self._udp = transport  # type: ignore[assignment]
+        self._tcp = await asyncio.start_server(self._tcp_client, sock=ts)
+
+    def _spawn(self, coro: Any) -> None:
+        task: asyncio.Task[None] = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _udp_query(self, data: bytes, addr: tuple[str, int]) -> None:
+        reply = await self.answer(data, addr[0], tcp=False)
+        if reply is not None and self._udp is not None:
+            self._udp.sendto(reply, addr)
+
+    async def _tcp_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        try:
+            while True:
+                n = struct.unpack("!H", await asyncio.wait_for(reader.readexactly(2), 10))[0]
+                data = await asyncio.wait_for(reader.readexactly(n), 10)
+                reply = await self.answer(data, peer[0], tcp=True)
+                if reply is None:
+                    break
+                writer.write(struct.pack("!H", len(reply)) + reply)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, TimeoutError, ConnectionError, struct.error):
+            pass
+        finally:
+            writer.close()
+
+    async def answer(self, query: bytes, src: str, *, tcp: bool) -> bytes | None:
+        """The reply to one query from `src` (None: drop it)."""
+        try:
+            _, name, qtype, qend = parse_query(query)
+        except DnsError:
+            return None
+        sb = self.host.by_ip(src)
+        if sb is None:
+            return reply_without_answer(query, qend, 5)
+        rules = sb.policy.domain_rules(name)
+        if not rules:
+            sb.dns["dns_denied"] += 1
+            return reply_without_answer(query, qend, 3)
+        sb.dns["dns_allowed"] += 1
+        if qtype == 28:  # AAAA: no IPv6 in sandboxes; no data makes clients use A at once
+            return reply_without_answer(query, qend, 0)
+        try:
+            raw = await self._upstream(query, tcp=tcp)
+            reply = bytearray(raw)
+            addrs = a_records(reply)
+            await self.host.learn(sb, rules, addrs)
+        except (OSError, TimeoutError, DnsError, NftError) as e:
+            log.warning("dns: %s for %s (%s): %s", name, sb.id, src, e)
+            return reply_without_answer(query, qend, 2)
+        return bytes(reply)
+
+    async def _upstream(self, query: bytes, *, tcp: bool) -> bytes:
+        ident = random.randrange(1 << 16)
+        q = struct.pack("!H", ident) + query[2:]
+        last: BaseException = OSError("no upstream DNS server")
+        for host, port in self.upstreams:
+            try:
+                raw = await asyncio.wait_for(
+                    self._tcp_exchange(host, port, q) if tcp else self._udp_exchange(host, port, q),
+                    DNS_UPSTREAM_TIMEOUT,
+                )
+            except (OSError, TimeoutError) as e:
+                last = e
+                continue
+            return query[:2] + raw[2:]
+        raise last
+
+    @staticmethod
+    async def _udp_exchange(host: str, port: int, q: bytes) -> bytes:
+        """One query on a connected socket with a random port; only a reply with our id
+        and our question is taken."""
+        loop = asyncio.get_running_loop()
+        _, _, _, qend = parse_query(q)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.setblocking(False)
+            await loop.sock_connect(s, (host, port))
+            await loop.sock_sendall(s, q)
+            while True:
+                raw = await loop.sock_recv(s, 65535)
+                if raw[:2] == q[:2] and raw[12:qend].lower() == q[12:qend].lower():
+                    return raw
+
+    @staticmethod
+    async def _tcp_exchange(host: str, port: int, q: bytes) -> bytes:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            writer.write(struct.pack("!H", len(q)) + q)
+            await writer.drain()
+            n = struct.unpack("!H", await reader.readexactly(2))[0]
+            return await reader.readexactly(n)
+        finally:
+            writer.close()
+
+    def close(self) -> None:
+        if self._udp is not None:
+            self._udp.close()
+            self._udp = None
+        if self._tcp is not None:
+            self._tcp.close()
+            self._tcp = None
+        for t in list(self._tasks):
+            t.cancel()
