@@ -178,3 +178,99 @@ def test_snapshot_restores_on_another_edge(tmp_path, python_image):
     for name in ("sa", "sb"):
         shutil.rmtree(f"/run/dsec-e2e-{run_id}-{name}", ignore_errors=True)
         assert not glob.glob(f"/sys/fs/cgroup/*/dsec/{name}-*")
+
+
+def test_kill_9_of_edge_and_apiserver_under_load_loses_nothing(tmp_path, python_image):
+    import signal
+    import threading
+
+    data = tmp_path / "data"
+    run_id = secrets.token_hex(4)
+    env = _env(tmp_path, f"dsec-e2e-{run_id}")
+    env["DSEC_EDGE_FNCALL_IMAGE"] = ""
+    api_port = free_port()
+    url = f"http://127.0.0.1:{api_port}"
+
+    def apiserver() -> subprocess.Popen[bytes]:
+        return start(
+            ["apiserver", "--port", str(api_port), "--data-dir", str(data)], env, tmp_path / "api.log"
+        )
+
+    def edge() -> subprocess.Popen[bytes]:
+        argv = ["edge", "--apiserver", url, "--name", "fk", "--port", str(edge_port), "--data-dir", str(data)]
+        argv += [
+            "--run-dir",
+            f"/run/dsec-e2e-{run_id}-fk",
+            "--token",
+            (data / "cluster-token").read_text().strip(),
+        ]
+        return start(argv, env, tmp_path / "edge.log")
+
+    edge_port = free_port()
+    procs = {"api": apiserver()}
+    try:
+        deadline = time.monotonic() + 30
+        while not (data / "cluster-token").exists() or not (data / "admin-token").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        admin = (data / "admin-token").read_text().strip()
+        procs["edge"] = edge()
+        wait_healthy(url, edges=1)
+        with Client(url, admin) as c:
+            sbs = [c.create("python", memory_mb=128) for _ in range(6)]
+            for i, s in enumerate(sbs):
+                s.exec(f"echo {i} > /work/mark; nohup sleep 600 >/dev/null 2>&1 &")
+        stop = threading.Event()
+        outcomes: Counter[str] = Counter()
+
+        args = (url, admin, [s.id for s in sbs], stop, outcomes)
+        workers = [threading.Thread(target=_load, args=args) for _ in range(3)]
+        for w in workers:
+            w.start()
+        time.sleep(1.0)
+        procs["edge"].send_signal(signal.SIGKILL)
+        procs["edge"].wait()
+        time.sleep(0.5)
+        procs["edge"] = edge()
+        wait_healthy(url, edges=1)
+        time.sleep(1.0)
+        procs["api"].send_signal(signal.SIGKILL)
+        procs["api"].wait()
+        procs["api"] = apiserver()
+        wait_healthy(url, edges=1)
+        time.sleep(1.0)
+        stop.set()
+        for w in workers:
+            w.join(30)
+        assert outcomes["ok"] > 50, outcomes
+        with Client(url, admin) as c:
+            # nothing lost: every sandbox, its files and its background process
+            assert sorted(i.id for i in c.list()) == sorted(s.id for s in sbs)
+            for i, s in enumerate(sbs):
+                r = c.sandbox(s.id).exec("cat /work/mark; pgrep -c sleep")
+                assert r.stdout == f"{i}\n1\n", r
+            c.stop_many([s.id for s in sbs])
+            assert c.list() == []
+    finally:
+        for p in procs.values():
+            p.terminate()
+        for p in procs.values():
+            p.wait(60)
+    time.sleep(0.5)
+    shutil.rmtree(f"/run/dsec-e2e-{run_id}-fk", ignore_errors=True)
+    assert not glob.glob("/sys/fs/cgroup/*/dsec/fk-*")
+    assert not [m for m in Path("/proc/mounts").read_text().splitlines() if f"dsec-e2e-{run_id}" in m]
+
+
+def _load(url: str, token: str, ids: list[str], stop: object, outcomes: Counter[str]) -> None:
+    """Keep calling exec on every sandbox while processes die under it."""
+    with Client(url, token, retries=0) as c:
+        while not stop.is_set():  # type: ignore[attr-defined]
+            for sid in ids:
+                try:
+                    c.sandbox(sid).exec("true", timeout=5)
+                    outcomes["ok"] += 1
+                except errors.DsecError as e:
+                    outcomes[e.code] += 1
+                except Exception as e:  # a connection cut mid-request
+                    outcomes[type(e).__name__] += 1
