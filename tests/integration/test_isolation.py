@@ -700,16 +700,22 @@ async def test_shim_untouchable(edge):
     await assert_alive(edge, sb.id)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (low severity): root inside can list /proc/1/fd of the shim (fd numbers only; "
-    "readlink/open are denied). The shim is non-dumpable but its proc dirs are owned by the "
-    "sandbox's userns root, which every exec runs as.",
-)
 async def test_shim_fd_dir_not_listable(edge):
+    # The shim's proc entries belong to the sandbox's root (it is non-dumpable, but in the
+    # sandbox's user namespace): its descriptor dirs are masked instead.
     sb = await edge.create(SandboxSpec(image="python"))
-    r = await run(edge, sb.id, "ls /proc/1/fd")
-    assert r.exit_code != 0 and r.stdout == ""
+    r = await run(edge, sb.id, "ls -A /proc/1/fd /proc/1/fdinfo /proc/1/map_files")
+    assert (
+        r.stdout.replace("/proc/1/fd:", "")
+        .replace("/proc/1/fdinfo:", "")
+        .replace("/proc/1/map_files:", "")
+        .strip()
+        == ""
+    )
+    r = await run(edge, sb.id, "umount /proc/1/fd; echo rc=$?")
+    assert "rc=0" not in r.stdout  # and the mask stays
+    r = await run(edge, sb.id, "sleep 30 & ls /proc/$!/fd | wc -l")  # other processes are unaffected
+    assert int(r.stdout.strip()) >= 3
 
 
 async def test_detached_fork_bomb_does_not_wedge_sandbox(edge):

@@ -49,6 +49,11 @@ MASKED_PATHS = [
     "/sys/kernel",
     "/sys/devices/virtual/powercap",
     "/sys/fs/selinux",
+    # The shim (PID 1) is non-dumpable, but its /proc entries belong to the sandbox's root,
+    # who could list its descriptors: nothing there for anyone inside.
+    "/proc/1/fd",
+    "/proc/1/fdinfo",
+    "/proc/1/map_files",
 ]
 
 READONLY_PATHS = [
