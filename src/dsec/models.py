@@ -92,7 +92,7 @@ class Step(_Model):
     (`replayed=True`); a different action at the same tag is a `trajectory_divergence`."""
 
     trajectory: str = Field(min_length=1, max_length=256)
-    index: int = Field(ge=0)
+    index: int = Field(ge=0, le=2**63 - 1)
 
 
 class ExecRequest(_Model):

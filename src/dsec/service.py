@@ -109,7 +109,15 @@ def _ensure_default_image(edge: Edge) -> None:
 
 def serve(app: FastAPI, host: str, port: int, log_level: str = "warning") -> None:
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=30
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        timeout_graceful_shutdown=30,
+        # Longer than clients keep idle connections (httpx: 5 s), so a client never reuses a
+        # connection the server is closing at that moment (a spurious ReadError).
+        timeout_keep_alive=75,
     )
     uvicorn.Server(config).run()
 

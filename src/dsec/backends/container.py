@@ -259,6 +259,7 @@ class ContainerBackend:
             mounts = self._prepare_rootfs(d, plan)
             t1 = time.perf_counter()
             pid = await self._start_runtime(d, plan, mounts)
+            reap_strays()  # crun's intermediate process, reparented to us as it exited
             t2 = time.perf_counter()
             self._learn_seccomp(plan.id)
             container = self._attach(plan.id, d, pid, None)
@@ -386,10 +387,12 @@ class ContainerBackend:
                 res = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
                 if res is not None:
                     container.exit_status = (res.si_code, res.si_status)
+            _awaited.discard(pid)
             if not exited.done():
                 exited.set_result(None)
 
         container = Container(sandbox_id, pid, actual, d, pidfd, ShimChannel(sock), exited, upper_fd=upper_fd)
+        _awaited.add(pid)  # reaped by on_exit (when it is our child: created by, not adopted into, us)
         loop.add_reader(pidfd, on_exit)
         return container
 
@@ -460,6 +463,41 @@ class ContainerBackend:
         await self._teardown(sandbox_id, self.sandboxes_dir / sandbox_id)
 
 
+# Children this process waits for by pid (helpers being awaited, sandbox inits); any other
+# child that exits is a stray: crun's intermediate processes, which the edge inherits as a
+# child subreaper when their parents exit, and which nobody else would ever reap.
+_awaited: set[int] = set()
+
+
+def reap_strays(comms: frozenset[str] = frozenset({"crun", "runc"})) -> int:
+    """Reap exited runtime processes nobody waits for; how many. Only zombies whose command
+    is the runtime's are taken: other children (subprocess.run in a worker thread, say) are
+    waited for by their owners, who must get their exit status."""
+    me = os.getpid()
+    n = 0
+    try:
+        tasks = os.listdir(f"/proc/{me}/task")
+    except OSError:
+        return 0
+    kids: set[int] = set()
+    for tid in tasks:
+        with contextlib.suppress(OSError, ValueError), open(f"/proc/{me}/task/{tid}/children") as f:
+            kids.update(int(x) for x in f.read().split())
+    for pid in kids - _awaited:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        comm, _, rest = stat.partition("(")[2].rpartition(")")
+        if rest.split()[:1] != ["Z"] or comm not in comms:
+            continue
+        with contextlib.suppress(ChildProcessError, OSError):
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                n += 1
+    return n
+
+
 def spawn_quick(
     argv: Sequence[str], out_fd: int, err_fd: int, inherit: Sequence[int] = (), *, stdin_fd: int | None = None
 ) -> tuple[int, int]:
@@ -487,6 +525,7 @@ def spawn_quick(
     finally:
         for fd in inherit:
             os.set_inheritable(fd, False)
+    _awaited.add(pid)
     return pid, os.pidfd_open(pid)
 
 
@@ -500,7 +539,10 @@ async def wait_quick(pid: int, pidfd: int) -> int:
     finally:
         loop.remove_reader(pidfd)
         os.close(pidfd)
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    try:
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    finally:
+        _awaited.discard(pid)
 
 
 async def run_process_quick(argv: Sequence[str], log_fd: int, inherit: Sequence[int] = ()) -> int:

@@ -13,13 +13,15 @@ turns authentication off for a trusted network.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dsec import errors
 from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult, Stage
@@ -107,6 +109,16 @@ JupyterFn = Callable[[JupyterRequest], Awaitable[JupyterResult]]
 AuthFn = Callable[[str | None], None]
 
 
+@contextlib.contextmanager
+def _as_request_error() -> Iterator[None]:
+    """A value the original accepts in its schema but ours bounds (a negative timeout, a
+    non-base64 file) is bad input: FastAPI's 422, as for any other malformed field."""
+    try:
+        yield
+    except ValidationError as e:
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+
+
 class _Compat:
     def __init__(self, run: RunFn, jupyter: JupyterFn, authenticate: AuthFn | None) -> None:
         self.run = run
@@ -125,11 +137,12 @@ class _Compat:
 
     async def run_code(self, body: RunCodeRequest, request: Request, token: str | None) -> JSONResponse:
         self.check(request, token)
-        req = FnCallRequest(
-            language=body.language, code=body.code, stdin=body.stdin, files=body.files,
-            fetch_files=body.fetch_files, compile_timeout=body.compile_timeout, run_timeout=body.run_timeout,
-            memory_limit_mb=body.memory_limit_MB,
-        )  # fmt: skip
+        with _as_request_error():
+            req = FnCallRequest(
+                language=body.language, code=body.code, stdin=body.stdin, files=body.files,
+                fetch_files=body.fetch_files, compile_timeout=body.compile_timeout,
+                run_timeout=body.run_timeout, memory_limit_mb=body.memory_limit_MB,
+            )  # fmt: skip
         try:
             return JSONResponse(run_code_response(await self.run(req)))
         except errors.InvalidRequest as e:
@@ -141,10 +154,11 @@ class _Compat:
 
     async def run_jupyter(self, body: RunJupyterRequest, request: Request, token: str | None) -> JSONResponse:
         self.check(request, token)
-        req = JupyterRequest(
-            cells=body.cells, cell_timeout=body.cell_timeout, total_timeout=body.total_timeout,
-            memory_limit_mb=body.memory_limit_MB, files=body.files, fetch_files=body.fetch_files,
-        )  # fmt: skip
+        with _as_request_error():
+            req = JupyterRequest(
+                cells=body.cells, cell_timeout=body.cell_timeout, total_timeout=body.total_timeout,
+                memory_limit_mb=body.memory_limit_MB, files=body.files, fetch_files=body.fetch_files,
+            )  # fmt: skip
         try:
             return JSONResponse(jupyter_response(await self.jupyter(req)))
         except errors.DsecError as e:

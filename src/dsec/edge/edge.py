@@ -633,6 +633,8 @@ class Edge:
         except Exception:
             log.exception("tearing down %s failed; the reconciler will retry", sb.id)
         self._release_fork_layers(sb.record.extra_lower)
+        with contextlib.suppress(errors.DsecError):
+            await self.trajlog.retire(sb.id)
 
     def _detach(self, sb: Sandbox) -> None:
         """Forget a sandbox in this process but leave it running (for a later adopt)."""

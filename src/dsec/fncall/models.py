@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 MiB = 1024 * 1024
+
+
+def _base64_files(v: dict[str, str | None]) -> dict[str, str | None]:
+    for name, data in v.items():
+        if data is None:
+            continue
+        try:
+            base64.b64decode(data.encode("ascii"), validate=True)
+        except (UnicodeEncodeError, binascii.Error) as e:
+            raise ValueError(f"files[{name!r}] must be base64 (encode the file's bytes first): {e}") from None
+    return v
 
 
 class Stage(BaseModel):
@@ -25,6 +38,8 @@ class FnCallRequest(BaseModel):
     files: dict[str, str | None] = Field(default_factory=dict, description="relative path -> base64")
     fetch_files: list[str] = Field(default_factory=list)
     compile_timeout: float = Field(10.0, gt=0, le=600)
+
+    _files_are_base64 = field_validator("files")(_base64_files)
     run_timeout: float = Field(10.0, gt=0, le=600)
     memory_limit_mb: int = Field(-1, ge=-1, le=65536)
     max_output: int = Field(1 * MiB, ge=0, le=64 * MiB)
@@ -46,6 +61,8 @@ class JupyterRequest(BaseModel):
     files: dict[str, str | None] = Field(default_factory=dict)
     fetch_files: list[str] = Field(default_factory=list)
     image: str = "code"
+
+    _files_are_base64 = field_validator("files")(_base64_files)
 
 
 class Cell(BaseModel):

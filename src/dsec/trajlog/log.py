@@ -295,6 +295,23 @@ class TrajectoryLog:
 
     # ----------------------------------------------------------------- hot path
 
+    async def retire(self, sandbox_id: str) -> None:
+        """The sandbox is gone (call after its last operation): once its entries are durable,
+        give back the rest of its reservation and drop its in-memory numbering state, so an
+        edge that has run millions of sandboxes holds state only for the live ones. Its log
+        stays readable; a later record() for it would reload the state from the database."""
+        sb = self._sandboxes.get(sandbox_id)
+        if sb is None or not self._open:
+            return
+        if sb.pending or sb.reserving is not None:
+            await self.flush()
+        sb = self._sandboxes.get(sandbox_id)
+        if sb is None or sb.pending or sb.reserving is not None:
+            return  # busy again: leave it (close() gives reservations back anyway)
+        await asyncio.to_thread(self._release_reservation, sandbox_id)
+        if not sb.pending and sb.reserving is None:
+            self._sandboxes.pop(sandbox_id, None)
+
     async def prepare(self, sandbox_id: str) -> None:
         """Load a sandbox's numbering state and make its first reservation now, so that its first
         :meth:`record` neither reads the database nor waits for the reservation's fsync. The edge
@@ -693,6 +710,15 @@ class TrajectoryLog:
                 db.execute("ROLLBACK")
                 raise
         return gaps
+
+    def _release_reservation(self, sandbox_id: str) -> None:
+        db = self._writer()
+        with self._wlock:
+            db.execute(
+                "UPDATE sandboxes SET reserved_hw = durable_seq "
+                "WHERE sandbox_id = ? AND reserved_hw > durable_seq",
+                (sandbox_id,),
+            )
 
     def _release_reservations(self) -> None:
         db = self._writer()
