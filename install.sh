@@ -9,7 +9,7 @@ cd "$(dirname "$(readlink -f "$0")")"
 ROOT=$(pwd)
 VENV="$ROOT/.venv"
 
-APT_PACKAGES=(crun runc mmdebstrap bubblewrap gcc libc6-dev iproute2 procps ca-certificates
+APT_PACKAGES=(crun runc mmdebstrap bubblewrap gcc libc6-dev iproute2 nftables procps ca-certificates
               btrfs-progs xfsprogs tar gzip zstd python3-venv debian-archive-keyring)
 
 log() { printf '\033[1m[dsec-install]\033[0m %s\n' "$*" >&2; }

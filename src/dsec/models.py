@@ -8,6 +8,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from dsec.isolation.netpolicy import NetRule, NetworkPolicy
+
+__all__ = ["NetRule", "NetworkPolicy"]  # re-exported: part of the wire format
+
 MiB = 1024 * 1024
 ShortStr = Annotated[str, Field(max_length=256)]
 LabelDict = Annotated[dict[str, str], Field(max_length=64)]
@@ -46,6 +50,9 @@ class SandboxSpec(_Model):
     )
     ttl_action: Literal["stop", "pause"] = Field("stop", description="what the idle TTL does")
     project: ShortStr = "default"
+    network: NetworkPolicy | None = Field(
+        None, description="egress allowlist (domains, IPs/CIDRs, ports, protocols); None: loopback only"
+    )
     protected_paths: list[str] = Field(
         default_factory=list,
         max_length=64,

@@ -155,3 +155,18 @@ def test_protect_and_verify_through_the_sdk(service):
         with pytest.raises(errors.InvalidRequest):
             sb.protect(["relative/path"])
         sb.stop()
+
+
+def test_network_policy_through_the_sdk(service):
+    with Client() as c:
+        sb = c.create("python", network={"allow": []})  # attached, nothing allowed
+        r = sb.exec("python3 -c \"import socket; socket.create_connection(('192.0.2.1', 80), timeout=1)\"")
+        assert r.exit_code != 0  # denied at once (rejected), no route out
+        net = sb.set_network({"allow": [{"to": "192.0.2.0/24", "ports": [80, "8000-8100"]}]})
+        assert net["policy"]["allow"][0]["to"] == "192.0.2.0/24"
+        assert net["counters"]["denied_packets"] >= 1
+        with pytest.raises(errors.InvalidRequest):
+            sb.set_network({"allow": [{"to": "not a host!"}]})
+        assert sb.set_network(None)["policy"] is None
+        assert sb.network()["policy"] is None
+        sb.stop()

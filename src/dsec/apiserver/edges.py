@@ -37,6 +37,7 @@ from dsec.models import (
     FileEdit,
     FileStat,
     FileWrite,
+    NetworkPolicy,
     RestoreRequest,
     SandboxInfo,
     SandboxSpec,
@@ -135,6 +136,12 @@ class EdgeAPI(ABC):
     ) -> builtins.list[str]: ...
     @abstractmethod
     async def verify(self, sid: str, req: ExecRequest, projects: Projects) -> ExecResult: ...
+    @abstractmethod
+    async def set_network(
+        self, sid: str, policy: NetworkPolicy | None, projects: Projects
+    ) -> dict[str, Any]: ...
+    @abstractmethod
+    async def network(self, sid: str, projects: Projects) -> dict[str, Any]: ...
     @abstractmethod
     async def snapshots(self, projects: Projects = None) -> builtins.list[dict[str, Any]]: ...
     @abstractmethod
@@ -329,6 +336,14 @@ class LocalEdge(EdgeAPI):
     async def verify(self, sid: str, req: ExecRequest, projects: Projects) -> ExecResult:
         self._check(sid, projects)
         return await self.edge.verify(sid, req)
+
+    async def set_network(self, sid: str, policy: NetworkPolicy | None, projects: Projects) -> dict[str, Any]:
+        self._check(sid, projects)
+        return await self.edge.set_network(sid, policy)
+
+    async def network(self, sid: str, projects: Projects) -> dict[str, Any]:
+        self._check(sid, projects)
+        return await self.edge.network(sid)
 
     async def delete_snapshot(self, name: str, projects: Projects = None) -> None:
         self.edge.delete_snapshot(name, projects)
@@ -585,6 +600,17 @@ class HttpEdge(EdgeAPI):
             "POST", f"/v1/sandboxes/{sid}/verify", projects, json_body=req.model_dump(mode="json")
         )
         return ExecResult.model_validate_json(r.content)
+
+    async def set_network(self, sid: str, policy: NetworkPolicy | None, projects: Projects) -> dict[str, Any]:
+        if policy is None:
+            r = await self._call("DELETE", f"/v1/sandboxes/{sid}/network", projects)
+        else:
+            body = policy.model_dump(mode="json")
+            r = await self._call("PUT", f"/v1/sandboxes/{sid}/network", projects, json_body=body)
+        return dict(r.json())
+
+    async def network(self, sid: str, projects: Projects) -> dict[str, Any]:
+        return dict((await self._call("GET", f"/v1/sandboxes/{sid}/network", projects)).json())
 
     async def image_manifest(self, name: str) -> dict[str, Any]:
         return dict((await self._call("GET", f"/v1/images/{name}/manifest")).json())

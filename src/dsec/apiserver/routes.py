@@ -31,6 +31,7 @@ from dsec.models import (
     FileEdit,
     FileStat,
     FileWrite,
+    NetworkPolicy,
     ProtectRequest,
     SandboxInfo,
     SessionCreate,
@@ -166,6 +167,21 @@ def sandbox_router(observe_exec: ExecObserver | None = None) -> APIRouter:
     async def snapshot(sid: str, body: SnapshotRequest, request: Request) -> Response:
         t = await _target(request, sid)
         return model_response(await t.edge.snapshot(sid, body, t.projects), 201)
+
+    @r.put("/network")
+    async def set_network(sid: str, body: NetworkPolicy, request: Request) -> dict[str, Any]:
+        t = await _target(request, sid)
+        return await t.edge.set_network(sid, body, t.projects)
+
+    @r.delete("/network")
+    async def delete_network(sid: str, request: Request) -> dict[str, Any]:
+        t = await _target(request, sid)
+        return await t.edge.set_network(sid, None, t.projects)
+
+    @r.get("/network")
+    async def get_network(sid: str, request: Request) -> dict[str, Any]:
+        t = await _target(request, sid)
+        return await t.edge.network(sid, t.projects)
 
     @r.post("/protect")
     async def protect(sid: str, body: ProtectRequest, request: Request) -> dict[str, Any]:

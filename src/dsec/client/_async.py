@@ -20,6 +20,7 @@ from dsec.models import (
     EdgeStatus,
     ExecResult,
     FileStat,
+    NetworkPolicy,
     SandboxInfo,
     SessionInfo,
     SessionResult,
@@ -98,11 +99,15 @@ class AsyncClient:
         project: str = "default",
         snapshot: str | None = None,
         ttl_action: str = "stop",
+        network: NetworkPolicy | dict[str, Any] | None = None,
+        protected_paths: list[str] | None = None,
     ) -> AsyncSandbox:
         """Create one sandbox (not retried: a lost response could leave a second one running).
 
         `snapshot=` restores a snapshot: the new sandbox starts from its files.
-        `ttl_action="pause"` makes the idle TTL pause instead of stop."""
+        `ttl_action="pause"` makes the idle TTL pause instead of stop. `network=` an egress
+        allowlist (``{"allow": [{"to": "pypi.org", "ports": [443]}]}``; none: loopback only).
+        `protected_paths=` paths moved out of reach of the sandbox's processes (see verify())."""
         spec = _base.build_spec(
             snapshot or image,
             SpecOptions(
@@ -116,6 +121,8 @@ class AsyncClient:
                 labels=labels,
                 ttl_idle_s=ttl_idle_s,
                 ttl_action=ttl_action,
+                network=network,
+                protected_paths=protected_paths,
                 project=project,
             ),
         )
@@ -366,6 +373,16 @@ class AsyncSandbox:
         """`n` new sandboxes from this one's current files, each independent afterwards."""
         infos = await self._client._call(_base.fork(self.id, n))
         return [AsyncSandbox(self._client, i.id, i) for i in infos]
+
+    async def set_network(self, policy: NetworkPolicy | dict[str, Any] | None) -> dict[str, Any]:
+        """Replace the egress allowlist while the sandbox runs (None: loopback only again);
+        returns the policy and its counters."""
+        p = policy if policy is None or isinstance(policy, NetworkPolicy) else _base.validated_policy(policy)
+        return await self._client._call(_base.set_network(self.id, p))
+
+    async def network(self) -> dict[str, Any]:
+        """The egress policy and its counters (denied packets, DNS answers given and refused)."""
+        return await self._client._call(_base.network(self.id))
 
     async def protect(self, paths: list[str]) -> list[str]:
         """Move `paths` (graders, reference answers) out of the sandbox: its processes cannot

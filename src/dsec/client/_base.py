@@ -37,6 +37,7 @@ from dsec.models import (
     FileWrite,
     ForkRequest,
     MiB,
+    NetworkPolicy,
     ProtectRequest,
     RestoreRequest,
     SandboxInfo,
@@ -154,6 +155,10 @@ class SpecOptions(TypedDict, total=False):
     ttl_idle_s: float | None
     ttl_action: str
     project: str
+    disk_inodes: int
+    max_output_bytes: int
+    protected_paths: list[str] | None
+    network: NetworkPolicy | dict[str, Any] | None
 
 
 def build_spec(image: str, opts: SpecOptions) -> SandboxSpec:
@@ -579,6 +584,20 @@ def snapshot(sandbox_id: str, scrub: list[str]) -> Call[SnapshotInfo]:
 def fork(sandbox_id: str, n: int) -> Call[list[SandboxInfo]]:
     body = _dump(_validated(ForkRequest, n=n))
     return Call(Request("POST", _sb(sandbox_id, "fork"), json=body), _models(SandboxInfo, "sandboxes"))
+
+
+def validated_policy(policy: dict[str, Any]) -> NetworkPolicy:
+    return _validated(NetworkPolicy, **policy)
+
+
+def set_network(sandbox_id: str, policy: NetworkPolicy | None) -> Call[dict[str, Any]]:
+    if policy is None:
+        return Call(Request("DELETE", _sb(sandbox_id, "network"), idempotent=True), _json)
+    return Call(Request("PUT", _sb(sandbox_id, "network"), json=_dump(policy), idempotent=True), _json)
+
+
+def network(sandbox_id: str) -> Call[dict[str, Any]]:
+    return Call(Request("GET", _sb(sandbox_id, "network"), idempotent=True), _json)
 
 
 def protect(sandbox_id: str, paths: list[str]) -> Call[list[str]]:

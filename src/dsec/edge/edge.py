@@ -53,6 +53,7 @@ from dsec.edge.store import EdgeStore, Record
 from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult
 from dsec.isolation import linux
 from dsec.isolation.cgroups import PID_RESERVE, CgroupHost
+from dsec.isolation.netpolicy import NetHost, NetworkPolicy
 from dsec.isolation.spec import DEFAULT_PATH, Limits
 from dsec.layers import LayerStore, import_dir_layer
 from dsec.layers.store import Image
@@ -153,6 +154,8 @@ class Edge:
         self._failed: dict[str, Record] = {}
         self.trajlog = TrajectoryLog(settings.data_dir / f"trajlog-{settings.name}.db")
         self._inflight: dict[tuple[str, int], asyncio.Future[None]] = {}
+        # Network policies: nothing is made on the host before the first one.
+        self.net = NetHost(settings.name)
 
     # --- lifecycle of the edge itself ------------------------------------------
 
@@ -190,6 +193,7 @@ class Edge:
         )
         self.store = EdgeStore(s.db_path)
         await self.trajlog.start()
+        await self.net.remove_leftovers()  # a crashed edge's gateway; policies are re-applied below
         await self._readopt()
         await self.reconcile()
         self._tasks.append(asyncio.create_task(self._reaper(), name="dsec-reaper"))
@@ -215,6 +219,7 @@ class Edge:
                 self._detach(sb)
             self.sandboxes.clear()
         await asyncio.gather(*list(self._terminating.values()), return_exceptions=True)
+        await self.net.close(keep=not stop_sandboxes)
         if self.store is not None:
             self.store.touch_many(self._dirty_active)
             self.store.close()
@@ -299,7 +304,7 @@ class Edge:
         owner = self._image(spec.image).source.get("project")  # snapshots belong to a project
         if owner is not None and owner != spec.project and not spec.project.startswith("_"):
             raise errors.ImageNotFound(f"there is no snapshot {spec.image!r} in project {spec.project!r}")
-        if sandbox_id is None and spec.project != POOL_PROJECT:
+        if sandbox_id is None and spec.project != POOL_PROJECT and spec.network is None:
             pooled = self._claim_pooled(spec, t0)
             if pooled is not None:
                 return pooled
@@ -384,6 +389,8 @@ class Edge:
                 self.cgroups.setup_user_group(sid, spec.pids)
                 sb = self._open_sandbox(record, container)
                 sb.files._mkdirs(spec.workdir)
+                if spec.network is not None:
+                    await self._apply_network(sb, spec.network)
                 self.store.put(record)
             except BaseException:
                 await self.backend.destroy(container)
@@ -564,6 +571,38 @@ class Edge:
             self.store.put(sb.record)
         sb.container.timings_ms["resume"] = (time.perf_counter() - t0) * 1000
 
+    # --- network policy ----------------------------------------------------------------
+
+    async def _apply_network(self, sb: Sandbox, policy: NetworkPolicy) -> None:
+        timings = await self.net.apply(sb.id, sb.container.pid, policy)
+        sb.files.write("/etc/resolv.conf", self.net.resolv_conf().encode())
+        sb.container.timings_ms.update({f"network_{k}": v for k, v in timings.items()})
+
+    async def set_network(self, sandbox_id: str, policy: NetworkPolicy | None) -> dict[str, Any]:
+        """Replace a running sandbox's egress allowlist atomically (None: detach it, back to
+        loopback only). New connections follow it; established ones continue."""
+        sb = self._get(sandbox_id)
+        try:
+            if policy is None:
+                await self.net.remove(sb.id)
+            else:
+                await self._apply_network(sb, policy)
+        except (OSError, RuntimeError) as e:
+            raise errors.InternalError(f"network policy of {sb.id}: {e}") from e
+        sb.record.spec = sb.record.spec.model_copy(update={"network": policy})
+        if self.store is not None:
+            self.store.put(sb.record)
+        return await self.network(sandbox_id)
+
+    async def network(self, sandbox_id: str) -> dict[str, Any]:
+        """The sandbox's policy and its counters (denied packets, DNS answers)."""
+        sb = self._lookup(sandbox_id)
+        policy = sb.record.spec.network
+        return {
+            "policy": policy.model_dump(mode="json") if policy is not None else None,
+            "counters": await self.net.counters(sb.id),
+        }
+
     async def pause_project(self, project: str) -> builtins.list[str]:
         """Pause every sandbox of a project (a preempted job), concurrently."""
         ids = [
@@ -632,6 +671,10 @@ class Edge:
             await self.backend.destroy(sb.container)
         except Exception:
             log.exception("tearing down %s failed; the reconciler will retry", sb.id)
+        try:
+            await self.net.remove(sb.id)
+        except Exception:
+            log.exception("removing the network policy of %s failed", sb.id)
         self._release_fork_layers(sb.record.extra_lower)
         with contextlib.suppress(errors.DsecError):
             await self.trajlog.retire(sb.id)
@@ -1094,6 +1137,11 @@ class Edge:
                 self.store.delete(rec.id)
                 continue
             self.sandboxes[rec.id] = sb
+            if rec.spec.network is not None:
+                try:
+                    await self._apply_network(sb, rec.spec.network)
+                except Exception:
+                    log.exception("re-applying the network policy of %s failed", rec.id)
             self._watch_exit(sb)
 
     async def reconcile(self) -> dict[str, int]:
