@@ -319,7 +319,9 @@ class ContainerBackend:
         if bpf is None:
             self._seccomp_learn[sandbox_id] = key
             return
-        del config["linux"]["seccomp"]
+        # crun takes the program from the annotation and only the flags (logging of denials)
+        # from the section.
+        config["linux"]["seccomp"] = {"defaultAction": "SCMP_ACT_ALLOW", "flags": profile.get("flags", [])}
         config.setdefault("annotations", {})["run.oci.seccomp_bpf_data"] = bpf
 
     def _learn_seccomp(self, sandbox_id: str) -> None:

@@ -53,6 +53,7 @@ from dsec.edge.store import EdgeStore, Record
 from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult
 from dsec.isolation import linux
 from dsec.isolation.cgroups import PID_RESERVE, CgroupHost
+from dsec.isolation.denials import DeniedSyscalls
 from dsec.isolation.netpolicy import NetHost, NetworkPolicy
 from dsec.isolation.spec import DEFAULT_PATH, Limits
 from dsec.layers import LayerStore, import_dir_layer
@@ -156,6 +157,7 @@ class Edge:
         self._inflight: dict[tuple[str, int], asyncio.Future[None]] = {}
         # Network policies: nothing is made on the host before the first one.
         self.net = NetHost(settings.name)
+        self.denials = DeniedSyscalls(self._on_denied_syscall)
 
     # --- lifecycle of the edge itself ------------------------------------------
 
@@ -194,6 +196,8 @@ class Edge:
         self.store = EdgeStore(s.db_path)
         await self.trajlog.start()
         await self.net.remove_leftovers()  # a crashed edge's gateway; policies are re-applied below
+        if not self.denials.start():
+            log.info("the kernel log is not readable: denied system calls are not counted")
         await self._readopt()
         await self.reconcile()
         self._tasks.append(asyncio.create_task(self._reaper(), name="dsec-reaper"))
@@ -220,6 +224,7 @@ class Edge:
             self.sandboxes.clear()
         await asyncio.gather(*list(self._terminating.values()), return_exceptions=True)
         await self.net.close(keep=not stop_sandboxes)
+        self.denials.close()
         if self.store is not None:
             self.store.touch_many(self._dirty_active)
             self.store.close()
@@ -509,13 +514,28 @@ class Edge:
         out.update(sb.stats)  # refused forks of finished calls, timeouts, truncations, full disks
         used, inodes, _ = sb.container.disk_usage()
         return {
-            **{k: 0 for k in ("oom_kills", "pids_limit_hits", "timeouts", "output_truncated", "disk_full")},
+            **{
+                k: 0
+                for k in (
+                    "oom_kills",
+                    "pids_limit_hits",
+                    "timeouts",
+                    "output_truncated",
+                    "disk_full",
+                    "denied_syscalls",
+                )
+            },
             **out,
             "disk_used_bytes": used,
             "disk_used_inodes": inodes,
         }
 
-    def _misbehaviour(self, sb: Sandbox, res: RawResult) -> dict[str, int]:
+    def _on_denied_syscall(self, sandbox_id: str, syscall: int, comm: str) -> None:
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is not None:
+            sb.stats["denied_syscalls"] += 1
+
+    def _misbehaviour(self, sb: Sandbox, res: RawResult, denied_before: int = 0) -> dict[str, int]:
         """Limit hits during one call, for its result and the trajectory. The kernel counters
         are read only when the call did not succeed (a clean exit leaves them alone, save a
         background process's misfortune, which the next failed call or GET reports)."""
@@ -523,13 +543,17 @@ class Edge:
             sb.stats["timeouts"] += 1
         if res.truncated:
             sb.stats["output_truncated"] += 1
+        self.denials.drain()  # the kernel logged this call's denials already: count them now
+        denied = sb.stats["denied_syscalls"] - denied_before
         if res.exit_code == 0 and not res.timed_out:
             if sb.disk_was_full:  # freed since? then the next fill counts again
                 sb.disk_was_full = sb.container.disk_usage()[2]
-            return {}
+            return {"denied_syscalls": denied} if denied else {}
         now = self.cgroups.events(sb.id)
         out = {k: v - sb.seen_events.get(k, 0) for k, v in now.items() if v > sb.seen_events.get(k, 0)}
         sb.seen_events = now
+        if denied:
+            out["denied_syscalls"] = denied
         if res.pids_limit_hits:
             sb.stats["pids_limit_hits"] += res.pids_limit_hits
             out["pids_limit_hits"] = out.get("pids_limit_hits", 0) + res.pids_limit_hits
@@ -747,9 +771,10 @@ class Edge:
         action = {"op": "exec", **req.model_dump(include={"cmd", "stdin", "env", "cwd", "user"})}
 
         async def run() -> dict[str, Any]:
+            denied_before = sb.stats["denied_syscalls"]
             raw = await self._run(sb, req)
             result = raw.to_exec_result()
-            result.misbehaviour = self._misbehaviour(sb, raw)
+            result.misbehaviour = self._misbehaviour(sb, raw, denied_before)
             return result.model_dump()
 
         obs, seq, replayed = await self._logged(sb, "exec", action, req.step, run)

@@ -80,5 +80,6 @@ def oci_seccomp(rules: tuple[Rule, ...] | None = None) -> dict[str, Any]:
     return {
         "defaultAction": "SCMP_ACT_ALLOW",
         "architectures": _ARCHES.get(platform.machine(), []),
+        "flags": ["SECCOMP_FILTER_FLAG_LOG"],
         "syscalls": syscalls,
     }
