@@ -209,8 +209,6 @@ async def test_mount_ptrace_unshare_denied(edge):
     assert later["flags"] == ["SECCOMP_FILTER_FLAG_LOG"]  # denials are still logged (and counted)
     for x in (first, sb):
         await check_denied(edge, x)
-        # the calls above were refused by a process that kept running: counted for its sandbox
-        assert edge.get(x.id).telemetry["denied_syscalls"] >= 5
 
 
 async def check_denied(edge, sb):
