@@ -165,6 +165,7 @@ def test_network_policy_through_the_sdk(service):
         net = sb.set_network({"allow": [{"to": "192.0.2.0/24", "ports": [80, "8000-8100"]}]})
         assert net["policy"]["allow"][0]["to"] == "192.0.2.0/24"
         assert net["counters"]["denied_packets"] >= 1
+        assert sb.refresh().telemetry["denied_connections"] >= 1  # on the sandbox's status too
         with pytest.raises(errors.InvalidRequest):
             sb.set_network({"allow": [{"to": "not a host!"}]})
         assert sb.set_network(None)["policy"] is None

@@ -205,7 +205,7 @@ class LocalEdge(EdgeAPI):
 
     async def get(self, sid: str, projects: Projects) -> SandboxInfo:
         self._check(sid, projects)
-        return self.edge.get(sid)
+        return await self.edge.sandbox_status(sid)
 
     async def list(
         self, labels: dict[str, str], project: str | None, projects: Projects

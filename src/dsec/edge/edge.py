@@ -509,6 +509,15 @@ class Edge:
         info.telemetry = self.telemetry(sb)
         return info
 
+    async def sandbox_status(self, sandbox_id: str) -> SandboxInfo:
+        """get() plus what takes a kernel round trip: refused connections of its network policy."""
+        info = self.get(sandbox_id)
+        sb = self.sandboxes.get(sandbox_id)
+        if sb is not None and sb.record.spec.network is not None:
+            with contextlib.suppress(Exception):
+                info.telemetry["denied_connections"] = (await self.net.counters(sb.id))["denied_packets"]
+        return info
+
     def telemetry(self, sb: Sandbox) -> dict[str, int]:
         out = Counter(self.cgroups.events(sb.id))
         out.update(sb.stats)  # refused forks of finished calls, timeouts, truncations, full disks
