@@ -21,6 +21,15 @@ FUZZ_SECONDS = 60.0
 # Bugs the fuzz found, fixed: (id, reproducer: request args, what it was). Each must answer 4xx.
 REGRESSIONS: list[tuple[str, dict[str, Any], str]] = [
     (
+        "fncall-nul-in-file-name-500",
+        {
+            "method": "POST",
+            "url": "/v1/fncall/jupyter",
+            "json": {"cells": ["1"], "fetch_files": ["a\u0000b"], "files": {"": None}},
+        },
+        "fncall: a NUL byte in a file name reached the runner ('embedded null byte') -> 500",
+    ),
+    (
         "sandboxfusion-invalid-field-500",
         {"method": "POST", "url": "/run_code", "json": {"code": "print(1)", "compile_timeout": -1}},
         "SandboxFusion /run_code and /run_jupyter (and /sandboxfusion/{token}/...) build FnCallRequest / "

@@ -11,7 +11,15 @@ from pydantic import BaseModel, Field, field_validator
 MiB = 1024 * 1024
 
 
+def _file_names(v: list[str]) -> list[str]:
+    for name in v:
+        if not name or "\0" in name or len(name) > 4096:
+            raise ValueError(f"file name {name[:80]!r} must be a non-empty path without NUL bytes")
+    return v
+
+
 def _base64_files(v: dict[str, str | None]) -> dict[str, str | None]:
+    _file_names(list(v))
     for name, data in v.items():
         if data is None:
             continue
@@ -40,6 +48,7 @@ class FnCallRequest(BaseModel):
     compile_timeout: float = Field(10.0, gt=0, le=600)
 
     _files_are_base64 = field_validator("files")(_base64_files)
+    _fetch_names = field_validator("fetch_files")(_file_names)
     run_timeout: float = Field(10.0, gt=0, le=600)
     memory_limit_mb: int = Field(-1, ge=-1, le=65536)
     max_output: int = Field(1 * MiB, ge=0, le=64 * MiB)
@@ -63,6 +72,7 @@ class JupyterRequest(BaseModel):
     image: str = "code"
 
     _files_are_base64 = field_validator("files")(_base64_files)
+    _fetch_names = field_validator("fetch_files")(_file_names)
 
 
 class Cell(BaseModel):
