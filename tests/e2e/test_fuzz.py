@@ -21,6 +21,11 @@ FUZZ_SECONDS = 60.0
 # Bugs the fuzz found, fixed: (id, reproducer: request args, what it was). Each must answer 4xx.
 REGRESSIONS: list[tuple[str, dict[str, Any], str]] = [
     (
+        "trajectory-after-seq-overflow-500",
+        {"method": "GET", "url": "/v1/sandboxes/{sid}/trajectory", "params": {"after_seq": -(2**72)}},
+        "a trajectory read with after_seq outside SQLite's integer range -> OverflowError -> 500",
+    ),
+    (
         "fncall-nul-in-file-name-500",
         {
             "method": "POST",

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request, Response
+from fastapi import APIRouter, FastAPI, Query, Request, Response
 from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -200,7 +200,10 @@ def sandbox_router(observe_exec: ExecObserver | None = None) -> APIRouter:
 
     @r.get("/trajectory")
     async def trajectory(
-        sid: str, request: Request, after_seq: int = 0, limit: int | None = None
+        sid: str,
+        request: Request,
+        after_seq: int = Query(0, ge=0, le=2**63 - 1),
+        limit: int | None = Query(None, ge=1, le=1_000_000),
     ) -> dict[str, Any]:
         t = await _target(request, sid)
         return await t.edge.trajectory(sid, after_seq, limit, t.projects)
