@@ -53,7 +53,7 @@ from dsec.edge.store import EdgeStore, Record
 from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult
 from dsec.isolation import linux
 from dsec.isolation.cgroups import PID_RESERVE, CgroupHost
-from dsec.isolation.denials import DeniedSyscalls
+from dsec.isolation.denials import DeniedSyscalls, audit_session
 from dsec.isolation.netpolicy import NetHost, NetworkPolicy
 from dsec.isolation.spec import DEFAULT_PATH, Limits
 from dsec.layers import LayerStore, import_dir_layer
@@ -108,6 +108,7 @@ class Sandbox:
     stopping: bool = False
     stats: Counter[str] = field(default_factory=Counter)  # timeouts, output_truncated, disk_full
     seen_events: dict[str, int] = field(default_factory=dict)  # kernel counters at the last look
+    audit_session: int | None = None  # kernel audit session of all its processes
     disk_was_full: bool = False
 
     @property
@@ -408,6 +409,12 @@ class Edge:
         self._watch_exit(sb)
         return sb.info(self.name)
 
+    def _track_denials(self, sb: Sandbox) -> None:
+        ses = audit_session(sb.container.pid)
+        if ses is not None:
+            self.denials.sessions[ses] = sb.id
+            sb.audit_session = ses
+
     def _open_sandbox(self, record: Record, container: Container) -> Sandbox:
         root_fd = os.open(container.rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -419,7 +426,9 @@ class Edge:
         except BaseException:
             os.close(root_fd)
             raise
-        return Sandbox(record, container, root_fd, files, uid, gid, home)
+        sb = Sandbox(record, container, root_fd, files, uid, gid, home)
+        self._track_denials(sb)
+        return sb
 
     @staticmethod
     def _resolve_user(files: SandboxFiles, user: str) -> tuple[int, int, str]:
@@ -700,6 +709,9 @@ class Edge:
         sb.sessions.clear()
         os.close(sb.root_fd)
         shutil.rmtree(self._vault(sb.id), ignore_errors=True)
+        if sb.audit_session is not None:
+            self.denials.drain()  # its last records first
+            self.denials.sessions.pop(sb.audit_session, None)
         try:
             await self.backend.destroy(sb.container)
         except Exception:

@@ -327,6 +327,16 @@ static int run_crun_wrap(int argc, char **argv) {
         if (up < 0 || dup2(up, 5) < 0) { perror("dsec-shim: open upper"); return 1; }
         if (up != 5) close(up);
     }
+    /* An audit session of its own: setting the login uid (allowed once, to a process with
+     * CAP_AUDIT_CONTROL, which no sandbox process has) gives this process a new audit
+     * session id, inherited by the runtime, the init and every process of the sandbox and
+     * unchangeable from inside. The kernel's seccomp audit records carry it (ses=), so the
+     * edge can attribute a refused system call even after its process is gone. */
+    int lu = open("/proc/self/loginuid", O_WRONLY | O_CLOEXEC);
+    if (lu >= 0) {
+        if (write(lu, argv[9], strlen(argv[9])) < 0) { /* audit off: denials go uncounted */ }
+        close(lu);
+    }
     /* crun (like runc) guards against CVE-2019-5736 by copying its own binary and
      * re-executing the copy (a second dynamic load, ~1-2 ms per sandbox) unless it
      * already runs from a read-only file and _LIBCONTAINER_CLONED_BINARY is set. A
