@@ -312,16 +312,22 @@ if a["user"] is not None:
         pass
 if a["last_pid"] is not None:
     # In the pid namespace: move its cursor past every pid the images need.
-    pid = os.fork()
-    if pid == 0:
-        fd = a["last_pid"]
-        cur = int(os.pread(fd, 32, 0) or b"0")
-        if cur < a["min_pid"]:
-            os.pwrite(fd, str(a["min_pid"]).encode(), 0)
-        os._exit(0)
-    _, st = os.waitpid(pid, 0)
-    if st != 0:
-        sys.exit("dsec-criu-helper: could not move the pid cursor")
+    # Best effort (a write here has been seen to fail with EINVAL once in a while): without
+    # it CRIU still gets its pids unless another process took one, which it then reports.
+    for attempt in range(3):
+        pid = os.fork()
+        if pid == 0:
+            fd = a["last_pid"]
+            try:
+                cur = int(os.pread(fd, 32, 0) or b"0")
+                if cur < a["min_pid"]:
+                    os.pwrite(fd, str(a["min_pid"]).encode(), 0)
+            except OSError:
+                os._exit(1)
+            os._exit(0)
+        _, st = os.waitpid(pid, 0)
+        if st == 0:
+            break
     os.close(a["last_pid"])
 pid = os.fork()
 if pid == 0:
