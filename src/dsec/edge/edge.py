@@ -37,6 +37,7 @@ from dsec.backends.container import (
     ContainerPlan,
     fs_type,
     mounts_under,
+    reap_strays,
     run_process_quick,
     spawn_quick,
     unmount_all,
@@ -1129,6 +1130,7 @@ class Edge:
         while True:
             await asyncio.sleep(self.settings.reaper_interval_s)
             try:
+                reap_strays()  # runtime processes exited since the last create
                 await self.reap_idle()
                 if self.store is not None and self._dirty_active:
                     dirty, self._dirty_active = self._dirty_active, {}
