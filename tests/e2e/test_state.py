@@ -162,6 +162,7 @@ def test_network_policy_through_the_sdk(service):
         sb = c.create("python", network={"allow": []})  # attached, nothing allowed
         r = sb.exec("python3 -c \"import socket; socket.create_connection(('192.0.2.1', 80), timeout=1)\"")
         assert r.exit_code != 0  # denied at once (rejected), no route out
+        assert r.misbehaviour.get("denied_connections", 0) >= 1  # in the result and the trajectory
         net = sb.set_network({"allow": [{"to": "192.0.2.0/24", "ports": [80, "8000-8100"]}]})
         assert net["policy"]["allow"][0]["to"] == "192.0.2.0/24"
         assert net["counters"]["denied_packets"] >= 1

@@ -549,6 +549,19 @@ class Edge:
             "disk_used_inodes": inodes,
         }
 
+    async def _denied_connections(self, sb: Sandbox) -> int:
+        """Packets the network policy refused since the last look (read after failed calls:
+        a refused connection usually makes one fail)."""
+        try:
+            total = (await self.net.counters(sb.id))["denied_packets"]
+        except Exception:
+            return 0
+        new = total - sb.seen_events.get("denied_connections", 0)
+        sb.seen_events["denied_connections"] = total
+        if new > 0:
+            sb.stats["denied_connections"] += new
+        return max(new, 0)
+
     def _on_denied_syscall(self, sandbox_id: str, syscall: int, comm: str) -> None:
         sb = self.sandboxes.get(sandbox_id)
         if sb is not None:
@@ -570,7 +583,7 @@ class Edge:
             return {"denied_syscalls": denied} if denied else {}
         now = self.cgroups.events(sb.id)
         out = {k: v - sb.seen_events.get(k, 0) for k, v in now.items() if v > sb.seen_events.get(k, 0)}
-        sb.seen_events = now
+        sb.seen_events.update(now)
         if denied:
             out["denied_syscalls"] = denied
         if res.pids_limit_hits:
@@ -797,6 +810,10 @@ class Edge:
             raw = await self._run(sb, req)
             result = raw.to_exec_result()
             result.misbehaviour = self._misbehaviour(sb, raw, denied_before)
+            if (raw.exit_code != 0 or raw.timed_out) and sb.record.spec.network is not None:
+                refused = await self._denied_connections(sb)
+                if refused:
+                    result.misbehaviour["denied_connections"] = refused
             return result.model_dump()
 
         obs, seq, replayed = await self._logged(sb, "exec", action, req.step, run)
