@@ -172,3 +172,17 @@ def test_network_policy_through_the_sdk(service):
         assert sb.set_network(None)["policy"] is None
         assert sb.network()["policy"] is None
         sb.stop()
+
+
+def test_misbehaviour_reaches_metrics(service):
+    with Client() as c:
+        sb = c.create("python", memory_mb=64)
+        assert sb.exec("sleep 5", timeout=0.2).timed_out
+        r = sb.exec("python3 -c 'b = bytearray(200 << 20)'")
+        assert r.misbehaviour.get("oom_kills", 0) >= 1
+        t = sb.refresh().telemetry
+        assert t["timeouts"] == 1 and t["oom_kills"] >= 1
+        sb.stop()
+    text = httpx.get(service.url + "/metrics").text
+    assert 'dsec_misbehaviour_total{kind="timeouts"}' in text
+    assert 'dsec_misbehaviour_total{kind="oom_kills"}' in text
