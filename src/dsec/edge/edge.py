@@ -308,14 +308,15 @@ class Edge:
 
     async def _create_plain(self, spec: SandboxSpec, sandbox_id: str | None) -> SandboxInfo:
         t0 = time.perf_counter()
-        owner = self._image(spec.image).source.get("project")  # snapshots belong to a project
+        image = self._image(spec.image)
+        owner = image.source.get("project")  # snapshots belong to a project
         if owner is not None and owner != spec.project and not spec.project.startswith("_"):
             raise errors.ImageNotFound(f"there is no snapshot {spec.image!r} in project {spec.project!r}")
         if sandbox_id is None and spec.project != POOL_PROJECT and spec.network is None:
             pooled = self._claim_pooled(spec, t0)
             if pooled is not None:
                 return pooled
-        return await self._create(spec, sandbox_id, t0)
+        return await self._create(spec, sandbox_id, t0, image=image)
 
     async def _create_for_pool(self, spec: SandboxSpec) -> str:
         info = await self._create(spec, None, time.perf_counter())
@@ -347,12 +348,13 @@ class Edge:
         *,
         extra_lower: str | None = None,
         layers_ready: asyncio.Future[None] | None = None,
+        image: Image | None = None,
     ) -> SandboxInfo:
         """Start a sandbox. `extra_lower`: a fork's layer chain (colon-separated, top first),
         stacked under the toolkit. `layers_ready`: awaited after the runtime started and before
         anything reads the sandbox's files (a fork's layer may still be filling; see fork())."""
         assert self.backend is not None and self.store is not None
-        image = self._image(spec.image)
+        image = image or self._image(spec.image)  # read once per create (a JSON file)
         self._admit(spec)
         sid = sandbox_id or self._new_id()
         self._creating[sid] = spec

@@ -10,12 +10,11 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from dsec.backends.container import Container, resolve_once
 from dsec.errors import InternalError, InvalidRequest, QuotaExceeded
-from dsec.isolation.cgroups import CgroupHost, ExecGroup
+from dsec.isolation.cgroups import CgroupHost, ExecGroup, keyed_value
 from dsec.models import ExecResult
 
 
@@ -235,7 +234,7 @@ async def run_process(
         err.close()
         code = exit_code(status) if status is not None else 137
         # A refused fork is counted in the cgroup of the task that tried (v1), which goes now.
-        refused = _pids_max_events(proc.group.path) if code != 0 or timed_out else 0
+        refused = keyed_value(proc.group.path / "pids.events", "max") if code != 0 or timed_out else 0
         release_group(proc.group)
     return RawResult(
         stdout=bytes(out.buf),
@@ -246,16 +245,6 @@ async def run_process(
         timed_out=timed_out,
         pids_limit_hits=refused,
     )
-
-
-def _pids_max_events(group: Path) -> int:
-    try:
-        for line in (group / "pids.events").read_text().splitlines():
-            if line.startswith("max "):
-                return int(line[4:])
-    except (OSError, ValueError):
-        pass
-    return 0
 
 
 async def _feed(fd: int, data: bytes) -> None:

@@ -180,35 +180,26 @@ class Session:
         buf = bytes(self.out.buf)
         self.out.tail = b""
         self.out.buf.clear()
-        if tail and tail.rfind(token) >= 0:  # a flood: the output is the first `cap` bytes
-            rc = int(tail[tail.rfind(token) + len(token) :].split(b"\n", 1)[0] or b"0")
-            return SessionResult(
-                output=buf[:cap].decode(errors="replace"),
-                exit_code=124 if timed_out else rc,
-                duration=time.perf_counter() - t0,
-                timed_out=timed_out,
-                truncated=True,
-            )
+        flood = bool(tail) and tail.rfind(token) >= 0  # the output is the first `cap` bytes
         idx = buf.rfind(token)
-        if idx < 0:
+        if flood:
+            rc = int(tail[tail.rfind(token) + len(token) :].split(b"\n", 1)[0] or b"0")
+            output, truncated = buf, True
+        elif idx < 0:
             # The shell ended (exit, or killed): return what it printed.
             await asyncio.sleep(0)
             status = self.proc.exited.result() if self.proc.exited.done() else None
-            return SessionResult(
-                output=buf[:cap].decode(errors="replace"),
-                exit_code=exit_code(status) if status is not None else 137,
-                duration=time.perf_counter() - t0,
-                timed_out=timed_out,
-                truncated=self.out.truncated,
-            )
-        output = buf[:idx]
-        if output.endswith(b"\n"):
-            output = output[:-1]
-        rc = int(buf[idx + len(token) :].split(b"\n", 1)[0] or b"0")
-        truncated = len(output) > cap or self.out.truncated
+            rc = exit_code(status) if status is not None else 137
+            output, truncated = buf, self.out.truncated
+        else:
+            output = buf[:idx]
+            if output.endswith(b"\n"):
+                output = output[:-1]
+            rc = int(buf[idx + len(token) :].split(b"\n", 1)[0] or b"0")
+            truncated = len(output) > cap or self.out.truncated
         return SessionResult(
             output=output[:cap].decode(errors="replace"),
-            exit_code=124 if timed_out else rc,
+            exit_code=124 if timed_out and (flood or idx >= 0) else rc,
             duration=time.perf_counter() - t0,
             timed_out=timed_out,
             truncated=truncated,

@@ -114,13 +114,13 @@ class CgroupHost:
         out = {"oom_kills": 0, "pids_limit_hits": 0}
         if self.version == 2:
             base = self.root / PARENT / sandbox_id
-            out["oom_kills"] = _keyed(base / "memory.events", "oom_kill")
-            out["pids_limit_hits"] = _keyed(base / "pids.events", "max")
+            out["oom_kills"] = keyed_value(base / "memory.events", "oom_kill")
+            out["pids_limit_hits"] = keyed_value(base / "pids.events", "max")
             return out
         mem = self.v1_mounts.get("memory", self.root / "memory") / PARENT / sandbox_id
-        out["oom_kills"] = _keyed(mem / "memory.oom_control", "oom_kill")
+        out["oom_kills"] = keyed_value(mem / "memory.oom_control", "oom_kill")
         pids = self.tracking_dir(sandbox_id)
-        out["pids_limit_hits"] = _keyed(pids / "pids.events", "max") + _keyed(
+        out["pids_limit_hits"] = keyed_value(pids / "pids.events", "max") + keyed_value(
             pids / USER_GROUP / "pids.events", "max"
         )
         return out
@@ -273,7 +273,7 @@ def kill_group(d: Path, version: int, deadline_s: float = 5.0) -> None:
         time.sleep(0.001)
 
 
-def _keyed(f: Path, key: str) -> int:
+def keyed_value(f: Path, key: str) -> int:
     """The value of `key` in a flat-keyed cgroup file (`key value` lines); 0 if absent."""
     try:
         for line in f.read_text().splitlines():
