@@ -29,7 +29,15 @@ from pydantic import BaseModel, Field
 from dsec import __version__, errors
 from dsec.apiserver.edges import EdgeAPI, HttpEdge, edge_of
 from dsec.apiserver.placement import EdgeDirectory, EdgeView
-from dsec.apiserver.routes import Gate, Target, bearer, install_error_handlers, model_response, sandbox_router
+from dsec.apiserver.routes import (
+    Express,
+    Gate,
+    Target,
+    bearer,
+    install_error_handlers,
+    model_response,
+    sandbox_router,
+)
 from dsec.compat.sandboxfusion import sandboxfusion_router
 from dsec.compat.swerex import swerex_router
 from dsec.edge.pools import PoolInfo, PoolSpec
@@ -192,7 +200,8 @@ def create_api_app(
     )
     app.state.dsec = st
     install_error_handlers(app)
-    _install_gate(app, iam, max_body)
+    express = Express()
+    _install_gate(app, iam, max_body, express)
 
     def principal(request: Request) -> Principal:
         cached = getattr(request.state, "principal", None)
@@ -217,13 +226,13 @@ def create_api_app(
     app.state.resolve = resolve
     _install_snapshot_route(app, st, principal)  # before the shared router: it adds quota admission
 
-    app.include_router(sandbox_router(st.metrics.observe_exec))
+    app.include_router(sandbox_router(st.metrics.observe_exec, express))
     app.include_router(swerex_router())
     _install_fncall_routes(app, st, principal, compat_auth)
 
     _install_public_routes(app, st)
-    _install_sandbox_routes(app, st, principal)
-    _install_sandbox_stop_routes(app, st, principal)
+    _install_sandbox_routes(app, st, principal, express)
+    _install_sandbox_stop_routes(app, st, principal, express)
     _install_state_routes(app, st, principal)
     _install_checkpoint_routes(app, st, principal)
     _install_image_pool_routes(app, st, principal, require_admin)
@@ -237,7 +246,7 @@ def create_api_app(
     return app
 
 
-def _install_gate(app: FastAPI, iam: IAM, max_body: int) -> None:
+def _install_gate(app: FastAPI, iam: IAM, max_body: int, express: Express) -> None:
     """Body limit, then authentication of every guarded /v1 call before its body is
     parsed: a caller without a valid token learns nothing about what its request would do."""
     open_paths = {"/v1/health", "/v1/version", "/v1/edges/register", "/v1/ping"}
@@ -247,7 +256,7 @@ def _install_gate(app: FastAPI, iam: IAM, max_body: int) -> None:
         if path.startswith("/v1/") and path not in open_paths:
             scope.setdefault("state", {})["principal"] = iam.authenticate(bearer(scope))
 
-    app.add_middleware(Gate, limit=max_body, guard=guard)
+    app.add_middleware(Gate, limit=max_body, guard=guard, express=express)
 
 
 def _install_fncall_routes(
@@ -311,7 +320,9 @@ def _install_public_routes(app: FastAPI, st: ApiServerState) -> None:
         )
 
 
-def _install_sandbox_routes(app: FastAPI, st: ApiServerState, principal: _PrincipalFn) -> None:
+def _install_sandbox_routes(
+    app: FastAPI, st: ApiServerState, principal: _PrincipalFn, express: Express
+) -> None:
     """Create and list sandboxes."""
     iam, directory = st.iam, st.directory
 
@@ -348,6 +359,8 @@ def _install_sandbox_routes(app: FastAPI, st: ApiServerState, principal: _Princi
         t0 = time.perf_counter()
         p = principal(request)
         return model_response(await create_one(p, spec, time.perf_counter() - t0), 201)
+
+    express.add("POST", "/v1/sandboxes", create, SandboxSpec, "spec")
 
     @app.post("/v1/sandboxes/batch")
     async def create_batch(body: BatchCreate, request: Request) -> dict[str, Any]:
@@ -531,7 +544,9 @@ def _install_checkpoint_routes(app: FastAPI, st: ApiServerState, principal: _Pri
         return Response(status_code=204)
 
 
-def _install_sandbox_stop_routes(app: FastAPI, st: ApiServerState, principal: _PrincipalFn) -> None:
+def _install_sandbox_stop_routes(
+    app: FastAPI, st: ApiServerState, principal: _PrincipalFn, express: Express
+) -> None:
     """Stop one or many sandboxes."""
     iam, directory = st.iam, st.directory
 
@@ -545,6 +560,8 @@ def _install_sandbox_stop_routes(app: FastAPI, st: ApiServerState, principal: _P
     async def stop(sid: str, request: Request) -> Response:
         await stop_one(principal(request), sid)
         return Response(status_code=204)
+
+    express.add("DELETE", "/v1/sandboxes/{sid}", stop)
 
     @app.post("/v1/sandboxes/batch_stop")
     async def batch_stop(body: BatchStop, request: Request) -> dict[str, Any]:

@@ -683,11 +683,17 @@ class BaseClient:
             "limits": httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_KEEPALIVE),
         }
 
+    def _read_timeout(self, req: Request) -> float:
+        """A long command must not hit the HTTP read timeout before its own."""
+        if req.op_timeout is not None:
+            return max(self.timeout, req.op_timeout + EXEC_TIMEOUT_MARGIN_S)
+        return self.timeout
+
     def _build(self, http: httpx.Client | httpx.AsyncClient, req: Request, request_id: str) -> httpx.Request:
         extra: dict[str, Any] = {}
-        if req.op_timeout is not None and req.op_timeout + EXEC_TIMEOUT_MARGIN_S > self.timeout:
-            # a long command must not hit the HTTP read timeout before its own
-            extra["timeout"] = httpx.Timeout(self.timeout, read=req.op_timeout + EXEC_TIMEOUT_MARGIN_S)
+        read = self._read_timeout(req)
+        if read > self.timeout:
+            extra["timeout"] = httpx.Timeout(self.timeout, read=read)
         return http.build_request(
             req.method,
             req.path,

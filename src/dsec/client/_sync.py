@@ -17,6 +17,7 @@ import httpx
 from dsec import errors
 from dsec.client import _base
 from dsec.client._base import Call, Request, SpecOptions, StepArg, T
+from dsec.client._wire import Wire, usable
 from dsec.models import (
     Checkpoint,
     EdgeStatus,
@@ -48,7 +49,14 @@ class Client:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self._base = _base.BaseClient(url, token, timeout=timeout, retries=retries)
-        self._http = httpx.Client(transport=transport, **self._base._client_kwargs())
+        kwargs = self._base._client_kwargs()
+        self._http = httpx.Client(transport=transport, **kwargs)
+        # Plain calls take the socket fast path (_wire.py) unless a transport is given.
+        self._wire = (
+            Wire(self._base.url, kwargs["headers"], max_keepalive=_base.MAX_KEEPALIVE)
+            if transport is None and usable(self._base.url)
+            else None
+        )
 
     @property
     def url(self) -> str:
@@ -64,7 +72,19 @@ class Client:
         attempt = 0
         while True:
             try:
-                response = self._http.send(self._base._build(self._http, req, request_id))
+                if self._wire is not None:
+                    response = self._wire.request(
+                        req.method,
+                        req.path,
+                        params=req.params,
+                        json_body=req.json,
+                        content=req.content,
+                        headers={**req.headers, "X-Request-ID": request_id},
+                        connect_timeout=self._base.timeout,
+                        read_timeout=self._base._read_timeout(req),
+                    )
+                else:
+                    response = self._http.send(self._base._build(self._http, req, request_id))
             except httpx.TransportError as exc:
                 err: errors.DsecError = self._base._unreachable(exc)
                 delay = self._base._retry_delay(req, err, attempt)
@@ -235,6 +255,8 @@ class Client:
     # ------------------------------------------------------------------ lifetime
 
     def close(self) -> None:
+        if self._wire is not None:
+            self._wire.close()
         self._http.close()
 
     def __enter__(self) -> Self:

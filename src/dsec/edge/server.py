@@ -26,7 +26,15 @@ from starlette.background import BackgroundTask
 
 from dsec import __version__, errors
 from dsec.apiserver.edges import LocalEdge
-from dsec.apiserver.routes import Gate, Target, bearer, install_error_handlers, model_response, sandbox_router
+from dsec.apiserver.routes import (
+    Express,
+    Gate,
+    Target,
+    bearer,
+    install_error_handlers,
+    model_response,
+    sandbox_router,
+)
 from dsec.config import EdgeSettings
 from dsec.edge.edge import Edge
 from dsec.edge.pools import PoolInfo, PoolSpec
@@ -97,13 +105,14 @@ def create_edge_app(
     app.state.edge = edge
     install_error_handlers(app)
 
-    _install_gate(app, token)
+    express = Express()
+    _install_gate(app, token, express)
 
     async def resolve(request: Request, sid: str) -> Target:
         return Target(local, _projects(request))
 
     app.state.resolve = resolve
-    app.include_router(sandbox_router())
+    app.include_router(sandbox_router(express=express))
     _install_sandbox_routes(app, edge, local)
     _install_pool_image_routes(app, local)
     _install_checkpoint_routes(app, local)
@@ -111,7 +120,7 @@ def create_edge_app(
     return app
 
 
-def _install_gate(app: FastAPI, token: str) -> None:
+def _install_gate(app: FastAPI, token: str, express: Express) -> None:
     """Body limit, and every call but the health check must carry the cluster token."""
 
     def guard(scope: dict[str, Any]) -> None:
@@ -122,7 +131,7 @@ def _install_gate(app: FastAPI, token: str) -> None:
                     "this edge accepts only the cluster token; talk to an apiserver instead"
                 )
 
-    app.add_middleware(Gate, limit=160 * 1024 * 1024, guard=guard)
+    app.add_middleware(Gate, limit=160 * 1024 * 1024, guard=guard, express=express)
 
 
 def _install_sandbox_routes(app: FastAPI, edge: Edge, local: LocalEdge) -> None:
