@@ -4,6 +4,7 @@ write per request, and when the SDK must not take it (proxies, TLS, custom trans
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -16,8 +17,8 @@ import httpx
 import pytest
 
 from dsec import errors
-from dsec.client import Client, _base
-from dsec.client._wire import Wire, usable
+from dsec.client import AsyncClient, Client, _base
+from dsec.client._wire import AsyncWire, Wire, usable
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -217,3 +218,69 @@ def test_when_the_fast_path_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None
     assert usable("http://dsec.example:8420")
     with Client("http://dsec.test", "t", transport=httpx.MockTransport(lambda r: httpx.Response(200))) as c:
         assert c._wire is None
+
+
+# --------------------------------------------------------------------------- asyncio
+
+
+async def acall(w: AsyncWire, method: str, path: str, **kw: Any) -> httpx.Response:
+    args: dict[str, Any] = {
+        "params": None,
+        "json_body": None,
+        "content": None,
+        "headers": {},
+        "connect_timeout": 2.0,
+        "read_timeout": 2.0,
+    }
+    args.update(kw)
+    return await w.request(method, path, **args)
+
+
+@pytest.mark.asyncio
+async def test_async_keep_alive_chunked_and_closes(server: str) -> None:
+    w = AsyncWire(server, {"Authorization": "Bearer t"}, max_keepalive=4)
+    for i in range(3):
+        r = await acall(w, "POST", "/v1/x", json_body={"i": i})
+        assert r.json() == {"path": "/v1/x", "len": len(json.dumps({"i": i}, separators=(",", ":")))}
+    assert (await acall(w, "GET", "/v1/chunked")).json() == {"a": [1, 2, 3]}
+    assert (await acall(w, "DELETE", "/v1/sandboxes/n0-x")).status_code == 204
+    assert len(Handler.connections) == 1
+    assert (await acall(w, "GET", "/v1/close")).json() == {"closing": True}
+    assert (await acall(w, "GET", "/v1/drop")).json() == {"dropped": True}
+    await asyncio.sleep(0.05)
+    assert (await acall(w, "GET", "/v1/next")).status_code == 200
+    assert len(Handler.connections) == 3
+    await w.aclose()
+
+
+@pytest.mark.asyncio
+async def test_async_timeouts_cancellation_and_refusals(server: str) -> None:
+    w = AsyncWire(server, {}, max_keepalive=4)
+    with pytest.raises(httpx.ReadTimeout):
+        await acall(w, "GET", "/v1/slow", read_timeout=0.1)
+    task = asyncio.create_task(acall(w, "GET", "/v1/slow"))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # neither the timed-out nor the cancelled connection is reused: a late answer on them
+    # must never be read as the answer to a later request
+    assert (await acall(w, "GET", "/v1/ok")).json()["path"] == "/v1/ok"
+    assert len(Handler.connections) == 3
+    await w.aclose()
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    with pytest.raises(httpx.ConnectError):
+        await acall(AsyncWire(f"http://127.0.0.1:{port}", {}, max_keepalive=1), "GET", "/v1/x")
+
+
+@pytest.mark.asyncio
+async def test_the_async_sdk_takes_the_fast_path_and_maps_errors(server: str) -> None:
+    async with AsyncClient(server, "tok", retries=0) as c:
+        assert c._wire is not None
+        with pytest.raises(errors.SandboxNotFound):
+            await c._call(_missing())
+        assert (await c.health())["path"] == "/v1/health"
+    assert Handler.seen[-1]["headers"]["Authorization"] == "Bearer tok"

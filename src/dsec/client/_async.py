@@ -15,6 +15,7 @@ import httpx
 from dsec import errors
 from dsec.client import _base
 from dsec.client._base import Call, Request, SpecOptions, StepArg, T
+from dsec.client._wire import AsyncWire, usable
 from dsec.models import (
     Checkpoint,
     EdgeStatus,
@@ -46,7 +47,14 @@ class AsyncClient:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self._base = _base.BaseClient(url, token, timeout=timeout, retries=retries)
-        self._http = httpx.AsyncClient(transport=transport, **self._base._client_kwargs())
+        kwargs = self._base._client_kwargs()
+        self._http = httpx.AsyncClient(transport=transport, **kwargs)
+        # Plain calls take the socket fast path (_wire.py) unless a transport is given.
+        self._wire = (
+            AsyncWire(self._base.url, kwargs["headers"], max_keepalive=_base.MAX_KEEPALIVE)
+            if transport is None and usable(self._base.url)
+            else None
+        )
 
     @property
     def url(self) -> str:
@@ -62,7 +70,12 @@ class AsyncClient:
         attempt = 0
         while True:
             try:
-                response = await self._http.send(self._base._build(self._http, req, request_id))
+                if self._wire is not None:
+                    response = await self._wire.request(
+                        req.method, req.path, **self._base._wire_args(req, request_id)
+                    )
+                else:
+                    response = await self._http.send(self._base._build(self._http, req, request_id))
             except httpx.TransportError as exc:
                 err: errors.DsecError = self._base._unreachable(exc)
                 delay = self._base._retry_delay(req, err, attempt)
@@ -240,6 +253,8 @@ class AsyncClient:
     # ------------------------------------------------------------------ lifetime
 
     async def aclose(self) -> None:
+        if self._wire is not None:
+            await self._wire.aclose()
         await self._http.aclose()
 
     async def __aenter__(self) -> Self:

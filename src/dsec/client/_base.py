@@ -689,6 +689,17 @@ class BaseClient:
             return max(self.timeout, req.op_timeout + EXEC_TIMEOUT_MARGIN_S)
         return self.timeout
 
+    def _wire_args(self, req: Request, request_id: str) -> dict[str, Any]:
+        """Keyword arguments of ``Wire.request`` / ``AsyncWire.request`` (the fast path)."""
+        return {
+            "params": req.params,
+            "json_body": req.json,
+            "content": req.content,
+            "headers": {**req.headers, "X-Request-ID": request_id},
+            "connect_timeout": self.timeout,
+            "read_timeout": self._read_timeout(req),
+        }
+
     def _build(self, http: httpx.Client | httpx.AsyncClient, req: Request, request_id: str) -> httpx.Request:
         extra: dict[str, Any] = {}
         read = self._read_timeout(req)

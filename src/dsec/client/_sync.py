@@ -74,14 +74,7 @@ class Client:
             try:
                 if self._wire is not None:
                     response = self._wire.request(
-                        req.method,
-                        req.path,
-                        params=req.params,
-                        json_body=req.json,
-                        content=req.content,
-                        headers={**req.headers, "X-Request-ID": request_id},
-                        connect_timeout=self._base.timeout,
-                        read_timeout=self._base._read_timeout(req),
+                        req.method, req.path, **self._base._wire_args(req, request_id)
                     )
                 else:
                     response = self._http.send(self._base._build(self._http, req, request_id))

@@ -1,22 +1,24 @@
-"""The synchronous client's fast path: HTTP/1.1 keep-alive straight over sockets.
+"""The clients' fast path: HTTP/1.1 keep-alive straight over sockets (sync and asyncio).
 
 A sandbox call is one small JSON request and one small JSON response on a local
 keep-alive connection, made by the thousand per RL step. Through ``httpx.Client``
 such a call costs ~0.5 ms of client CPU on a warm machine and ~1.2 ms after the
 CPU idled a few milliseconds (request and URL models, cookie handling, h11, and
 headers and body written in two ``send`` calls: two wake-ups of the server). This
-path writes the request in one ``sendall`` and parses the response with
-``httptools`` (llhttp, the parser uvicorn uses): ~0.1 ms warm, ~0.35 ms after idling
-(bench/bench_service.py; docs/benchmarks.md).
+path writes the request in one write and parses the response with ``httptools``
+(llhttp, the parser uvicorn uses): ~0.1 ms warm, ~0.35 ms after idling for the sync
+client; the asyncio one (a Protocol feeding the parser) 0.2 / 0.55 ms against
+httpx.AsyncClient's 0.7 / 1.7 ms (bench/bench_service.py; docs/benchmarks.md).
 
 It returns ``httpx.Response`` objects and raises httpx's transport exceptions, so
 the SDK's parsing, error mapping and retries are the same on both paths. It serves
 plain ``http://`` without a proxy and without a caller-supplied transport; streams
-(SSE) and everything else go through ``httpx.Client``.
+(SSE) and everything else go through httpx.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import select
 import socket
@@ -57,6 +59,11 @@ class _Parsed:
     def on_message_complete(self) -> None:
         self.complete = True
 
+    def response(self) -> httpx.Response:
+        return httpx.Response(
+            self.parser.get_status_code(), headers=self.headers, content=b"".join(self.body)
+        )
+
 
 class _Conn:
     __slots__ = ("idle_since", "sock")
@@ -91,8 +98,8 @@ def usable(url: str) -> bool:
     return bool(bypass(parts.hostname, proxies))
 
 
-class Wire:
-    """Keep-alive connections to one ``http://host:port[/prefix]``; thread-safe."""
+class _Endpoint:
+    """One ``http://host:port[/prefix]`` and the fixed part of every request's head."""
 
     def __init__(self, url: str, headers: dict[str, str], *, max_keepalive: int) -> None:
         parts = urlsplit(url)
@@ -101,10 +108,43 @@ class Wire:
         host = parts.netloc.rpartition("@")[2]
         fixed = {"Host": host, "Accept": "*/*", "Accept-Encoding": "identity", **headers}
         self._head = "".join(f"{k}: {v}\r\n" for k, v in fixed.items())
-        self._idle: list[_Conn] = []
-        self._lock = threading.Lock()
         self._max_keepalive = max_keepalive
         self._closed = False
+
+    def _payload(
+        self,
+        method: str,
+        path: str,
+        params: list[tuple[str, str]] | None,
+        json_body: Any,
+        content: bytes | str | None,
+        headers: dict[str, str],
+    ) -> bytes:
+        """The whole request, head and body, for one write."""
+        target = self._prefix + path
+        if params:
+            target += "?" + urlencode(params)
+        if json_body is not None:
+            body = json.dumps(json_body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+            headers = {"Content-Type": "application/json", **headers}
+        elif content is not None:
+            body = content.encode() if isinstance(content, str) else bytes(content)
+        else:
+            body = b""
+        head = f"{method} {target} HTTP/1.1\r\n{self._head}"
+        head += "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        if body or method in ("POST", "PUT", "PATCH"):
+            head += f"Content-Length: {len(body)}\r\n"
+        return (head + "\r\n").encode("latin-1") + body
+
+
+class Wire(_Endpoint):
+    """Blocking keep-alive connections to one endpoint; thread-safe."""
+
+    def __init__(self, url: str, headers: dict[str, str], *, max_keepalive: int) -> None:
+        super().__init__(url, headers, max_keepalive=max_keepalive)
+        self._idle: list[_Conn] = []
+        self._lock = threading.Lock()
 
     def request(
         self,
@@ -118,22 +158,7 @@ class Wire:
         connect_timeout: float,
         read_timeout: float,
     ) -> httpx.Response:
-        target = self._prefix + path
-        if params:
-            target += "?" + urlencode(params)
-        if json_body is not None:
-            body = json.dumps(json_body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
-            headers = {"Content-Type": "application/json", **headers}
-        elif content is not None:
-            body = content.encode() if isinstance(content, str) else bytes(content)
-        else:
-            body = b""
-        head = f"{method} {target} HTTP/1.1\r\n{self._head}" + "".join(
-            f"{k}: {v}\r\n" for k, v in headers.items()
-        )
-        if body or method in ("POST", "PUT", "PATCH"):
-            head += f"Content-Length: {len(body)}\r\n"
-        payload = (head + "\r\n").encode("latin-1") + body
+        payload = self._payload(method, path, params, json_body, content, headers)
         conn = self._checkout(connect_timeout)
         try:
             response, keep = self._exchange(conn, payload, read_timeout)
@@ -201,8 +226,7 @@ class Wire:
             raise httpx.RemoteProtocolError(f"malformed response: {e}") from e
         except OSError as e:
             raise httpx.ReadError(str(e) or type(e).__name__) from e
-        response = httpx.Response(parser.get_status_code(), headers=got.headers, content=b"".join(got.body))
-        return response, got.keep_alive
+        return got.response(), got.keep_alive
 
     def close(self) -> None:
         with self._lock:
@@ -210,3 +234,117 @@ class Wire:
             idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
+
+
+class _Protocol(asyncio.Protocol):
+    """One connection of :class:`AsyncWire`: feeds the parser as data arrives."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.got: _Parsed | None = None
+        self.waiter: asyncio.Future[None] | None = None
+        self.lost = False
+        self.idle_since = 0.0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        got, waiter = self.got, self.waiter
+        if got is None or waiter is None or waiter.done():
+            self.lost = True  # bytes nobody asked for: this connection cannot be trusted again
+            return
+        try:
+            got.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            waiter.set_exception(httpx.RemoteProtocolError(f"malformed response: {e}"))
+            return
+        if got.complete:
+            waiter.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(
+                httpx.ReadError(str(exc))
+                if exc
+                else httpx.RemoteProtocolError("the server closed the connection")
+            )
+
+    def close(self) -> None:
+        self.lost = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+class AsyncWire(_Endpoint):
+    """Keep-alive connections to one endpoint on the running event loop (one loop per client)."""
+
+    def __init__(self, url: str, headers: dict[str, str], *, max_keepalive: int) -> None:
+        super().__init__(url, headers, max_keepalive=max_keepalive)
+        self._idle: list[_Protocol] = []
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: list[tuple[str, str]] | None,
+        json_body: Any,
+        content: bytes | str | None,
+        headers: dict[str, str],
+        connect_timeout: float,
+        read_timeout: float,
+    ) -> httpx.Response:
+        payload = self._payload(method, path, params, json_body, content, headers)
+        loop = asyncio.get_running_loop()
+        proto = await self._checkout(loop, connect_timeout)
+        got = proto.got = _Parsed()
+        waiter = proto.waiter = loop.create_future()
+        timer = loop.call_later(read_timeout, _expire, waiter)
+        try:
+            assert proto.transport is not None
+            proto.transport.write(payload)  # head and body in one write
+            await waiter
+        except BaseException:  # errors, timeouts and cancellation: the connection is done for
+            proto.close()
+            raise
+        finally:
+            timer.cancel()
+            proto.got = proto.waiter = None
+        if got.keep_alive and not proto.lost and not self._closed and len(self._idle) < self._max_keepalive:
+            proto.idle_since = time.monotonic()
+            self._idle.append(proto)
+        else:
+            proto.close()
+        return got.response()
+
+    async def _checkout(self, loop: asyncio.AbstractEventLoop, connect_timeout: float) -> _Protocol:
+        now = time.monotonic()
+        while self._idle:
+            proto = self._idle.pop()
+            if not proto.lost and now - proto.idle_since < KEEPALIVE_EXPIRY_S:
+                return proto
+            proto.close()
+        try:
+            async with asyncio.timeout(connect_timeout):
+                _, proto = await loop.create_connection(_Protocol, *self._addr)
+        except TimeoutError as e:
+            raise httpx.ConnectTimeout("timed out connecting") from e
+        except OSError as e:
+            raise httpx.ConnectError(str(e) or type(e).__name__) from e
+        return proto
+
+    async def aclose(self) -> None:
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for proto in idle:
+            proto.close()
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(httpx.ReadTimeout("timed out waiting for the response"))

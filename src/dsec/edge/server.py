@@ -113,7 +113,7 @@ def create_edge_app(
 
     app.state.resolve = resolve
     app.include_router(sandbox_router(express=express))
-    _install_sandbox_routes(app, edge, local)
+    _install_sandbox_routes(app, edge, local, express)
     _install_pool_image_routes(app, local)
     _install_checkpoint_routes(app, local)
     _install_transfer_routes(app, edge)
@@ -134,7 +134,7 @@ def _install_gate(app: FastAPI, token: str, express: Express) -> None:
     app.add_middleware(Gate, limit=160 * 1024 * 1024, guard=guard, express=express)
 
 
-def _install_sandbox_routes(app: FastAPI, edge: Edge, local: LocalEdge) -> None:
+def _install_sandbox_routes(app: FastAPI, edge: Edge, local: LocalEdge, express: Express) -> None:
     @app.get("/v1/health")
     async def health() -> dict[str, str]:
         return {"status": "ok", "edge": edge.name}
@@ -144,8 +144,10 @@ def _install_sandbox_routes(app: FastAPI, edge: Edge, local: LocalEdge) -> None:
         return await local.status()
 
     @app.post("/v1/sandboxes", response_model=SandboxInfo, status_code=201)
-    async def create(spec: SandboxSpec) -> Response:
+    async def create(spec: SandboxSpec, request: Request) -> Response:
         return model_response(await edge.create(spec), 201)
+
+    express.add("POST", "/v1/sandboxes", create, SandboxSpec, "spec")
 
     @app.get("/v1/sandboxes")
     async def list_(
@@ -158,6 +160,8 @@ def _install_sandbox_routes(app: FastAPI, edge: Edge, local: LocalEdge) -> None:
     async def stop(sid: str, request: Request) -> Response:
         await local.stop(sid, _projects(request))
         return Response(status_code=204)
+
+    express.add("DELETE", "/v1/sandboxes/{sid}", stop)
 
 
 def _install_checkpoint_routes(app: FastAPI, local: LocalEdge) -> None:
