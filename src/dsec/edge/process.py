@@ -10,7 +10,6 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from dsec.backends.container import Container, resolve_once
 from dsec.errors import InternalError, InvalidRequest, QuotaExceeded
@@ -25,7 +24,7 @@ class PipeReader:
         self,
         fd: int,
         cap: int,
-        on_cap: asyncio.Event | None = None,
+        on_cap: Callable[[], None] | None = None,
         sink: Callable[[bytes], None] | None = None,
     ) -> None:
         os.set_blocking(fd, False)
@@ -67,7 +66,7 @@ class PipeReader:
                 if not self.truncated:
                     self.truncated = True
                     if self._on_cap is not None:
-                        self._on_cap.set()
+                        self._on_cap()
             else:
                 self.buf += chunk
         self.changed.set()
@@ -192,44 +191,57 @@ async def run_process(
     sink: Callable[[str, bytes], None] | None = None,
 ) -> RawResult:
     t0 = time.perf_counter()
-    in_r, in_w = os.pipe2(os.O_CLOEXEC)
     out_r, out_w = os.pipe2(os.O_CLOEXEC)
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    if stdin:
+        in_r, in_w = os.pipe2(os.O_CLOEXEC)
+    else:  # nothing to feed: /dev/null, as a runtime gives a detached process (no pipe, no task)
+        in_r, in_w = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC), -1
     loop = asyncio.get_running_loop()
-    capped = asyncio.Event()
     try:
         proc = await spawn(
             container, cgroups, group_name, argv, env, cwd=cwd, uid=uid, gid=gid, stdio=(in_r, out_w, err_w)
         )
     except BaseException:
         for fd in (in_w, out_r, err_r):
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         raise
-    out = PipeReader(out_r, cap, capped, (lambda b: sink("stdout", b)) if sink else None)
-    err = PipeReader(err_r, cap, capped, (lambda b: sink("stderr", b)) if sink else None)
-    feeder = asyncio.ensure_future(_feed(in_w, stdin or b""))
+    # One future settles the wait: the exit, an output cap reached, or the timeout.
+    settled: asyncio.Future[None] = loop.create_future()
+
+    def settle(_: object = None) -> None:
+        if not settled.done():
+            settled.set_result(None)
+
+    proc.exited.add_done_callback(settle)
+    timer = loop.call_later(timeout, settle)
+    out = PipeReader(out_r, cap, settle, (lambda b: sink("stdout", b)) if sink else None)
+    err = PipeReader(err_r, cap, settle, (lambda b: sink("stderr", b)) if sink else None)
+    feeder = asyncio.ensure_future(_feed(in_w, stdin or b"")) if in_w >= 0 else None
     timed_out = False
     status: int | None = None
     try:
-        waiter = asyncio.ensure_future(capped.wait())
-        watched: set[asyncio.Future[Any]] = {proc.exited, waiter}
-        done, _ = await asyncio.wait(watched, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        if proc.exited not in done:
-            timed_out = not capped.is_set()
+        await settled
+        if not proc.exited.done():
+            timed_out = not (out.truncated or err.truncated)
             await loop.run_in_executor(None, proc.group.kill)
             with contextlib.suppress(TimeoutError):
                 status = await asyncio.wait_for(asyncio.shield(proc.exited), 5.0)
         else:
             status = proc.exited.result()
-            # Output already written sits in the pipes; background children may keep
-            # them open, so wait for EOF only briefly.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.gather(out.eof, err.eof), 0.01)
+            if not (out.eof.done() and err.eof.done()):
+                # Output already written sits in the pipes; background children may keep
+                # them open, so wait for EOF only briefly.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.gather(out.eof, err.eof), 0.01)
         out.drain()
         err.drain()
     finally:
-        feeder.cancel()
+        timer.cancel()
+        proc.exited.remove_done_callback(settle)
+        if feeder is not None:
+            feeder.cancel()
         out.close()
         err.close()
         code = exit_code(status) if status is not None else 137
