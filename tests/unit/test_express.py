@@ -14,6 +14,7 @@ import pytest
 from dsec import errors
 from dsec.apiserver.app import create_api_app
 from dsec.apiserver.routes import Express, Gate
+from dsec.fncall.models import FnCallRequest, FnCallResult, Stage
 from dsec.iam import IAM
 from dsec.models import (
     EdgeStatus,
@@ -50,7 +51,7 @@ class RecordingEdge:
             by_image={},
             by_project={},
             layers=[],
-            images=["python"],
+            images=["python", "code"],
         )
 
     async def create(self, spec: SandboxSpec) -> SandboxInfo:
@@ -79,6 +80,12 @@ class RecordingEdge:
         self._check(sid)
         self.calls.append(("stop", sid))
 
+    async def fncall_run(self, req: FnCallRequest) -> FnCallResult:
+        if req.language not in ("python", "bash"):
+            raise errors.InvalidRequest(f"language {req.language!r} is not supported")
+        self.calls.append(("fncall_run", req.model_dump()))
+        return FnCallResult(run=Stage(status="Finished", return_code=0, stdout=req.code), worker="w1")
+
     async def list(self, labels: Any, project: Any, projects: Any) -> list[SandboxInfo]:
         return []
 
@@ -94,6 +101,9 @@ REQUESTS: list[tuple[str, str, dict[str, Any]]] = [
     ("POST", "/v1/sandboxes/n0-000000000001/sessions/s1/run", {"json": {"code": "ls"}}),
     ("PUT", "/v1/sandboxes/n0-000000000001/files", {"json": {"path": "/work/a", "content": "hi"}}),
     ("DELETE", "/v1/sandboxes/n0-000000000001", {}),
+    ("POST", "/v1/fncall/run", {"json": {"code": "print(1)"}}),
+    ("POST", "/run_code", {"json": {"code": "print(2)", "language": "python", "extra": 1}}),
+    ("POST", "/sandboxfusion/{admin}/run_code", {"json": {"code": "print(3)"}, "token": None}),
     # bad input: each must get FastAPI's (or the endpoint's) own answer
     ("POST", "/v1/sandboxes", {"json": {"image": "python", "memory_mb": -1}}),
     ("POST", "/v1/sandboxes", {"content": b"{not json", "headers": {"content-type": "application/json"}}),
@@ -108,6 +118,12 @@ REQUESTS: list[tuple[str, str, dict[str, Any]]] = [
     ("DELETE", "/v1/sandboxes/n0-gone", {}),
     ("POST", "/v1/sandboxes/n0-000000000001/exec", {"json": {"cmd": ["x" * 5000]}, "token": "wrong"}),
     ("POST", "/v1/sandboxes/n0-000000000001/exec", {"json": {"cmd": ["x" * 5000]}, "token": None}),
+    ("POST", "/v1/fncall/run", {"json": {"code": "x", "run_timeout": -1}}),
+    ("POST", "/v1/fncall/run", {"json": {"code": "x", "language": "cobol"}}),
+    ("POST", "/run_code", {"json": {"code": "x", "run_timeout": -1}}),  # 422 raised inside
+    ("POST", "/run_code", {"json": {"code": "x", "language": "brainfuck"}}),
+    ("POST", "/run_code", {"json": {"language": "python"}}),
+    ("POST", "/sandboxfusion/wrong/run_code", {"json": {"code": "print(4)"}, "token": None}),
 ]
 
 
@@ -129,7 +145,7 @@ async def _run(tmp: Path, *, lanes: bool) -> tuple[list[tuple[int, Any]], list[t
             headers = dict(kw.pop("headers", {}))
             if token is not None:
                 headers["authorization"] = f"Bearer {token}"
-            r = await c.request(method, path, headers=headers, **kw)
+            r = await c.request(method, path.replace("{admin}", admin), headers=headers, **kw)
             body = r.json() if r.content else None
             if isinstance(body, dict) and isinstance(body.get("error"), dict):
                 body["error"].pop("request_id", None)
@@ -152,7 +168,7 @@ async def test_lanes_answer_exactly_as_fastapi(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(Gate, "_express", counting)
     fast, fast_calls = await _run(tmp_path / "a", lanes=True)
     # every authenticated request on a lane path took the lane (good input and bad)
-    assert len(taken) == len(REQUESTS) - 2
+    assert len(taken) == len(REQUESTS) - 2, taken
     taken.clear()
     slow, slow_calls = await _run(tmp_path / "b", lanes=False)
     assert not taken
@@ -160,10 +176,11 @@ async def test_lanes_answer_exactly_as_fastapi(tmp_path: Path, monkeypatch: pyte
         assert f == s, f"{method} {path}: express {json.dumps(f)[:300]} != fastapi {json.dumps(s)[:300]}"
     assert fast_calls == slow_calls
     # the good calls reached the edge, the bad ones did not
-    assert [c[0] for c in fast_calls] == ["create", "exec", "exec", "session_run", "write_file", "stop"]
+    good = ["create", "exec", "exec", "session_run", "write_file", "stop", "fncall_run", "fncall_run"]
+    assert [c[0] for c in fast_calls] == [*good, "fncall_run"]
     statuses = [f[0] for f in fast]
-    assert statuses[:6] == [201, 200, 200, 200, 204, 204]
-    assert all(400 <= st < 500 for st in statuses[6:]), statuses
+    assert statuses[:9] == [201, 200, 200, 200, 204, 204, 200, 200, 200]
+    assert all(400 <= st < 500 for st in statuses[9:]), statuses
 
 
 def test_lane_matching_is_exact() -> None:

@@ -231,7 +231,7 @@ def create_api_app(
 
     app.include_router(sandbox_router(st.metrics.observe_exec, express))
     app.include_router(swerex_router())
-    _install_fncall_routes(app, st, principal, compat_auth)
+    _install_fncall_routes(app, st, principal, compat_auth, express)
 
     _install_public_routes(app, st)
     _install_sandbox_routes(app, st, principal, express)
@@ -263,7 +263,7 @@ def _install_gate(app: FastAPI, iam: IAM, max_body: int, express: Express) -> No
 
 
 def _install_fncall_routes(
-    app: FastAPI, st: ApiServerState, principal: _PrincipalFn, compat_auth: bool
+    app: FastAPI, st: ApiServerState, principal: _PrincipalFn, compat_auth: bool, express: Express
 ) -> None:
     """Stateless code runs: the native API and the SandboxFusion-compatible endpoints."""
 
@@ -289,6 +289,8 @@ def _install_fncall_routes(
         principal(request)
         return model_response(await run(body))
 
+    express.add("POST", "/v1/fncall/run", fncall_run, FnCallRequest)
+
     @app.post("/v1/fncall/jupyter", response_model=JupyterResult)
     async def fncall_jupyter(body: JupyterRequest, request: Request) -> Response:
         principal(request)
@@ -297,7 +299,7 @@ def _install_fncall_routes(
     def authenticate(token: str | None) -> None:
         st.iam.authenticate(token)
 
-    app.include_router(sandboxfusion_router(run, jupyter, authenticate if compat_auth else None))
+    app.include_router(sandboxfusion_router(run, jupyter, authenticate if compat_auth else None, express))
 
 
 def _install_public_routes(app: FastAPI, st: ApiServerState) -> None:

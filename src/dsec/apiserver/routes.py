@@ -8,6 +8,7 @@ trusts the cluster token and the project scope the apiserver forwarded.
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import time
@@ -20,6 +21,7 @@ from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsec import errors
 from dsec.apiserver.edges import EdgeAPI, Projects
@@ -101,13 +103,16 @@ class Lane:
 
 
 class Express:
-    """The hot routes of an RL step (create, exec, session runs, file writes, stop) answered
-    without FastAPI's routing and dependency resolution, which cost ~0.3 ms per call on a CPU
-    that just woke from idle (a linear scan of ~100 routes, request and dependency objects).
+    """The hot routes of an RL step (create, exec, session runs, file writes, stop, stateless
+    code runs) answered without FastAPI's routing and dependency resolution, which cost ~0.3 ms
+    per call on a CPU that just woke from idle (a linear scan of ~100 routes, request and
+    dependency objects).
 
     A lane calls the very endpoint function its FastAPI route calls, with the path parameters
-    and the body model; a body that does not validate goes on to FastAPI unchanged, so bad
-    input gets exactly the errors it always got. The OpenAPI document still lists the route."""
+    and the body model; a body that does not validate goes on to FastAPI unchanged, and what
+    the endpoint raises goes to the app's exception handlers, so bad input gets exactly the
+    answers it always got. Only endpoints whose parameters are the path, the JSON body and
+    the request may have a lane. The OpenAPI document still lists the route."""
 
     def __init__(self) -> None:
         self.lanes: dict[str, list[Lane]] = {}
@@ -181,10 +186,15 @@ class Gate:
             except ValidationError:
                 await self.app(scope, _replay(bytes(body), receive), send)  # FastAPI's own errors
                 return
+        request = Request(scope, receive)
         try:
-            response = await lane.endpoint(request=Request(scope, receive), **kwargs)
-        except errors.DsecError as err:
-            response = error_response(err)
+            response = await lane.endpoint(request=request, **kwargs)
+        except Exception as exc:  # answered by the app's handler for it, as FastAPI would
+            handler = _exception_handler(scope, exc)
+            if handler is None:
+                raise
+            answer = handler(request, exc)
+            response = await answer if inspect.isawaitable(answer) else answer
         await response(scope, receive, send)
 
     def _check(self, scope: dict[str, Any]) -> None:
@@ -198,6 +208,17 @@ class Gate:
                 )
         if self.guard is not None:
             self.guard(scope)
+
+
+def _exception_handler(scope: dict[str, Any], exc: Exception) -> Callable[..., Any] | None:
+    """The handler Starlette's ExceptionMiddleware would pick for `exc` (status, then class)."""
+    handlers: dict[Any, Callable[..., Any]] = scope["app"].exception_handlers
+    if isinstance(exc, StarletteHTTPException) and exc.status_code in handlers:
+        return handlers[exc.status_code]
+    for cls in type(exc).__mro__:
+        if cls in handlers:
+            return handlers[cls]
+    return None
 
 
 def _json_content(scope: dict[str, Any]) -> bool:

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dsec import errors
+from dsec.apiserver.routes import Express
 from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult, Stage
 
 log = logging.getLogger("dsec.compat.sandboxfusion")
@@ -165,7 +166,9 @@ class _Compat:
             return JSONResponse({**sandbox_error(e.message), "driver": None, "cells": []})
 
 
-def sandboxfusion_router(run: RunFn, jupyter: JupyterFn, authenticate: AuthFn | None) -> APIRouter:
+def sandboxfusion_router(
+    run: RunFn, jupyter: JupyterFn, authenticate: AuthFn | None, express: Express | None = None
+) -> APIRouter:
     c = _Compat(run, jupyter, authenticate)
     r = APIRouter(tags=["SandboxFusion compatibility"])
 
@@ -176,6 +179,10 @@ def sandboxfusion_router(run: RunFn, jupyter: JupyterFn, authenticate: AuthFn | 
     @r.post("/sandboxfusion/{token}/run_code")
     async def run_code_t(token: str, body: RunCodeRequest, request: Request) -> JSONResponse:
         return await c.run_code(body, request, token)
+
+    if express is not None:
+        express.add("POST", "/run_code", run_code, RunCodeRequest)
+        express.add("POST", "/sandboxfusion/{token}/run_code", run_code_t, RunCodeRequest)
 
     @r.post("/run_jupyter")
     async def run_jupyter(body: RunJupyterRequest, request: Request) -> JSONResponse:
