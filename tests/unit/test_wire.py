@@ -5,6 +5,7 @@ write per request, and when the SDK must not take it (proxies, TLS, custom trans
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import socket
 import threading
@@ -238,7 +239,7 @@ async def acall(w: AsyncWire, method: str, path: str, **kw: Any) -> httpx.Respon
 
 @pytest.mark.asyncio
 async def test_async_keep_alive_chunked_and_closes(server: str) -> None:
-    w = AsyncWire(server, {"Authorization": "Bearer t"}, max_keepalive=4)
+    w = AsyncWire(server, {"Authorization": "Bearer t"}, max_keepalive=4, max_connections=8)
     for i in range(3):
         r = await acall(w, "POST", "/v1/x", json_body={"i": i})
         assert r.json() == {"path": "/v1/x", "len": len(json.dumps({"i": i}, separators=(",", ":")))}
@@ -255,7 +256,7 @@ async def test_async_keep_alive_chunked_and_closes(server: str) -> None:
 
 @pytest.mark.asyncio
 async def test_async_timeouts_cancellation_and_refusals(server: str) -> None:
-    w = AsyncWire(server, {}, max_keepalive=4)
+    w = AsyncWire(server, {}, max_keepalive=4, max_connections=8)
     with pytest.raises(httpx.ReadTimeout):
         await acall(w, "GET", "/v1/slow", read_timeout=0.1)
     task = asyncio.create_task(acall(w, "GET", "/v1/slow"))
@@ -273,7 +274,9 @@ async def test_async_timeouts_cancellation_and_refusals(server: str) -> None:
     port = s.getsockname()[1]
     s.close()
     with pytest.raises(httpx.ConnectError):
-        await acall(AsyncWire(f"http://127.0.0.1:{port}", {}, max_keepalive=1), "GET", "/v1/x")
+        await acall(
+            AsyncWire(f"http://127.0.0.1:{port}", {}, max_keepalive=1, max_connections=1), "GET", "/v1/x"
+        )
 
 
 @pytest.mark.asyncio
@@ -284,3 +287,24 @@ async def test_the_async_sdk_takes_the_fast_path_and_maps_errors(server: str) ->
             await c._call(_missing())
         assert (await c.health())["path"] == "/v1/health"
     assert Handler.seen[-1]["headers"]["Authorization"] == "Bearer tok"
+
+
+# The first loop ends with connections open (a client used across two asyncio.run calls, not
+# closed in between): the second one must not reuse them; their sockets go with the GC.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_async_connection_limit_and_a_second_event_loop(server: str) -> None:
+    w = AsyncWire(server, {}, max_keepalive=8, max_connections=2)
+
+    async def burst() -> list[int]:
+        rs = await asyncio.gather(*(acall(w, "GET", "/v1/slow") for _ in range(4)))
+        return [r.status_code for r in rs]
+
+    t = time.monotonic()
+    assert asyncio.run(burst()) == [200] * 4
+    assert time.monotonic() - t >= 0.95  # two at a time: two rounds of 0.5 s
+    assert len(Handler.connections) == 2
+    # a later asyncio.run: the first loop's connections are not reused (nor crash)
+    assert asyncio.run(acall(w, "GET", "/v1/again")).status_code == 200
+    assert len(Handler.connections) == 3
+    asyncio.run(w.aclose())
+    gc.collect()  # the first loop's sockets, here rather than in some later test

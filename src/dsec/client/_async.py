@@ -51,7 +51,12 @@ class AsyncClient:
         self._http = httpx.AsyncClient(transport=transport, **kwargs)
         # Plain calls take the socket fast path (_wire.py) unless a transport is given.
         self._wire = (
-            AsyncWire(self._base.url, kwargs["headers"], max_keepalive=_base.MAX_KEEPALIVE)
+            AsyncWire(
+                self._base.url,
+                kwargs["headers"],
+                max_keepalive=_base.MAX_KEEPALIVE,
+                max_connections=_base.MAX_CONNECTIONS,
+            )
             if transport is None and usable(self._base.url)
             else None
         )

@@ -19,6 +19,7 @@ plain ``http://`` without a proxy and without a caller-supplied transport; strea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import select
 import socket
@@ -281,11 +282,18 @@ class _Protocol(asyncio.Protocol):
 
 
 class AsyncWire(_Endpoint):
-    """Keep-alive connections to one endpoint on the running event loop (one loop per client)."""
+    """Keep-alive connections to one endpoint, at most `max_connections` at once (callers past
+    that wait, as in httpx's pool). Connections belong to an event loop: used from another
+    loop (a second ``asyncio.run``), the client drops the old loop's and starts afresh."""
 
-    def __init__(self, url: str, headers: dict[str, str], *, max_keepalive: int) -> None:
+    def __init__(
+        self, url: str, headers: dict[str, str], *, max_keepalive: int, max_connections: int
+    ) -> None:
         super().__init__(url, headers, max_keepalive=max_keepalive)
         self._idle: list[_Protocol] = []
+        self._max_connections = max_connections
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._slots = asyncio.Semaphore(max_connections)
 
     async def request(
         self,
@@ -301,6 +309,15 @@ class AsyncWire(_Endpoint):
     ) -> httpx.Response:
         payload = self._payload(method, path, params, json_body, content, headers)
         loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            self._drop_idle()  # they belong to a loop that is gone
+            self._loop, self._slots = loop, asyncio.Semaphore(self._max_connections)
+        async with self._slots:
+            return await self._exchange(loop, payload, connect_timeout, read_timeout)
+
+    async def _exchange(
+        self, loop: asyncio.AbstractEventLoop, payload: bytes, connect_timeout: float, read_timeout: float
+    ) -> httpx.Response:
         proto = await self._checkout(loop, connect_timeout)
         got = proto.got = _Parsed()
         waiter = proto.waiter = loop.create_future()
@@ -338,11 +355,15 @@ class AsyncWire(_Endpoint):
             raise httpx.ConnectError(str(e) or type(e).__name__) from e
         return proto
 
-    async def aclose(self) -> None:
-        self._closed = True
+    def _drop_idle(self) -> None:
         idle, self._idle = self._idle, []
         for proto in idle:
-            proto.close()
+            with contextlib.suppress(RuntimeError):  # its loop may be closed already
+                proto.close()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        self._drop_idle()
 
 
 def _expire(waiter: asyncio.Future[None]) -> None:
