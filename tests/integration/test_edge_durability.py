@@ -142,3 +142,19 @@ async def test_replay_survives_an_edge_restart(edge_dirs, python_image):
         assert [e["seq"] for e in entries] == [1, 2]  # numbering continues across the restart
     finally:
         await second.close()
+
+
+async def test_one_edge_per_name_and_its_lock_file_goes_with_it(edge: Edge, edge_dirs) -> None:
+    from dsec import errors
+
+    lock = Path("/run/dsec-edges") / f"{edge.name}.lock"
+    assert lock.exists()
+    twin = Edge(EdgeSettings(name=edge.name, reconcile_interval_s=3600, fncall_image="", **edge_dirs))
+    with pytest.raises(errors.Conflict):
+        twin._lock_name()
+    await edge.close()
+    assert not lock.exists()  # no file per edge name ever run on the host
+    twin._lock_name()  # the name is free again
+    assert lock.exists()
+    os.close(twin._lock_fd)
+    lock.unlink()

@@ -151,6 +151,7 @@ class Edge:
         # names carry this process's epoch so a restarted edge never collides.
         self._epoch = secrets.token_hex(3)
         self._lock_fd = -1
+        self._lock_path: Path | None = None
         self._terminating: dict[str, asyncio.Task[None]] = {}
         # Sandboxes that died on their own (init killed, e.g. out of memory): their callers get
         # sandbox_failed with the reason instead of not_found (the most recent 10,000).
@@ -164,18 +165,32 @@ class Edge:
     # --- lifecycle of the edge itself ------------------------------------------
 
     def _lock_name(self) -> None:
-        """One edge per name per host: the reconciler treats `<name>-*` cgroups as its own."""
+        """One edge per name per host: the reconciler treats `<name>-*` cgroups as its own.
+
+        The lock file goes when its edge closes (removed while still locked), so a host that
+        ran many short-lived edges (tests) keeps no file per name. A starter that opened the
+        file just before its holder removed it finds its lock on an unlinked file: it retries."""
         lock_dir = Path("/run/dsec-edges")
         lock_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock_dir / f"{self.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        path = lock_dir / f"{self.name}.lock"
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise errors.Conflict(
+                    f"another edge named {self.name!r} runs on this host; give each edge its own --name"
+                ) from None
+            try:
+                current = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                current = False
+            if current:
+                break
             os.close(fd)
-            raise errors.Conflict(
-                f"another edge named {self.name!r} runs on this host; give each edge its own --name"
-            ) from None
         self._lock_fd = fd
+        self._lock_path = path
 
     async def start(self) -> None:
         s = self.settings
@@ -236,6 +251,8 @@ class Edge:
         self._unmount_forks_if_unused()
         self._unmount_run_tmpfs_if_unused()
         if self._lock_fd >= 0:
+            assert self._lock_path is not None
+            self._lock_path.unlink(missing_ok=True)  # still ours: we hold the lock
             os.close(self._lock_fd)
             self._lock_fd = -1
 
