@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 import socket
 import threading
 import time
@@ -308,3 +309,21 @@ def test_async_connection_limit_and_a_second_event_loop(server: str) -> None:
     assert len(Handler.connections) == 3
     asyncio.run(w.aclose())
     gc.collect()  # the first loop's sockets, here rather than in some later test
+
+
+def test_a_token_with_a_line_break_is_refused_before_any_io() -> None:
+    with pytest.raises(errors.InvalidRequest, match="line break"):
+        Client("http://127.0.0.1:9", "tok\r\nX-Evil: 1")
+
+
+def test_many_open_fds_do_not_stop_connection_reuse(server: str) -> None:
+    spare = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]  # push sockets past fd 1024
+    try:
+        w = wire(server)
+        for _ in range(3):
+            assert call(w, "GET", "/v1/x").status_code == 200
+        assert len(Handler.connections) == 1
+        w.close()
+    finally:
+        for fd in spare:
+            os.close(fd)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import select
 import socket
 import threading
 import time
@@ -31,6 +30,8 @@ from urllib.parse import urlencode, urlsplit
 
 import httptools
 import httpx
+
+from dsec import errors
 
 KEEPALIVE_EXPIRY_S = 5.0  # as httpx's default: far below the server's keep-alive (service.py)
 _BUF = 65536
@@ -74,14 +75,17 @@ class _Conn:
         self.idle_since = 0.0
 
     def reusable(self, now: float) -> bool:
-        """Idle briefly enough, and the server has not closed it (nothing readable)."""
+        """Idle briefly enough, and the server has not closed it (nothing to read on it)."""
         if now - self.idle_since >= KEEPALIVE_EXPIRY_S:
             return False
         try:
-            readable, _, _ = select.select([self.sock], [], [], 0)
-        except (OSError, ValueError):
+            self.sock.settimeout(0.0)  # with a timeout, Python would wait for data to peek at
+            self.sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return True
+        except OSError:
             return False
-        return not readable
+        return False  # end of stream (the server closed it) or bytes nobody asked for
 
     def close(self) -> None:
         self.sock.close()
@@ -108,6 +112,11 @@ class _Endpoint:
         self._prefix = parts.path.rstrip("/")
         host = parts.netloc.rpartition("@")[2]
         fixed = {"Host": host, "Accept": "*/*", "Accept-Encoding": "identity", **headers}
+        for k, v in fixed.items():
+            if any(c in f"{k}{v}" for c in "\r\n\0"):
+                raise errors.InvalidRequest(
+                    f"header {k!r} contains a line break or NUL; check the token and URL"
+                )
         self._head = "".join(f"{k}: {v}\r\n" for k, v in fixed.items())
         self._max_keepalive = max_keepalive
         self._closed = False
