@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -11,6 +14,8 @@ import pytest
 
 from dsec import errors
 from dsec.client import AsyncClient, Client
+
+from ..conftest import LAYERS
 
 pytestmark = [pytest.mark.root, pytest.mark.e2e]
 
@@ -177,6 +182,42 @@ def test_async_and_sync_agree(service):
     async_r, async_files = asyncio.run(go())
     assert (sync.stdout, sync.stderr, sync.exit_code) == (async_r.stdout, async_r.stderr, async_r.exit_code)
     assert sync_files == async_files
+
+
+def test_cli_against_the_service(service):
+    """`dsec sandbox create|ls|exec|rm`, `dsec status`, `dsec image ls` with --json, reading the
+    client config `dsec up` wrote (DSEC_CONFIG), as a script would drive them."""
+
+    def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        r = subprocess.run(
+            [sys.executable, "-m", "dsec.cli", *args],
+            env=service.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert not check or r.returncode == 0, (args, r.returncode, r.stdout, r.stderr)
+        return r
+
+    ids = json.loads(
+        cli("sandbox", "create", "--count", "3", "--memory-mb", "256", "--label", "cli=1", "--json").stdout
+    )
+    assert len(ids) == 3
+    listed = json.loads(cli("sandbox", "ls", "--json").stdout)
+    assert set(ids) <= {s["id"] for s in listed}
+    assert all(s["spec"]["labels"] == {"cli": "1"} for s in listed if s["id"] in ids)
+    r = json.loads(cli("sandbox", "exec", ids[0], "echo $((6*7)); exit 3", "--json").stdout)
+    assert r["stdout"] == "42\n" and r["exit_code"] == 3
+    plain = cli("sandbox", "exec", ids[0], "--", "sh", "-c", "echo out; echo err >&2; exit 5", check=False)
+    assert (plain.returncode, plain.stdout, plain.stderr) == (5, "out\n", "err\n")  # exit code passed on
+    status = json.loads(cli("status", "--json").stdout)
+    assert status["health"]["status"] == "ok" and status["edges"][0]["sandboxes"] >= 3
+    images = json.loads(cli("image", "ls", "--json", "--data-dir", str(LAYERS.parent)).stdout)
+    assert "python" in {i["name"] for i in images}
+    cli("sandbox", "rm", *ids)
+    assert not set(ids) & {s["id"] for s in json.loads(cli("sandbox", "ls", "--json").stdout)}
+    gone = cli("sandbox", "exec", ids[0], "true", check=False)
+    assert gone.returncode != 0 and "sandbox_not_found" in gone.stderr + gone.stdout
 
 
 def test_metrics_and_events(service):

@@ -245,7 +245,8 @@ def sandbox_ls(project: str | None = None, as_json: JsonOut = False) -> None:
 def sandbox_exec(
     sandbox_id: str, command: list[str], timeout: float = 60.0, as_json: JsonOut = False
 ) -> None:
-    """Run a command (one argument: a shell string; several: an argv)."""
+    """Run a command (one argument: a shell string; several: an argv, after `--` if a word
+    starts with `-`). The exit code is the command's."""
     cmd: str | list[str] = command[0] if len(command) == 1 else command
     try:
         with _client() as c:
