@@ -107,17 +107,8 @@ def wire(url: str) -> Wire:
     return Wire(url, {"Authorization": "Bearer t"}, max_keepalive=4)
 
 
-def call(w: Wire, method: str, path: str, **kw: Any) -> httpx.Response:
-    args: dict[str, Any] = {
-        "params": None,
-        "json_body": None,
-        "content": None,
-        "headers": {},
-        "connect_timeout": 2.0,
-        "read_timeout": 2.0,
-    }
-    args.update(kw)
-    return w.request(method, path, **args)
+def call(w: Wire, method: str, path: str, read_timeout: float = 2.0, **kw: Any) -> httpx.Response:
+    return w.request(w.payload(method, path, **kw), 2.0, read_timeout)
 
 
 def test_keep_alive_reuses_one_connection(server: str) -> None:
@@ -225,17 +216,8 @@ def test_when_the_fast_path_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None
 # --------------------------------------------------------------------------- asyncio
 
 
-async def acall(w: AsyncWire, method: str, path: str, **kw: Any) -> httpx.Response:
-    args: dict[str, Any] = {
-        "params": None,
-        "json_body": None,
-        "content": None,
-        "headers": {},
-        "connect_timeout": 2.0,
-        "read_timeout": 2.0,
-    }
-    args.update(kw)
-    return await w.request(method, path, **args)
+async def acall(w: AsyncWire, method: str, path: str, read_timeout: float = 2.0, **kw: Any) -> httpx.Response:
+    return await w.request(w.payload(method, path, **kw), 2.0, read_timeout)
 
 
 @pytest.mark.asyncio

@@ -76,9 +76,7 @@ class AsyncClient:
         while True:
             try:
                 if self._wire is not None:
-                    response = await self._wire.request(
-                        req.method, req.path, **self._base._wire_args(req, request_id)
-                    )
+                    response = await self._wire.request(*self._base._wire_call(self._wire, req, request_id))
                 else:
                     response = await self._http.send(self._base._build(self._http, req, request_id))
             except httpx.TransportError as exc:

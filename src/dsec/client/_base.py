@@ -25,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 
 from dsec import errors
 from dsec.client import config
+from dsec.client._wire import Endpoint
 from dsec.models import (
     Checkpoint,
     CheckpointRequest,
@@ -689,16 +690,17 @@ class BaseClient:
             return max(self.timeout, req.op_timeout + EXEC_TIMEOUT_MARGIN_S)
         return self.timeout
 
-    def _wire_args(self, req: Request, request_id: str) -> dict[str, Any]:
-        """Keyword arguments of ``Wire.request`` / ``AsyncWire.request`` (the fast path)."""
-        return {
-            "params": req.params,
-            "json_body": req.json,
-            "content": req.content,
-            "headers": {**req.headers, "X-Request-ID": request_id},
-            "connect_timeout": self.timeout,
-            "read_timeout": self._read_timeout(req),
-        }
+    def _wire_call(self, wire: Endpoint, req: Request, request_id: str) -> tuple[bytes, float, float]:
+        """Arguments of ``Wire.request`` / ``AsyncWire.request`` (the fast path) for `req`."""
+        payload = wire.payload(
+            req.method,
+            req.path,
+            params=req.params,
+            json_body=req.json,
+            content=req.content,
+            headers={**req.headers, "X-Request-ID": request_id},
+        )
+        return payload, self.timeout, self._read_timeout(req)
 
     def _build(self, http: httpx.Client | httpx.AsyncClient, req: Request, request_id: str) -> httpx.Request:
         extra: dict[str, Any] = {}

@@ -103,7 +103,7 @@ def usable(url: str) -> bool:
     return bool(bypass(parts.hostname, proxies))
 
 
-class _Endpoint:
+class Endpoint:
     """One ``http://host:port[/prefix]`` and the fixed part of every request's head."""
 
     def __init__(self, url: str, headers: dict[str, str], *, max_keepalive: int) -> None:
@@ -121,19 +121,21 @@ class _Endpoint:
         self._max_keepalive = max_keepalive
         self._closed = False
 
-    def _payload(
+    def payload(
         self,
         method: str,
         path: str,
-        params: list[tuple[str, str]] | None,
-        json_body: Any,
-        content: bytes | str | None,
-        headers: dict[str, str],
+        *,
+        params: list[tuple[str, str]] | None = None,
+        json_body: Any = None,
+        content: bytes | str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> bytes:
         """The whole request, head and body, for one write."""
         target = self._prefix + path
         if params:
             target += "?" + urlencode(params)
+        headers = headers or {}
         if json_body is not None:
             body = json.dumps(json_body, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
             headers = {"Content-Type": "application/json", **headers}
@@ -148,7 +150,7 @@ class _Endpoint:
         return (head + "\r\n").encode("latin-1") + body
 
 
-class Wire(_Endpoint):
+class Wire(Endpoint):
     """Blocking keep-alive connections to one endpoint; thread-safe."""
 
     def __init__(self, url: str, headers: dict[str, str], *, max_keepalive: int) -> None:
@@ -156,19 +158,8 @@ class Wire(_Endpoint):
         self._idle: list[_Conn] = []
         self._lock = threading.Lock()
 
-    def request(
-        self,
-        method: str,
-        path: str,
-        *,
-        params: list[tuple[str, str]] | None,
-        json_body: Any,
-        content: bytes | str | None,
-        headers: dict[str, str],
-        connect_timeout: float,
-        read_timeout: float,
-    ) -> httpx.Response:
-        payload = self._payload(method, path, params, json_body, content, headers)
+    def request(self, payload: bytes, connect_timeout: float, read_timeout: float) -> httpx.Response:
+        """Send one request made by :meth:`payload`; its response."""
         conn = self._checkout(connect_timeout)
         try:
             response, keep = self._exchange(conn, payload, read_timeout)
@@ -290,7 +281,7 @@ class _Protocol(asyncio.Protocol):
             self.transport.close()
 
 
-class AsyncWire(_Endpoint):
+class AsyncWire(Endpoint):
     """Keep-alive connections to one endpoint, at most `max_connections` at once (callers past
     that wait, as in httpx's pool). Connections belong to an event loop: used from another
     loop (a second ``asyncio.run``), the client drops the old loop's and starts afresh."""
@@ -304,19 +295,8 @@ class AsyncWire(_Endpoint):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._slots = asyncio.Semaphore(max_connections)
 
-    async def request(
-        self,
-        method: str,
-        path: str,
-        *,
-        params: list[tuple[str, str]] | None,
-        json_body: Any,
-        content: bytes | str | None,
-        headers: dict[str, str],
-        connect_timeout: float,
-        read_timeout: float,
-    ) -> httpx.Response:
-        payload = self._payload(method, path, params, json_body, content, headers)
+    async def request(self, payload: bytes, connect_timeout: float, read_timeout: float) -> httpx.Response:
+        """Send one request made by :meth:`payload`; its response."""
         loop = asyncio.get_running_loop()
         if loop is not self._loop:
             self._drop_idle()  # they belong to a loop that is gone
