@@ -66,7 +66,7 @@ async def restore_in_place(edge, sid: str, cid: str) -> None:
 
 
 async def start_counter(edge, sid: str) -> None:
-    edge.write_file(sid, "/tmp/counter.py", COUNTER.encode())
+    await edge.write_file(sid, "/tmp/counter.py", COUNTER.encode())
     r = await edge.exec(sid, ExecRequest(cmd="nohup python3 /tmp/counter.py > /tmp/out.log 2>&1 &"))
     assert r.exit_code == 0, r
     await wait_lines(edge, sid, 5)
@@ -74,7 +74,7 @@ async def start_counter(edge, sid: str) -> None:
 
 def lines(edge, sid: str) -> list[tuple[int, int, str]]:
     out = []
-    for ln in edge.read_file(sid, "/tmp/count.log").decode().splitlines():
+    for ln in edge.sandboxes[sid].files.read("/tmp/count.log").decode().splitlines():
         n, pid, digest = ln.split()
         out.append((int(n), int(pid), digest))
     return out
@@ -209,7 +209,7 @@ async def test_checkpoint_and_restore_in_place(edge, criu, tmp_path):
 async def test_listening_server_survives_restore(edge, criu, tmp_path):
     spec = SandboxSpec(image="python", memory_mb=256)
     src = await edge.create(spec)
-    edge.write_file(
+    await edge.write_file(
         src.id,
         "/tmp/srv.py",
         b"import http.server, socketserver\n"
@@ -265,7 +265,7 @@ async def test_what_cannot_be_checkpointed_fails_clearly(edge, criu, tmp_path):
         await task
     await ckpt.kill_user_processes(edge.cgroups, sb.id)
     # an established TCP connection (between two processes of the sandbox)
-    edge.write_file(
+    await edge.write_file(
         sb.id,
         "/tmp/tcp.py",
         b"import socket, time\n"

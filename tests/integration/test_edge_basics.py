@@ -97,25 +97,25 @@ async def test_python_session_keeps_variables(edge):
 
 async def test_files(edge):
     sb = await edge.create(SandboxSpec(image="python"))
-    edge.write_file(sb.id, "/work/deep/a.txt", b"hi there", 0o600)
-    assert edge.read_file(sb.id, "/work/deep/a.txt") == b"hi there"
+    await edge.write_file(sb.id, "/work/deep/a.txt", b"hi there", 0o600)
+    assert await edge.read_file(sb.id, "/work/deep/a.txt") == b"hi there"
     st = edge.stat_file(sb.id, "/work/deep/a.txt")
     assert (st.type, st.size, st.mode, st.uid) == ("file", 8, 0o600, 0)
     r = await run(edge, sb.id, "stat -c '%U %a' /work/deep/a.txt; cat /work/deep/a.txt")
     assert r.stdout == "root 600\nhi there"
-    edge.edit_file(sb.id, "/work/deep/a.txt", "there", "world")
-    assert edge.read_file(sb.id, "/work/deep/a.txt") == b"hi world"
+    await edge.edit_file(sb.id, "/work/deep/a.txt", "there", "world")
+    assert await edge.read_file(sb.id, "/work/deep/a.txt") == b"hi world"
     with pytest.raises(errors.EditMismatch):
-        edge.edit_file(sb.id, "/work/deep/a.txt", "nothere", "x")
-    edge.write_file(sb.id, "/work/b.txt", b"aa aa")
+        await edge.edit_file(sb.id, "/work/deep/a.txt", "nothere", "x")
+    await edge.write_file(sb.id, "/work/b.txt", b"aa aa")
     with pytest.raises(errors.EditMismatch):
-        edge.edit_file(sb.id, "/work/b.txt", "aa", "x")
-    assert [e.name for e in edge.list_dir(sb.id, "/work")] == ["b.txt", "deep"]
-    edge.delete_file(sb.id, "/work/b.txt")
+        await edge.edit_file(sb.id, "/work/b.txt", "aa", "x")
+    assert [e.name for e in await edge.list_dir(sb.id, "/work")] == ["b.txt", "deep"]
+    await edge.delete_file(sb.id, "/work/b.txt")
     with pytest.raises(errors.FileNotFound):
-        edge.read_file(sb.id, "/work/b.txt")
+        await edge.read_file(sb.id, "/work/b.txt")
     with pytest.raises(errors.Conflict):
-        edge.delete_file(sb.id, "/work/deep")
+        await edge.delete_file(sb.id, "/work/deep")
     # tar round trip
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tf:

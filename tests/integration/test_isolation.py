@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -399,9 +400,10 @@ async def test_file_api_escapes_refused(edge, host_canary):
     )
     host_data = host_canary.read_bytes()
 
-    def attempt(fn, *args):
+    async def attempt(fn, *args):
         try:
-            return fn(sb.id, *args)
+            res = fn(sb.id, *args)
+            return await res if inspect.isawaitable(res) else res
         except ok as e:
             return e
 
@@ -420,20 +422,20 @@ async def test_file_api_escapes_refused(edge, host_canary):
         "/work/l3/../shadow",
         f"/proc/self/root/tmp/{name}",
     ]:
-        res = attempt(edge.read_file, p)
+        res = await attempt(edge.read_file, p)
         assert isinstance(res, Exception) or res != host_data, p
         if isinstance(res, bytes):
             assert res != Path("/etc/shadow").read_bytes(), p
     # The classic `..` climb resolves inside the sandbox's root: the file read is the sandbox's.
-    edge.write_file(sb.id, "/etc/dsec-own", b"sandbox's own\n")
-    assert edge.read_file(sb.id, f"/work/{up}etc/dsec-own") == b"sandbox's own\n"
-    assert edge.read_file(sb.id, f"/work/l5/work/{up}etc/dsec-own") == b"sandbox's own\n"
+    await edge.write_file(sb.id, "/etc/dsec-own", b"sandbox's own\n")
+    assert await edge.read_file(sb.id, f"/work/{up}etc/dsec-own") == b"sandbox's own\n"
+    assert await edge.read_file(sb.id, f"/work/l5/work/{up}etc/dsec-own") == b"sandbox's own\n"
     assert not os.path.exists("/etc/dsec-own")
     # Listing through a link to / shows the sandbox's root (which has the shim), not the host's.
-    names = {e.name for e in edge.list_dir(sb.id, "/work/l5")}
+    names = {e.name for e in await edge.list_dir(sb.id, "/work/l5")}
     assert ".dsec" in names
     assert not os.path.exists("/.dsec")
-    res = attempt(edge.list_dir, "/work/l4")
+    res = await attempt(edge.list_dir, "/work/l4")
     assert isinstance(res, Exception) or name not in {e.name for e in res}
     # Writes: refused, or they land inside the sandbox.
     for p in [
@@ -446,14 +448,14 @@ async def test_file_api_escapes_refused(edge, host_canary):
         f"/work/d/up/tmp/{name}",
         f"/work/dotdot/tmp/{name}",
     ]:
-        attempt(edge.write_file, p, b"pwned by file api\n")
-        res = attempt(edge.edit_file, p, "host canary", "PWNED")
+        await attempt(edge.write_file, p, b"pwned by file api\n")
+        res = await attempt(edge.edit_file, p, "host canary", "PWNED")
         assert canary_state(host_canary) == before, p
     # The `..` write above created the sandbox's own /tmp/<name>, visible from inside only.
     r = await run(edge, sb.id, f"cat /tmp/{name}")
     assert "pwned by file api" in r.stdout
     # Write through a link to /etc/passwd: changes the sandbox's passwd only.
-    edge.write_file(sb.id, "/work/l6", b"root:x:0:0:sandbox:/root:/bin/sh\n")
+    await edge.write_file(sb.id, "/work/l6", b"root:x:0:0:sandbox:/root:/bin/sh\n")
     r = await run(edge, sb.id, "cat /etc/passwd")
     assert r.stdout == "root:x:0:0:sandbox:/root:/bin/sh\n"
     assert sha("/etc/passwd") == passwd_before
@@ -462,17 +464,17 @@ async def test_file_api_escapes_refused(edge, host_canary):
         with contextlib.suppress(*ok):
             edge.stat_file(sb.id, p)
         with contextlib.suppress(*ok):
-            edge.delete_file(sb.id, p)
+            await edge.delete_file(sb.id, p)
     # Through a link to /, the delete hits the sandbox's own /tmp/<name> (written above), not the host's.
-    edge.write_file(sb.id, f"/tmp/{name}", b"sandbox side\n")
-    edge.delete_file(sb.id, f"/work/l5/tmp/{name}")
+    await edge.write_file(sb.id, f"/tmp/{name}", b"sandbox side\n")
+    await edge.delete_file(sb.id, f"/work/l5/tmp/{name}")
     r = await run(edge, sb.id, f"test -e /tmp/{name}; echo rc=$?")
     assert r.stdout == "rc=1\n"
     assert canary_state(host_canary) == before
     assert sha("/etc/shadow") == shadow_before
     # Symlink loops are reported as escapes, not hangs.
     with pytest.raises((errors.PathEscape, errors.FileNotFound)):
-        edge.read_file(sb.id, "/work/loop")
+        await edge.read_file(sb.id, "/work/loop")
 
 
 # --- resource limits -----------------------------------------------------------------
@@ -645,8 +647,8 @@ async def test_sandboxes_isolated_from_each_other(edge):
         srv.cancel()
         # The files API of B cannot name A's files either.
         with pytest.raises(errors.FileNotFound):
-            edge.read_file(b.id, f"/work/marker-{tag}")
-        assert edge.read_file(a.id, f"/work/marker-{tag}") == f"{tag}\n".encode()
+            await edge.read_file(b.id, f"/work/marker-{tag}")
+        assert await edge.read_file(a.id, f"/work/marker-{tag}") == f"{tag}\n".encode()
         # A's sleep is still alive after B's attempts.
         r = await run(edge, a.id, "ps -eo args=")
         assert bg_arg in r.stdout

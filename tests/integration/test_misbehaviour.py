@@ -92,7 +92,7 @@ async def test_protected_paths_are_out_of_reach_until_verification(edge):
     )
     assert "ANSWER" not in r.stdout and "No such file" in r.stderr
     with pytest.raises(errors.FileNotFound):
-        edge.read_file(sb.id, "/grader/key")
+        await edge.read_file(sb.id, "/grader/key")
     # a lurking agent process that waits for the grader to appear
     await edge.exec(
         sb.id,

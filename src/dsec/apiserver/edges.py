@@ -25,6 +25,7 @@ import httpx
 from dsec import errors
 from dsec.edge import Edge
 from dsec.edge.edge import encode_content
+from dsec.edge.files import off_loop
 from dsec.edge.pools import PoolInfo, PoolSpec
 from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult
 from dsec.models import (
@@ -103,7 +104,9 @@ class EdgeAPI(ABC):
     @abstractmethod
     async def upload_tar(self, sid: str, path: str, data: bytes, projects: Projects) -> None: ...
     @abstractmethod
-    async def download_tar(self, sid: str, path: str, projects: Projects) -> bytes: ...
+    def download_tar(self, sid: str, path: str, projects: Projects) -> AsyncIterator[bytes]: ...
+    # download_tar: the tar's bytes in chunks; the first chunk comes once the archive was built
+    # (or refused), so a caller that takes it first can still answer an error.
     @abstractmethod
     async def status(self) -> EdgeStatus: ...
     @abstractmethod
@@ -245,7 +248,7 @@ class LocalEdge(EdgeAPI):
 
     async def read_file(self, sid: str, path: str, projects: Projects) -> FileContent:
         self._check(sid, projects)
-        data = self.edge.read_file(sid, path)
+        data = await self.edge.read_file(sid, path)
         content, encoding = encode_content(data)
         return FileContent(path=path, content=content, encoding=encoding, size=len(data))  # type: ignore[arg-type]
 
@@ -263,11 +266,11 @@ class LocalEdge(EdgeAPI):
 
     async def list_dir(self, sid: str, path: str, projects: Projects) -> builtins.list[FileStat]:
         self._check(sid, projects)
-        return self.edge.list_dir(sid, path)
+        return await self.edge.list_dir(sid, path)
 
     async def delete_file(self, sid: str, path: str, recursive: bool, projects: Projects) -> None:
         self._check(sid, projects)
-        self.edge.delete_file(sid, path, recursive)
+        await self.edge.delete_file(sid, path, recursive)
         await self.edge.log_event(sid, "file", {"op": "delete", "path": path, "recursive": recursive}, {})
 
     async def upload_tar(self, sid: str, path: str, data: bytes, projects: Projects) -> None:
@@ -278,9 +281,14 @@ class LocalEdge(EdgeAPI):
             sid, "file", {"op": "upload", "path": path, "sha256": digest, "size": len(data)}, {}
         )
 
-    async def download_tar(self, sid: str, path: str, projects: Projects) -> bytes:
+    async def download_tar(self, sid: str, path: str, projects: Projects) -> AsyncIterator[bytes]:
         self._check(sid, projects)
-        return await self.edge.download_tar(sid, path)
+        spool = await self.edge.archive(sid, path)
+        try:
+            while chunk := await off_loop(lambda: spool.read(1 << 20)):
+                yield chunk
+        finally:
+            spool.close()
 
     async def status(self) -> EdgeStatus:
         return self.edge.status().model_copy(update={"url": self.url})
@@ -547,10 +555,19 @@ class HttpEdge(EdgeAPI):
     async def upload_tar(self, sid: str, path: str, data: bytes, projects: Projects) -> None:
         await self._call("PUT", f"/v1/sandboxes/{sid}/archive", projects, params={"path": path}, content=data)
 
-    async def download_tar(self, sid: str, path: str, projects: Projects) -> bytes:
-        return (
-            await self._call("GET", f"/v1/sandboxes/{sid}/archive", projects, params={"path": path})
-        ).content
+    async def download_tar(self, sid: str, path: str, projects: Projects) -> AsyncIterator[bytes]:
+        async with self.http.stream(
+            "GET", f"/v1/sandboxes/{sid}/archive", headers=self._hdr(projects), params={"path": path}
+        ) as r:
+            if r.status_code >= 400:
+                await r.aread()
+                try:
+                    body: Any = r.json()
+                except ValueError:
+                    body = r.text
+                raise errors.error_from_wire(r.status_code, body)
+            async for chunk in r.aiter_bytes(1 << 20):
+                yield chunk
 
     async def status(self) -> EdgeStatus:
         r = await self._call("GET", "/v1/edge/status")

@@ -443,5 +443,12 @@ def _add_archive_routes(r: APIRouter) -> None:
     @r.get("/archive")
     async def download(sid: str, path: str, request: Request) -> Response:
         t = await _target(request, sid)
-        data = await t.edge.download_tar(sid, path, t.projects)
-        return Response(content=data, media_type="application/x-tar")
+        chunks = t.edge.download_tar(sid, path, t.projects)
+        first = await anext(chunks, b"")  # the archive is built (or refused: a 4xx) before we answer
+
+        async def body() -> AsyncIterator[bytes]:
+            yield first
+            async for chunk in chunks:
+                yield chunk
+
+        return StreamingResponse(body(), media_type="application/x-tar")

@@ -149,6 +149,25 @@ class ShimChannel:
             raise
         return ident, pid, exited
 
+    async def fill(self, src: int, dst: int, timeout: float = 5.0) -> tuple[int, asyncio.Future[int]]:
+        """Have a child of the shim (inside the sandbox's cgroups) copy pipe `src` into the
+        regular file `dst` until EOF; returns (message id, future of its wait status). The
+        caller keeps its own copies of both fds. An init too old to know 'W' never answers:
+        that is a TimeoutError after `timeout`."""
+        ident = self._new_id()
+        started: asyncio.Future[int] = self._loop.create_future()
+        exited: asyncio.Future[int] = self._loop.create_future()
+        self._started[ident] = started
+        self._exited[ident] = exited
+        try:
+            self._send(b"W" + struct.pack("<I", ident), [src, dst])
+            await asyncio.wait_for(started, timeout)
+        except BaseException:
+            self._started.pop(ident, None)
+            self._exited.pop(ident, None)
+            raise
+        return ident, exited
+
     def signal(self, ident: int, sig: int) -> None:
         with contextlib.suppress(InternalError, OSError):
             self._send(b"K" + struct.pack("<Ii", ident, sig))

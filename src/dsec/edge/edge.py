@@ -25,10 +25,10 @@ import tarfile
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from dsec import errors
 from dsec.backends.container import (
@@ -45,7 +45,7 @@ from dsec.backends.container import (
 )
 from dsec.config import EdgeSettings
 from dsec.edge import checkpoint as ckpt
-from dsec.edge.files import SandboxFiles
+from dsec.edge.files import MAX_ARCHIVE_ENTRIES, SandboxFiles, off_loop
 from dsec.edge.pools import POOL_PROJECT, PoolInfo, PoolSpec, WarmPools
 from dsec.edge.process import PipeReader, RawResult, run_process, spawn
 from dsec.edge.sessions import Session, session_argv
@@ -111,6 +111,7 @@ class Sandbox:
     seen_events: dict[str, int] = field(default_factory=dict)  # kernel counters at the last look
     audit_session: int | None = None  # kernel audit session of all its processes
     disk_was_full: bool = False
+    busy: int = 0  # operations in flight (execs, session runs, file ops): the idle reaper skips it
 
     @property
     def id(self) -> str:
@@ -157,7 +158,7 @@ class Edge:
         # sandbox_failed with the reason instead of not_found (the most recent 10,000).
         self._failed: dict[str, Record] = {}
         self.trajlog = TrajectoryLog(settings.data_dir / f"trajlog-{settings.name}.db")
-        self._inflight: dict[tuple[str, int], asyncio.Future[None]] = {}
+        self._inflight: dict[tuple[str, str, int], asyncio.Future[None]] = {}  # (project, trajectory, step)
         # Network policies: nothing is made on the host before the first one.
         self.net = NetHost(settings.name)
         self.denials = DeniedSyscalls(self._on_denied_syscall)
@@ -439,7 +440,11 @@ class Edge:
         root_fd = os.open(container.rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             files = SandboxFiles(
-                root_fd, self.settings.uid_offset, self.settings.uid_offset, self.settings.uid_offset
+                root_fd,
+                self.settings.uid_offset,
+                self.settings.uid_offset,
+                self.settings.uid_offset,
+                container.channel,  # charged writes: copied by a child of the sandbox's init
             )
             uid, gid, home = self._resolve_user(files, record.spec.user)
             files.uid, files.gid = uid + self.settings.uid_offset, gid + self.settings.uid_offset
@@ -854,17 +859,18 @@ class Edge:
                 else queue.put_nowait(("error", b""))
             )
         )
-        try:
-            while True:
-                kind, item = await queue.get()
-                if kind == "error":
-                    task.result()  # re-raise the failure
-                yield kind, item
-                if kind == "result":
-                    return
-        finally:
-            if not task.done():
-                task.cancel()
+        with self._active(sb):
+            try:
+                while True:
+                    kind, item = await queue.get()
+                    if kind == "error":
+                        task.result()  # re-raise the failure
+                    yield kind, item
+                    if kind == "result":
+                        return
+            finally:
+                if not task.done():
+                    task.cancel()
 
     # --- sessions ------------------------------------------------------------------
 
@@ -951,20 +957,26 @@ class Edge:
 
         Returns (observation, seq, replayed). The same tag arriving twice at once runs once:
         the second caller waits for the first.
+
+        Step tags are scoped to the sandbox's project: a tag is found, replayed and refused
+        only among what that project logged (a replay in a new sandbox of the same project
+        works; another tenant's identical tag is another step, and a divergence shows only
+        the caller's own project's action).
         """
-        key = (step.trajectory, step.index) if step else None
-        if key is not None:
+        tag = StepTag(step.trajectory, step.index, sb.record.spec.project) if step else None
+        key = (tag.scope, tag.trajectory, tag.index) if tag else None
+        if tag is not None and key is not None:
             pending = self._inflight.get(key)
             if pending is not None:
                 await asyncio.shield(pending)
-            entry = self.trajlog.find_step(*key)
+            entry = self.trajlog.find_step(tag.trajectory, tag.index, tag.scope, sb.id)
             if entry is not None:
                 if entry.action_hash != action_hash(action):
                     raise errors.TrajectoryDivergence(
-                        f"step {key[1]} of trajectory {key[0]!r} was logged with a different "
+                        f"step {tag.index} of trajectory {tag.trajectory!r} was logged with a different "
                         f"{entry.kind} action; resume from the logged steps or start a new trajectory id",
-                        trajectory=key[0],
-                        index=key[1],
+                        trajectory=tag.trajectory,
+                        index=tag.index,
                         logged=entry.action,
                     )
                 return dict(entry.observation or {}), entry.seq, True
@@ -973,14 +985,28 @@ class Edge:
             self._inflight[key] = done
         try:
             t0 = time.perf_counter()
-            obs = await run()
+            with self._active(sb):
+                obs = await run()
             timings = {"duration_ms": (time.perf_counter() - t0) * 1000}
-            seq = await self.trajlog.record(sb.id, kind, action, obs, timings, StepTag(*key) if key else None)
+            seq = await self.trajlog.record(sb.id, kind, action, obs, timings, tag)
             return obs, seq, False
         finally:
             if key is not None:
                 self._inflight.pop(key, None)
             done.set_result(None)
+
+    @contextlib.contextmanager
+    def _active(self, sb: Sandbox) -> Iterator[None]:
+        """An operation in flight on `sb`: the idle reaper leaves it alone until it ends, and
+        its end counts as activity (a long exec must not be reaped the moment it returns)."""
+        sb.busy += 1
+        try:
+            yield
+        finally:
+            sb.busy -= 1
+            now = time.time()
+            sb.record.last_active = now
+            self._dirty_active[sb.id] = now
 
     async def write_logged(self, sandbox_id: str, req: FileWrite, data: bytes) -> None:
         sb = self._get(sandbox_id)
@@ -988,7 +1014,7 @@ class Edge:
         action = {"op": "write", "path": req.path, "sha256": digest, "size": len(data), "mode": req.mode}
 
         async def run() -> dict[str, Any]:
-            sb.files.write(req.path, data, req.mode)
+            await sb.files.write_charged(req.path, data, req.mode)
             return {}
 
         await self._logged(sb, "file", action, req.step, run)
@@ -998,7 +1024,7 @@ class Edge:
         action = {"op": "edit", "path": req.path, "old": req.old, "new": req.new}
 
         async def run() -> dict[str, Any]:
-            return {"size": sb.files.edit(req.path, req.old, req.new)}
+            return {"size": await sb.files.edit(req.path, req.old, req.new)}
 
         obs, _, _ = await self._logged(sb, "file", action, req.step, run)
         return int(obs["size"])
@@ -1046,53 +1072,76 @@ class Edge:
 
     # --- files ---------------------------------------------------------------------
 
-    def read_file(self, sandbox_id: str, path: str) -> bytes:
-        return self._get(sandbox_id).files.read(path)
+    # Every file operation counts as activity while it runs (see _active); those that may take
+    # long (reads, listings, deletes, archives) run in the file pool, off the event loop.
 
-    def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
-        self._get(sandbox_id).files.write(path, data, mode)
+    async def read_file(self, sandbox_id: str, path: str) -> bytes:
+        sb = self._get(sandbox_id)
+        with self._active(sb):
+            return await sb.files.run(lambda f: f.read(path))
 
-    def edit_file(self, sandbox_id: str, path: str, old: str, new: str) -> int:
-        return self._get(sandbox_id).files.edit(path, old, new)
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
+        sb = self._get(sandbox_id)
+        with self._active(sb):
+            await sb.files.write_charged(path, data, mode)
+
+    async def edit_file(self, sandbox_id: str, path: str, old: str, new: str) -> int:
+        sb = self._get(sandbox_id)
+        with self._active(sb):
+            return await sb.files.edit(path, old, new)
 
     def stat_file(self, sandbox_id: str, path: str) -> FileStat:
         return self._get(sandbox_id).files.stat(path)
 
-    def list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileStat]:
-        return self._get(sandbox_id).files.list(path)
+    async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileStat]:
+        sb = self._get(sandbox_id)
+        with self._active(sb):
+            return await sb.files.run(lambda f: f.list(path))
 
-    def delete_file(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
-        self._get(sandbox_id).files.delete(path, recursive)
+    async def delete_file(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+        sb = self._get(sandbox_id)
+        with self._active(sb):
+            await sb.files.run(lambda f: f.delete(path, recursive))
 
     async def upload_tar(self, sandbox_id: str, path: str, data: bytes) -> None:
-        """Unpack a tar into `path` with the sandbox's own tar, under its own isolation."""
+        """Unpack a tar into `path` with the sandbox's own tar, under its own isolation (so
+        charged to it); the archive is checked off the event loop first."""
         sb = self._get(sandbox_id)
-        try:
-            with tarfile.open(fileobj=io.BytesIO(data)) as tf:
-                tf.getmembers()
-        except (tarfile.TarError, EOFError) as e:
-            raise errors.InvalidRequest(f"upload is not a readable tar archive: {e}") from e
-        sb.files._mkdirs(path)
-        tar = ExecRequest(
-            cmd=["tar", "-x", "-C", path, "-f", "-"], cwd="/", timeout=600, max_output_bytes=65536
-        )
-        res = await self._run(sb, tar, stdin=data)
+
+        def check(f: SandboxFiles) -> None:
+            try:
+                with tarfile.open(fileobj=io.BytesIO(data)) as tf:
+                    for n, _ in enumerate(tf, 1):
+                        if n > MAX_ARCHIVE_ENTRIES:
+                            raise errors.PayloadTooLarge(
+                                f"the archive holds more than {MAX_ARCHIVE_ENTRIES} entries; split the upload"
+                            )
+            except (tarfile.TarError, EOFError) as e:
+                raise errors.InvalidRequest(f"upload is not a readable tar archive: {e}") from e
+            f._mkdirs(path)
+
+        with self._active(sb):
+            await sb.files.run(check)
+            tar = ExecRequest(
+                cmd=["tar", "-x", "-C", path, "-f", "-"], cwd="/", timeout=600, max_output_bytes=65536
+            )
+            res = await self._run(sb, tar, stdin=data)
         if res.exit_code != 0:
             msg = res.stderr.decode(errors="replace").strip()[-500:]
             raise errors.InvalidRequest(f"unpacking the tar into {path} failed: {msg}")
 
-    async def download_tar(self, sandbox_id: str, path: str) -> bytes:
+    async def archive(self, sandbox_id: str, path: str) -> IO[bytes]:
+        """A tar of `path` in an unlinked spool file (rewound; the caller closes it), built on
+        the host from the sandbox's files without following links or leaving its root mount,
+        capped at MAX_ARCHIVE bytes of file data (a sparse or huge file: a clear 413)."""
         sb = self._get(sandbox_id)
-        st = sb.files.stat(path)
-        parent, name = (
-            (path.rsplit("/", 1)[0] or "/", path.rsplit("/", 1)[1]) if st.type != "dir" else (path, ".")
-        )
-        tar = ExecRequest(cmd=["tar", "-c", "-C", parent, "-f", "-", name], cwd="/", timeout=600)
-        res = await self._run(sb, tar, cap=1 << 30)
-        if res.exit_code != 0 or res.truncated:
-            msg = res.stderr.decode(errors="replace").strip()[-500:]
-            raise errors.InternalError(f"packing {path} failed: {msg or 'more than 1 GiB'}")
-        return res.stdout
+        with self._active(sb):
+            return await sb.files.run(lambda f: f.archive(path))
+
+    async def download_tar(self, sandbox_id: str, path: str) -> bytes:
+        spool = await self.archive(sandbox_id, path)
+        with spool:
+            return await off_loop(spool.read)
 
     # --- protected paths (graders, reference answers) -------------------------------
 
@@ -1174,20 +1223,29 @@ class Edge:
             except Exception:  # keep reaping whatever one failure was
                 log.exception("idle reaper failed")
 
-    async def reap_idle(self) -> builtins.list[str]:
-        now = time.time()
-        idle = [
-            sb
-            for sb in self.sandboxes.values()
-            if sb.record.spec.ttl_idle_s is not None
+    @staticmethod
+    def _is_idle(sb: Sandbox, now: float) -> bool:
+        """Past its idle TTL with nothing in flight: no exec, session run or file operation
+        (sb.busy), no session command (a session's lock)."""
+        return (
+            sb.record.spec.ttl_idle_s is not None
             and sb.record.state is SandboxState.RUNNING
+            and not sb.stopping
+            and sb.busy == 0
             and now - sb.record.last_active > sb.record.spec.ttl_idle_s
             and not any(s.lock.locked() for s in sb.sessions.values())
-        ]
-        await asyncio.gather(
-            *(self.pause(sb.id) if sb.record.spec.ttl_action == "pause" else self.stop(sb.id) for sb in idle),
-            return_exceptions=True,
         )
+
+    async def reap_idle(self) -> builtins.list[str]:
+        now = time.time()
+        idle = [sb for sb in self.sandboxes.values() if self._is_idle(sb, now)]
+
+        async def reap(sb: Sandbox) -> None:
+            if not self._is_idle(sb, time.time()):  # something started since the scan
+                return
+            await (self.pause(sb.id) if sb.record.spec.ttl_action == "pause" else self.stop(sb.id))
+
+        await asyncio.gather(*(reap(sb) for sb in idle), return_exceptions=True)
         return [sb.id for sb in idle]
 
     async def _reconciler(self) -> None:

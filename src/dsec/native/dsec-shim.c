@@ -27,6 +27,13 @@
  *                 (the child writes "0" to each to join its own cgroup).
  *   edge -> shim  'K' u32 id, i32 signal      signal the child's session
  *   edge -> shim  'P' u32 id                  ping, answered by 'p' u32 id
+ *   edge -> shim  'W' u32 id; SCM_RIGHTS: src, dst
+ *                 fill: a forked child of the shim (so inside the sandbox's
+ *                 cgroups: its memory is charged to the sandbox) copies src (a
+ *                 pipe the edge writes) into dst (a file the edge opened with
+ *                 openat2) until EOF; no sandbox binary runs. Answered like 'S':
+ *                 'R' then 'X' (exit 0, or the errno of the failed write as
+ *                 the exit status; SIGKILL when the sandbox ran out of memory).
  *   shim -> edge  'R' u32 id, i32 pid         started (pid in the sandbox)
  *   shim -> edge  'X' u32 id, i32 status      exited (waitpid status)
  *   shim -> edge  'F' u32 id, i32 errno       could not start (errno)
@@ -174,6 +181,67 @@ static void handle_spawn(const char *buf, ssize_t len, int *fds, int nfds) {
     send_msg('R', id, pid);
 }
 
+/* In the child of a 'W': copy fd 0 (a pipe) into fd 1 (a regular file) until EOF. The child
+ * inherits the shim's cgroups, so every page it writes into the sandbox's tmpfs is charged to
+ * the sandbox; it offers itself first to the OOM killer, so a full sandbox loses this write
+ * rather than one of its own processes. It never execs: nothing of the sandbox runs. */
+static void child_fill(int src, int dst) {
+    int oom = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+    if (oom >= 0) {
+        (void)!write(oom, "1000", 4);
+        close(oom);
+    }
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    setsid();
+    if (dup2(src, 0) < 0 || dup2(dst, 1) < 0) _exit(errno & 0x7f);
+    syscall(SYS_close_range, 2, ~0U, 0);
+    static char buf[1 << 16];
+    for (;;) {
+        ssize_t n = splice(0, NULL, 1, NULL, 1 << 20, SPLICE_F_MOVE);
+        if (n == 0) _exit(0);
+        if (n > 0) continue;
+        if (errno == EINTR) continue;
+        if (errno != EINVAL) _exit(errno & 0x7f);
+        break; /* no splice into this file: copy by hand */
+    }
+    for (;;) {
+        ssize_t n = read(0, buf, sizeof buf);
+        if (n == 0) _exit(0);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            _exit(errno & 0x7f);
+        }
+        for (ssize_t off = 0; off < n;) {
+            ssize_t w = write(1, buf + off, n - off);
+            if (w < 0) {
+                if (errno == EINTR) continue;
+                _exit(errno & 0x7f);
+            }
+            off += w;
+        }
+    }
+}
+
+static void handle_fill(const char *buf, ssize_t len, int *fds, int nfds) {
+    uint32_t id;
+    if (len < 5) { close_fds(fds, nfds); return; }
+    memcpy(&id, buf + 1, 4);
+    if (nfds != 2) { close_fds(fds, nfds); send_msg('F', id, EINVAL); return; }
+    struct stat st;
+    if (fstat(fds[1], &st) < 0 || !S_ISREG(st.st_mode)) {
+        close_fds(fds, nfds); send_msg('F', id, EINVAL); return;
+    }
+    pid_t pid = fork();
+    if (pid == 0) child_fill(fds[0], fds[1]);
+    int fork_err = errno;
+    close_fds(fds, nfds);
+    if (pid < 0) { send_msg('F', id, fork_err); return; }
+    if (track(pid, id) < 0) { kill(pid, SIGKILL); waitpid(pid, NULL, 0); send_msg('F', id, EAGAIN); return; }
+    send_msg('R', id, pid);
+}
+
 static void handle_kill(const char *buf, ssize_t len) {
     uint32_t id; int32_t sig;
     if (len < 9) return;
@@ -257,6 +325,7 @@ static int run_init(void) {
             switch (buf[0]) {
             case 'S': handle_spawn(buf, len, fds, nfds); break;
             case 'K': close_fds(fds, nfds); handle_kill(buf, len); break;
+            case 'W': handle_fill(buf, len, fds, nfds); break;
             case 'P': {
                 uint32_t id = 0;
                 close_fds(fds, nfds);

@@ -80,9 +80,9 @@ CREATE TABLE IF NOT EXISTS entries (
     step INTEGER,
     action_hash TEXT,
     recorded_at REAL NOT NULL,
+    scope TEXT,                     -- whose step tag: the sandbox's project (NULL: logged before scopes)
     PRIMARY KEY (sandbox_id, seq)
 );
-CREATE UNIQUE INDEX IF NOT EXISTS entries_step ON entries (trajectory, step) WHERE trajectory IS NOT NULL;
 CREATE TABLE IF NOT EXISTS sandboxes (
     sandbox_id TEXT PRIMARY KEY,
     reserved_hw INTEGER NOT NULL DEFAULT 0,  -- seqs up to here may have been handed out
@@ -93,20 +93,33 @@ CREATE TABLE IF NOT EXISTS sandboxes (
 """
 
 _COLUMNS = (
-    "sandbox_id, seq, seq_end, kind, action, observation, timings, trajectory, step, action_hash, recorded_at"
+    "sandbox_id, seq, seq_end, kind, action, observation, timings, trajectory, step, action_hash, "
+    "recorded_at, scope"
 )
-_INSERT = f"INSERT INTO entries ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)"
+_INSERT = f"INSERT INTO entries ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)"
 
 # One entry as stored: the columns above, in order. Built once in record(), immutable afterwards.
-Row = tuple[str, int, int, str, str, str | None, str, str | None, int | None, str | None, float]
+Row = tuple[str, int, int, str, str, str | None, str, str | None, int | None, str | None, float, str | None]
+
+# Step tags are unique per scope (a project): two tenants may use the same trajectory ids
+# without ever seeing each other's steps. Logs written before scopes had a global unique
+# index on (trajectory, step); _migrate replaces it.
+_STEP_INDEX = (
+    "CREATE UNIQUE INDEX IF NOT EXISTS entries_step_scoped ON entries (trajectory, step, scope) "
+    "WHERE trajectory IS NOT NULL"
+)
 
 
 @dataclass(frozen=True)
 class StepTag:
-    """Where an operation sits in an agent trajectory: unique per (trajectory, index)."""
+    """Where an operation sits in an agent trajectory: unique per (scope, trajectory, index).
+
+    ``scope`` is whose trajectory it is (the edge uses the sandbox's project): a step is
+    found, replayed and refused only within its scope."""
 
     trajectory: str
     index: int
+    scope: str = ""
 
 
 class Entry(BaseModel):
@@ -158,7 +171,7 @@ def gap_row(sandbox_id: str, first: int, last: int, now: float) -> Row:
     }
     a = canonical_json(action)
     return (sandbox_id, first, last, GAP, a, canonical_json(observation), "{}", None, None,
-            hashlib.sha256(a.encode()).hexdigest(), now)  # fmt: skip
+            hashlib.sha256(a.encode()).hexdigest(), now, None)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -216,7 +229,8 @@ class TrajectoryLog:
         self._sandboxes: dict[str, _Sandbox] = {}
         self._waiting: deque[Row] = deque()
         self._committing: list[Row] = []
-        self._steps: dict[tuple[str, int], Row] = {}  # queued or committing entries with a step tag
+        # queued or committing entries with a step tag, by (scope, trajectory, step)
+        self._steps: dict[tuple[str, str, int], Row] = {}
         self._enqueued = 0
         self._durable = 0
         self._flush_waiters: list[tuple[int, asyncio.Future[None]]] = []
@@ -246,6 +260,7 @@ class TrajectoryLog:
         self._lock_fd = fd
         try:
             self._wdb = self._connect()
+            await asyncio.to_thread(self._migrate)
             self._rdb = self._connect()
             self.recovered = [entry_from_row(r) for r in await asyncio.to_thread(self._recover)]
         except BaseException:
@@ -355,7 +370,7 @@ class TrajectoryLog:
             if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
                 raise errors.InvalidRequest(f"timings must map names to finite numbers, got {v!r}")
         digest = hashlib.sha256(action_json.encode()).hexdigest()
-        key = None if step is None else (step.trajectory, step.index)
+        key = None if step is None else (step.scope, step.trajectory, step.index)
 
         while True:
             if len(self._waiting) >= self._wait_max:  # backpressure: a full batch already waits
@@ -376,9 +391,9 @@ class TrajectoryLog:
         seq = sb.next
         sb.next = seq + 1
         sb.pending += 1
-        traj, index = (None, None) if key is None else key
+        scope, traj, index = (None, None, None) if key is None else key
         row: Row = (sandbox_id, seq, seq, kind, action_json, observation_json, timings_json, traj, index,
-                    digest, time.time())  # fmt: skip
+                    digest, time.time(), scope)  # fmt: skip
         self._waiting.append(row)
         self._enqueued += 1
         if key is not None:
@@ -422,16 +437,22 @@ class TrajectoryLog:
             rows = self._reader().execute(sql, args).fetchall()
         return [entry_from_row(r) for r in rows]
 
-    def find_step(self, trajectory: str, index: int) -> Entry | None:
-        """The entry tagged (trajectory, index): still queued or durable."""
-        row = self._steps.get((trajectory, index))
+    def find_step(
+        self, trajectory: str, index: int, scope: str = "", sandbox_id: str | None = None
+    ) -> Entry | None:
+        """The entry tagged (trajectory, index) in ``scope``: still queued or durable. Only that
+        scope's entries are ever returned; an entry logged before scopes existed (scope NULL)
+        is returned only to its own sandbox (``sandbox_id``), whose scope it necessarily was."""
+        row = self._steps.get((scope, trajectory, index))
         if row is not None:
             return entry_from_row(row)
         with self._rlock:
             found = (
                 self._reader()
                 .execute(
-                    f"SELECT {_COLUMNS} FROM entries WHERE trajectory = ? AND step = ?", (trajectory, index)
+                    f"SELECT {_COLUMNS} FROM entries WHERE trajectory = ? AND step = ? "
+                    "AND (scope = ? OR (scope IS NULL AND sandbox_id = ?)) ORDER BY scope IS NULL LIMIT 1",
+                    (trajectory, index, scope, sandbox_id),
                 )
                 .fetchone()
             )
@@ -534,21 +555,24 @@ class TrajectoryLog:
             sb.reserving = None
         sb.hw = max(sb.hw, hw)
 
-    def _check_step_free(self, key: tuple[str, int]) -> None:
+    def _check_step_free(self, key: tuple[str, str, int]) -> None:
         other = self._steps.get(key)
         if other is None:
             with self._rlock:
                 other = (
                     self._reader()
-                    .execute("SELECT sandbox_id, seq FROM entries WHERE trajectory = ? AND step = ?", key)
+                    .execute(
+                        "SELECT sandbox_id, seq FROM entries WHERE trajectory = ? AND step = ? AND scope = ?",
+                        (key[1], key[2], key[0]),
+                    )
                     .fetchone()
                 )
         if other is not None:
             raise errors.Conflict(
-                f"step {key[1]} of trajectory {key[0]!r} is already recorded "
+                f"step {key[2]} of trajectory {key[1]!r} is already recorded "
                 f"(sandbox {other[0]}, seq {other[1]})",
-                trajectory=key[0],
-                step=key[1],
+                trajectory=key[1],
+                step=key[2],
             )
 
     def _wake_writer(self) -> None:
@@ -596,7 +620,7 @@ class TrajectoryLog:
                 sb.pending -= 1
                 sb.recorded += 1
                 if row[7] is not None and row[8] is not None:
-                    self._steps.pop((row[7], row[8]), None)
+                    self._steps.pop((row[11] or "", row[7], row[8]), None)
             self._finish_flushes()
 
     async def _commit_with_retry(self, batch: list[Row]) -> bool:
@@ -668,6 +692,23 @@ class TrajectoryLog:
                     "WHERE sandbox_id = ?",
                     [(m[0], m[1], sid) for sid, m in marks.items()],
                 )
+                db.execute("COMMIT")
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+
+    def _migrate(self) -> None:
+        """Bring a log written by an older edge to this schema: the scope column, and the step
+        index per scope instead of the global one (which let one tenant's tag shadow another's)."""
+        db = self._writer()
+        with self._wlock:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                cols = {r[1] for r in db.execute("PRAGMA table_info(entries)")}
+                if "scope" not in cols:
+                    db.execute("ALTER TABLE entries ADD COLUMN scope TEXT")
+                db.execute("DROP INDEX IF EXISTS entries_step")
+                db.execute(_STEP_INDEX)
                 db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")

@@ -1,0 +1,268 @@
+"""Attacks on the edge's file API from inside a sandbox (and by a caller): memory charged to
+the host, reads and archives past their caps, listings that stall the event loop, deletes
+across mounts, FIFOs and sockets, and the idle reaper taking a sandbox from under its exec."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import io
+import tarfile
+import time
+
+import pytest
+
+from dsec import errors
+from dsec.models import ExecRequest, SandboxSpec
+
+pytestmark = [pytest.mark.root, pytest.mark.asyncio]
+
+MiB = 1 << 20
+
+
+async def aw(x):
+    """The file calls were synchronous before they moved off the event loop."""
+    return await x if inspect.isawaitable(x) else x
+
+
+async def run(edge, sid, cmd, **kw):
+    r = await edge.exec(sid, ExecRequest(cmd=cmd, **kw))
+    return r
+
+
+async def test_file_writes_are_charged_to_the_sandbox_memory(edge):
+    """A 64 MiB sandbox with a big disk: writes through the API land in its tmpfs, so they
+    must count against its memory, as its own processes' writes do (before: 768 MiB held)."""
+    sb = await edge.create(SandboxSpec(image="python", memory_mb=64, disk_mb=2048))
+    chunk = b"\xa5" * (8 * MiB)
+    written = 0
+    with pytest.raises(errors.QuotaExceeded) as ei:
+        for i in range(96):  # 768 MiB
+            await aw(edge.write_file(sb.id, f"/work/fill{i}", chunk))
+            written += len(chunk)
+            used = edge.cgroups.memory_bytes(sb.id)
+            assert used is not None and used >= written * 0.9, (used, written)
+    assert written <= 64 * MiB, written
+    assert "memory" in ei.value.message
+    # the sandbox survives the refusal and keeps working; the failed file was emptied
+    r = await run(edge, sb.id, f"echo alive; stat -c %s /work/fill{written // len(chunk)}")
+    assert r.stdout.split() == ["alive", "0"], r
+    # freeing its files gives the room back
+    await run(edge, sb.id, "rm -f /work/fill*")
+    await aw(edge.write_file(sb.id, "/work/again", chunk))
+
+
+async def test_charged_write_never_kills_the_sandbox_processes(edge):
+    """A process inside holds most of the memory; a large API write must fail on its own
+    (the copier offers itself to the OOM killer first), not take that process down."""
+    sb = await edge.create(SandboxSpec(image="python", memory_mb=96, disk_mb=2048))
+    hold = "import time; b = bytearray(60 << 20); b[::4096] = b'x' * len(b[::4096]); open('/tmp/ready','w').close(); time.sleep(120)"  # noqa: E501
+    await run(edge, sb.id, ["sh", "-c", f'nohup python3 -c "{hold}" >/dev/null 2>&1 &'])
+    for _ in range(100):
+        if (await run(edge, sb.id, "test -e /tmp/ready")).exit_code == 0:
+            break
+        await asyncio.sleep(0.1)
+    with pytest.raises(errors.QuotaExceeded):
+        await aw(edge.write_file(sb.id, "/work/big", b"z" * (64 * MiB)))
+    r = await run(edge, sb.id, "pgrep -f 'bytearray' >/dev/null && echo holder-alive")
+    assert r.stdout.strip() == "holder-alive"
+
+
+async def test_write_edit_and_small_files_still_work(edge):
+    sb = await edge.create(SandboxSpec(image="python", user="1000:1000"))
+    await aw(edge.write_file(sb.id, "/work/d/e/f.txt", b"hello world", 0o600))
+    r = await run(edge, sb.id, "stat -c '%a %u %g %s' /work/d/e/f.txt; cat /work/d/e/f.txt")
+    assert r.stdout == "600 1000 1000 11\nhello world"
+    assert await aw(edge.edit_file(sb.id, "/work/d/e/f.txt", "world", "there")) == 11
+    assert await aw(edge.read_file(sb.id, "/work/d/e/f.txt")) == b"hello there"
+    await aw(edge.write_file(sb.id, "/work/empty", b""))
+    assert await aw(edge.read_file(sb.id, "/work/empty")) == b""
+
+
+async def test_read_cap_holds_while_the_file_grows(edge):
+    """The size check and the read are two steps: a file growing between them must not come
+    back past the cap (before: 160 MiB past the 64 MiB cap)."""
+    sb = await edge.create(SandboxSpec(image="python", memory_mb=512))
+    grower = (
+        "f = open('/work/grow', 'wb', buffering=0)\n"
+        "open('/work/started', 'w').close()\n"
+        "while True:\n"
+        "    f.truncate(0); f.seek(0); f.write(b'g' * (8 << 20))\n"
+    )
+    await aw(edge.write_file(sb.id, "/work/grower.py", grower.encode()))
+    await run(edge, sb.id, "nohup python3 /work/grower.py >/dev/null 2>&1 &")
+    while (await run(edge, sb.id, "test -e /work/started")).exit_code != 0:
+        await asyncio.sleep(0.05)
+    files = edge.sandboxes[sb.id].files
+    cap = 1 * MiB
+    longest = refused = 0
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline and refused < 50:
+        try:
+            data = files.read("/work/grow", cap)
+            longest = max(longest, len(data))
+        except errors.PayloadTooLarge:
+            refused += 1
+    assert longest <= cap, f"a read returned {longest} bytes, past the {cap}-byte cap"
+    assert refused > 0
+
+
+async def test_archive_of_a_sparse_file_is_refused_without_buffering(edge):
+    sb = await edge.create(SandboxSpec(image="python", memory_mb=256, disk_mb=64))
+    await run(edge, sb.id, "mkdir -p /work/a && echo small > /work/a/ok && truncate -s 20G /work/a/sparse")
+    t0 = time.monotonic()
+    with pytest.raises(errors.PayloadTooLarge) as ei:
+        await edge.download_tar(sb.id, "/work/a")
+    assert time.monotonic() - t0 < 5
+    assert "sparse" in ei.value.message and "/work/a" in ei.value.message
+    # a normal archive still round-trips through the sandbox's own tar
+    await run(edge, sb.id, "rm /work/a/sparse && ln -s /etc/passwd /work/a/link && mkdir /work/a/sub")
+    data = await edge.download_tar(sb.id, "/work/a")
+    await edge.upload_tar(sb.id, "/work/b", data)
+    r = await run(edge, sb.id, "cat /work/b/ok; readlink /work/b/link; test -d /work/b/sub && echo dir")
+    assert r.stdout == "small\n/etc/passwd\ndir\n"
+    single = await edge.download_tar(sb.id, "/work/a/ok")
+    await edge.upload_tar(sb.id, "/work/c", single)
+    assert await aw(edge.read_file(sb.id, "/work/c/ok")) == b"small\n"
+
+
+async def test_archive_of_a_file_growing_under_it_stays_consistent(edge):
+    """A file that grows while it is packed goes in at the size it had (the tar stays valid)."""
+    sb = await edge.create(SandboxSpec(image="python", memory_mb=512))
+    await run(edge, sb.id, "mkdir /work/g && head -c 3000000 /dev/zero > /work/g/f")
+    await run(
+        edge,
+        sb.id,
+        "nohup sh -c 'while :; do head -c 1000000 /dev/zero >> /work/g/f; done' >/dev/null 2>&1 &",
+    )
+    for _ in range(5):
+        data = await edge.download_tar(sb.id, "/work/g")
+        with tarfile.open(fileobj=io.BytesIO(data)) as tf:
+            members = {m.name: m.size for m in tf.getmembers()}
+            assert members["./f"] >= 3000000
+
+
+async def test_huge_listing_is_refused_off_the_event_loop(edge):
+    """200,000 entries: the listing must neither stall the event loop nor come back whole."""
+    sb = await edge.create(SandboxSpec(image="python", memory_mb=1024, disk_mb=1024))
+    r = await run(
+        edge,
+        sb.id,
+        "python3 -c \"import os; os.mkdir('/work/many'); [open(f'/work/many/f{i:06d}', 'w').close() for i in range(200000)]\"",  # noqa: E501
+        timeout=300,
+    )
+    assert r.exit_code == 0, r.stderr
+    gaps: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        last = time.monotonic()
+        while not stop.is_set():
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    tick = asyncio.create_task(ticker())
+    try:
+        with pytest.raises(errors.PayloadTooLarge) as ei:
+            await aw(edge.list_dir(sb.id, "/work/many"))
+        # deleting the tree is long too: off the loop as well
+        await aw(edge.delete_file(sb.id, "/work/many", recursive=True))
+    finally:
+        stop.set()
+        await tick
+    assert "subdirectory" in ei.value.message
+    assert max(gaps) < 0.25, f"the event loop stalled for {max(gaps):.2f} s"
+    assert (await run(edge, sb.id, "test -e /work/many || echo gone")).stdout == "gone\n"
+    # a directory below the cap lists whole and sorted
+    await run(edge, sb.id, "mkdir /work/few && touch /work/few/b /work/few/a")
+    assert [e.name for e in await aw(edge.list_dir(sb.id, "/work/few"))] == ["a", "b"]
+
+
+async def test_recursive_delete_never_crosses_a_mount(edge):
+    sb = await edge.create(SandboxSpec(image="python"))
+    r = await run(
+        edge, sb.id, "echo keep > /dev/shm/keep && mkdir -p /dev/shm/d && echo k > /dev/shm/d/k && echo ok"
+    )
+    assert r.stdout == "ok\n", r
+    for target in ("/dev", "/dev/shm", "/proc", "/sys", "/dev/shm/d"):
+        with pytest.raises(errors.DsecError) as ei:
+            await aw(edge.delete_file(sb.id, target, recursive=True))
+        assert 400 <= ei.value.status < 500, (target, ei.value)
+    r = await run(edge, sb.id, "cat /dev/shm/keep /dev/shm/d/k; test -e /proc/self && echo proc")
+    assert r.stdout == "keep\nk\nproc\n", r
+    # a plain tree beside the mounts goes
+    await run(
+        edge, sb.id, "mkdir -p /work/t/u/v && touch /work/t/u/v/w /work/t/x && ln -s /dev/shm /work/t/l"
+    )
+    await aw(edge.delete_file(sb.id, "/work/t", recursive=True))
+    r = await run(edge, sb.id, "test -e /work/t || echo gone; cat /dev/shm/keep")
+    assert r.stdout == "gone\nkeep\n"
+
+
+async def test_fifos_and_sockets_are_refused_by_type_without_blocking(edge):
+    sb = await edge.create(SandboxSpec(image="python"))
+    sock = "import socket, time; s = socket.socket(socket.AF_UNIX); s.bind('/work/sock'); s.listen(); time.sleep(60)"  # noqa: E501
+    await run(
+        edge,
+        sb.id,
+        ["sh", "-c", f'mkfifo /work/fifo /work/fifo2; nohup python3 -c "{sock}" >/dev/null 2>&1 &'],
+    )
+    while (await run(edge, sb.id, "test -S /work/sock")).exit_code != 0:
+        await asyncio.sleep(0.05)
+    # a reader holds fifo2 open: an open for writing would succeed, the type check must refuse
+    await run(edge, sb.id, "nohup sh -c 'exec 3</work/fifo2; sleep 60' >/dev/null 2>&1 &")
+    await asyncio.sleep(0.2)
+    cases = [
+        ("read", "/work/sock", "socket"),
+        ("read", "/work/fifo", "FIFO"),
+        ("write", "/work/fifo", "FIFO"),
+        ("write", "/work/sock", "socket"),
+        ("write", "/work/fifo2", "FIFO"),
+        ("read", "/work/fifo2", "FIFO"),
+        ("edit", "/work/fifo", "FIFO"),
+        ("read", "/dev/null", "mount"),
+    ]
+    for op, path, word in cases:
+        t0 = time.monotonic()
+        with pytest.raises(errors.DsecError) as ei:
+            if op == "read":
+                await asyncio.wait_for(aw(edge.read_file(sb.id, path)), 5)
+            elif op == "write":
+                await asyncio.wait_for(aw(edge.write_file(sb.id, path, b"x")), 5)
+            else:
+                await asyncio.wait_for(aw(edge.edit_file(sb.id, path, "a", "b")), 5)
+        assert 400 <= ei.value.status < 500, (op, path, ei.value)
+        assert word in ei.value.message, (op, path, ei.value.message)
+        assert time.monotonic() - t0 < 2
+
+
+async def test_idle_reaper_leaves_a_busy_sandbox_alone(edge):
+    """ttl_idle_s passes while an exec (or a file op, or a stream) still runs: not idle."""
+    for action in ("stop", "pause"):
+        sb = await edge.create(SandboxSpec(image="python", ttl_idle_s=1, ttl_action=action))
+        task = asyncio.create_task(run(edge, sb.id, "sleep 3; echo done"))
+        await asyncio.sleep(2)
+        assert await edge.reap_idle() == []
+        r = await task
+        assert (r.stdout, r.exit_code) == ("done\n", 0)
+        # the end of the exec counts as activity: not reaped the moment it returns
+        assert await edge.reap_idle() == []
+        st = edge.get(sb.id)
+        assert st.state.value == "running"
+        await asyncio.sleep(1.2)
+        assert await edge.reap_idle() == [sb.id]
+
+
+async def test_reaper_skips_a_sandbox_with_a_file_operation_in_flight(edge):
+    sb = await edge.create(SandboxSpec(image="python", ttl_idle_s=1, memory_mb=512))
+    await asyncio.sleep(1.2)
+    data = b"q" * (200 * MiB)
+    write = asyncio.create_task(aw(edge.write_file(sb.id, "/work/big", data)))
+    await asyncio.sleep(0.005)  # the write is under way (its copier is copying)
+    assert not write.done()
+    edge.sandboxes[sb.id].record.last_active -= 10  # as if the write began long ago
+    assert await edge.reap_idle() == []
+    await write
+    assert (await run(edge, sb.id, "stat -c %s /work/big")).stdout.strip() == str(len(data))
