@@ -35,12 +35,13 @@ import io
 import posixpath
 import shlex
 import tarfile
+import tempfile
 import time
 import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import IO, Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, File, Form, HTTPException, Request, Response, UploadFile
 from fastapi.exceptions import RequestValidationError
@@ -69,6 +70,13 @@ MAX_OUTPUT = 16 * 1024 * 1024
 PS1 = "SHELLPS1PREFIX"
 # How many X-Request-ID answers to remember for idempotent retries.
 REPLAY_CACHE = 512
+# How many (sandbox, visible projects) access checks to remember (a sandbox's project never changes).
+ACCESS_CACHE = 4096
+# Bounds of one `upload` with unzip=true: bytes unpacked, members, and the compression ratio
+# of any member (a zip bomb is refused before it is inflated).
+MAX_UNZIP_BYTES = 512 * 1024 * 1024
+MAX_UNZIP_ENTRIES = 100_000
+MAX_UNZIP_RATIO = 200
 
 _EXC = "swerex.exceptions."
 
@@ -189,10 +197,36 @@ class _State:
     def __init__(self) -> None:
         self.sessions: dict[tuple[str, str], _RexSession] = {}
         self.replies: OrderedDict[tuple[str, ...], tuple[int, bytes, str | None]] = OrderedDict()
+        self.allowed: OrderedDict[tuple[str, frozenset[str] | None], None] = OrderedDict()
+
+    async def check_access(self, ctx: _Ctx) -> None:
+        """Raise SandboxNotFound (as for a missing sandbox) unless the caller may use the
+        sandbox. Every endpoint that looks at this router's state (session names) does this
+        first, so a stranger learns nothing from it and cannot change it."""
+        key = (ctx.sid, None if ctx.projects is None else frozenset(ctx.projects))
+        if key in self.allowed:
+            self.allowed.move_to_end(key)
+            return
+        await ctx.edge.get(ctx.sid, ctx.projects)
+        self.allowed[key] = None
+        while len(self.allowed) > ACCESS_CACHE:
+            self.allowed.popitem(last=False)
+
+    async def forget_if_gone(self, ctx: _Ctx) -> None:
+        """After a SandboxNotFound: drop the sandbox's sessions only if it is gone for
+        everyone (not merely invisible to this caller)."""
+        try:
+            await ctx.edge.get(ctx.sid, None)
+        except errors.SandboxNotFound:
+            self.forget_sandbox(ctx.sid)
+        except errors.DsecError:
+            pass
 
     def forget_sandbox(self, sid: str) -> None:
         for key in [k for k in self.sessions if k[0] == sid]:
             del self.sessions[key]
+        for seen in [k for k in self.allowed if k[0] == sid]:
+            del self.allowed[seen]
 
     def remember(self, key: tuple[str, ...], response: Response) -> None:
         self.replies[key] = (response.status_code, bytes(response.body), response.media_type)
@@ -263,7 +297,7 @@ def _make_route_class(state: _State, resolve: Callable[[Request], _Ctx]) -> type
                     raise
                 except Exception as e:
                     if isinstance(e, errors.SandboxNotFound):
-                        state.forget_sandbox(ctx.sid)
+                        await state.forget_if_gone(ctx)
                     response = _error_response(e)
                 if key is not None and response.status_code in (200, 511):
                     state.remember(key, response)
@@ -321,24 +355,56 @@ def _tar_add(tf: tarfile.TarFile, name: str, data: bytes | None, mode: int, mtim
         tf.addfile(info, io.BytesIO(data))
 
 
-def _zip_to_tar(data: bytes) -> bytes:
-    """Repack an uploaded zip as a tar for the edge's sandboxed unpacking. Member names
-    are sanitised like zipfile.extractall does; unix permission bits are kept (SWE-ReX
-    loses them, which only ever costs executable bits)."""
-    out = io.BytesIO()
+def _zip_to_tar(src: IO[bytes]) -> bytes:
+    """Repack an uploaded zip as a tar for the edge's sandboxed unpacking (run it off the
+    event loop). Member names are sanitised like zipfile.extractall does; unix permission
+    bits are kept (SWE-ReX loses them, which only ever costs executable bits). Members are
+    streamed into a temporary file, never inflated in memory, within MAX_UNZIP_BYTES,
+    MAX_UNZIP_ENTRIES and MAX_UNZIP_RATIO (checked on the declared sizes first, and on what
+    actually comes out while copying)."""
     now = time.time()
     try:
-        zf = zipfile.ZipFile(io.BytesIO(data))
-    except zipfile.BadZipFile as e:
-        raise RexError("zipfile.BadZipFile", str(e)) from e
-    with zf, tarfile.open(fileobj=out, mode="w") as tf:
-        for zi in zf.infolist():
-            parts = [p for p in zi.filename.replace("\\", "/").split("/") if p not in ("", ".", "..")]
-            if not parts:
-                continue
-            mode = (zi.external_attr >> 16) & 0o7777
-            _tar_add(tf, "/".join(parts), None if zi.is_dir() else zf.read(zi), mode, now)
-    return out.getvalue()
+        zf = zipfile.ZipFile(src)
+    except (zipfile.BadZipFile, OSError, ValueError) as e:
+        raise RexError("zipfile.BadZipFile", f"not a readable zip file: {e}") from e
+    with zf, tempfile.TemporaryFile(prefix="dsec-unzip-") as out:
+        members = zf.infolist()
+        if len(members) > MAX_UNZIP_ENTRIES:
+            raise errors.PayloadTooLarge(f"the zip holds more than {MAX_UNZIP_ENTRIES} members; split it")
+        total = 0
+        for zi in members:
+            total += zi.file_size
+            if zi.file_size > 1 << 20 and zi.file_size > MAX_UNZIP_RATIO * max(zi.compress_size, 1):
+                raise errors.PayloadTooLarge(
+                    f"zip member {zi.filename!r} inflates {zi.file_size // max(zi.compress_size, 1)}-fold "
+                    f"(more than {MAX_UNZIP_RATIO}); refusing a likely zip bomb"
+                )
+        if total > MAX_UNZIP_BYTES:
+            raise errors.PayloadTooLarge(
+                f"the zip unpacks to {total} bytes, more than {MAX_UNZIP_BYTES}; split the upload"
+            )
+        try:
+            with tarfile.open(fileobj=out, mode="w") as tf:
+                for zi in members:
+                    parts = [p for p in zi.filename.replace("\\", "/").split("/") if p not in ("", ".", "..")]
+                    if not parts:
+                        continue
+                    mode = (zi.external_attr >> 16) & 0o7777
+                    info = tarfile.TarInfo("/".join(parts))
+                    info.mtime = int(now)
+                    if zi.is_dir():
+                        info.type = tarfile.DIRTYPE
+                        info.mode = mode or 0o755
+                        tf.addfile(info)
+                        continue
+                    info.size = zi.file_size
+                    info.mode = mode or 0o644
+                    with zf.open(zi) as member:  # checks the CRC and the declared size as it reads
+                        tf.addfile(info, member)
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as e:
+            raise RexError("zipfile.BadZipFile", f"the zip is damaged or lies about its sizes: {e}") from e
+        out.seek(0)
+        return out.read()
 
 
 # Signal the processes of the session's shell process group except the shell itself:
@@ -381,6 +447,7 @@ def swerex_router() -> APIRouter:  # noqa: C901 - one closure per endpoint
     router = APIRouter(prefix="/swerex/{sid}", route_class=_make_route_class(state, resolve))
 
     def session_of(ctx: _Ctx, name: str) -> _RexSession:
+        # Callers have passed state.check_access(ctx): a stranger never gets this far.
         s = state.sessions.get((ctx.sid, name))
         if s is None:
             raise RexError(_EXC + "SessionDoesNotExistError", f"session {name!r} does not exist")
@@ -404,6 +471,7 @@ def swerex_router() -> APIRouter:  # noqa: C901 - one closure per endpoint
 
     @router.post("/create_session")
     async def create_session(body: CreateBashSessionRequest, ctx: Ctx) -> dict[str, Any]:
+        await state.check_access(ctx)
         key = (ctx.sid, body.session)
         if key in state.sessions:
             raise RexError(_EXC + "SessionExistsError", f"session {body.session} already exists")
@@ -495,16 +563,19 @@ def swerex_router() -> APIRouter:  # noqa: C901 - one closure per endpoint
 
     @router.post("/run_in_session")
     async def run_in_session(action: Action, ctx: Ctx) -> dict[str, Any]:
+        await state.check_access(ctx)
         if isinstance(action, BashInterruptAction):
             return (await interrupt(ctx, action)).model_dump()
         return (await run_bash(ctx, action)).model_dump()
 
     @router.post("/close_session")
     async def close_session(body: CloseBashSessionRequest, ctx: Ctx) -> dict[str, Any]:
+        await state.check_access(ctx)
         s = session_of(ctx, body.session)
-        del state.sessions[(ctx.sid, body.session)]
         with contextlib.suppress(errors.SessionNotFound):
             await ctx.edge.session_close(ctx.sid, s.dsec_id, ctx.projects)
+        if state.sessions.get((ctx.sid, body.session)) is s:
+            del state.sessions[(ctx.sid, body.session)]
         return {"session_type": "bash"}
 
     @router.post("/execute")
@@ -563,13 +634,16 @@ def swerex_router() -> APIRouter:  # noqa: C901 - one closure per endpoint
         unzip: Annotated[bool, Form()] = False,
     ) -> dict[str, Any]:
         try:
+            await state.check_access(ctx)
+            target = posixpath.normpath(await _absolute(ctx, target_path))
+            if unzip:
+                # Inflating is blocking work on untrusted input: a worker thread, bounded, on disk.
+                tar = await asyncio.to_thread(_zip_to_tar, file.file)
+                await ctx.edge.upload_tar(ctx.sid, target, tar, ctx.projects)
+                return {}
             data = await file.read()
         finally:
             await file.close()
-        target = posixpath.normpath(await _absolute(ctx, target_path))
-        if unzip:
-            await ctx.edge.upload_tar(ctx.sid, target, _zip_to_tar(data), ctx.projects)
-            return {}
         parent, name = posixpath.split(target)
         if not name:
             raise RexError("builtins.IsADirectoryError", f"target path {target_path!r} names no file")
@@ -581,6 +655,7 @@ def swerex_router() -> APIRouter:  # noqa: C901 - one closure per endpoint
 
     @router.post("/close")
     async def close(ctx: Ctx) -> dict[str, Any]:
+        await state.check_access(ctx)
         # SWE-ReX's close ends the runtime's shells; the machine it runs on is the
         # deployment's business (RemoteDeployment.stop only calls this). So we close the
         # sandbox's SWE-ReX sessions and leave the sandbox itself running: its owner
