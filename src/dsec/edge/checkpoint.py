@@ -23,10 +23,25 @@ How CRIU runs (CRIU >= 4.2, from Debian forky, unpacked under ``<data>/criu``):
 * restore: as root of the sandbox's own user namespace (setns, then uid/gid 0) with
   ``--unprivileged``, in the same namespaces: restored processes are born in the
   target sandbox's user namespace with the ids and capabilities they had.
-* CRIU's binary and libraries are reached through a directory fd opened on the host
-  (``/proc/self/fd/N/...``), through the packaged dynamic loader, so nothing is
-  mounted into the sandbox. The images directory is passed the same way and belongs
-  to the sandbox's root id (CRIU writes its restore log there as that id).
+* CRIU holds no descriptor on a host directory. Its binary and libraries, the images
+  directory and (for a restore) a scratch work directory for its log are *detached
+  mounts* (open_tree(OPEN_TREE_CLONE), owned by an anonymous mount namespace, not
+  attached anywhere) reached as ``/proc/self/fd/N/...``: ``..`` at the root of a
+  detached mount stays there, so whatever the sandbox makes CRIU resolve (a symlink to
+  ``/proc/self/cwd/../..`` or ``/proc/<criu>/fd/N/..``) ends inside CRIU's own tree or
+  the images, never on the host. The binary and the images are read-only, nosuid and
+  nodev for a restore (the images are root's, 0644: readable by the restoring root id,
+  writable by no sandbox id); only the per-restore work directory is writable. The
+  helper's output goes to a memfd, copied into ``helper.log`` by the edge.
+* Every path CRIU will open by name (``files.img``: cwd, root, executables, mapped and
+  open files, fifos) is checked before a restore, and right after a dump, from the
+  sandbox's root with openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS |
+  RESOLVE_NO_MAGICLINKS), with the recorded object type: a path the sandbox has
+  changed since (a directory swapped for a symlink, a symlinked parent) refuses the
+  checkpoint or the restore (reason ``file_changed``). After a restore, every process
+  of the sandbox but its init is checked to hold no cwd, root or descriptor on a mount
+  outside the sandbox's mount namespace; if one does, the restored processes are
+  killed and the restore refused.
 * a small Python helper (``_HELPER``) joins the cgroups, enters the namespaces,
   forks into the pid namespace and execs CRIU; for a restore it first moves the
   namespace's pid cursor past every pid in the images, so CRIU's own processes
@@ -37,11 +52,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import errno
 import json
 import os
 import re
 import shutil
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -53,6 +71,7 @@ from pathlib import Path
 
 from dsec.backends.container import Container, run_process_quick
 from dsec.errors import InternalError, UnsupportedOperation
+from dsec.isolation import linux
 from dsec.isolation.cgroups import CgroupHost, kill_group
 
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
@@ -284,10 +303,200 @@ def _patch_root_userns(images: Path, root_pid: int) -> None:
     tmp.replace(path)
 
 
+# --- the paths a restore opens by name ------------------------------------------------
+
+_RESOLVE_STRICT = linux.RESOLVE_BENEATH | linux.RESOLVE_NO_SYMLINKS | linux.RESOLVE_NO_MAGICLINKS
+
+
+@dataclass
+class RecordedFile:
+    id: int
+    name: str  # absolute, as the sandbox saw it at dump time
+    mode: int | None  # st_mode at dump time, when CRIU recorded it
+
+
+def recorded_files(images: Path) -> list[RecordedFile]:
+    """Every regular-file entry of a dump (files.img: open files, cwd, root, executables,
+    mapped files, fifos): the paths CRIU opens by name when it restores."""
+    try:
+        data = (images / "files.img").read_bytes()
+    except FileNotFoundError:
+        return []
+    out = []
+    for entry in _entries(data, 2):
+        for num, _, v in _fields(entry):
+            if num != 3 or not isinstance(v, bytes):  # file_entry.reg
+                continue
+            fid, name, mode = 0, None, None
+            for f, _, x in _fields(v):
+                if f == 1 and isinstance(x, int):
+                    fid = x
+                elif f == 6 and isinstance(x, bytes):
+                    name = os.fsdecode(x)
+                elif f == 10 and isinstance(x, int):
+                    mode = x
+            if name is not None:
+                out.append(RecordedFile(fid, name, mode))
+    return out
+
+
+def _remapped_ids(images: Path) -> set[int]:
+    """Ids of files CRIU recreates itself (deleted files kept as ghosts, or linked)."""
+    try:
+        data = (images / "remap-fpath.img").read_bytes()
+    except FileNotFoundError:
+        return set()
+    return {v for e in _entries(data, 2) for num, _, v in _fields(e) if num == 1 and isinstance(v, int)}
+
+
+def _changed(root_fd: int, f: RecordedFile, remapped: set[int]) -> str | None:
+    """Why recorded file `f` no longer resolves to what was dumped, seen from the
+    sandbox's root without following any link; None when it does."""
+    rel = f.name.lstrip("/") or "."
+    if f.id in remapped:  # recreated by CRIU at that name: its directory must be genuine
+        rel, want = os.path.dirname(rel) or ".", stat.S_IFDIR
+    else:
+        want = stat.S_IFMT(f.mode) if f.mode else 0
+    try:
+        fd = linux.openat2(root_fd, rel, os.O_PATH | os.O_NOFOLLOW, 0, _RESOLVE_STRICT)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EXDEV):
+            return f"{f.name} now goes through a symbolic link"
+        return f"{f.name}: {os.strerror(e.errno or 0)}"
+    try:
+        got = stat.S_IFMT(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+    if want and got != want:
+        return f"{f.name} is no longer the same kind of file"
+    return None
+
+
+def check_recorded_paths(images: Path, root_fd: int, what: str, sandbox: str) -> None:
+    """Refuse (reason file_changed) a dump whose recorded paths the sandbox changed, e.g. a
+    dumped directory swapped for a symlink to /proc/self/cwd/.. or a symlinked parent."""
+    remapped = _remapped_ids(images)
+    for f in recorded_files(images):
+        why = _changed(root_fd, f, remapped)
+        if why is not None:
+            raise UnsupportedOperation(
+                f"cannot {what} sandbox {sandbox}: a file the processes hold changed since they were "
+                f"dumped ({why}). Restore into a new sandbox from an untouched checkpoint, or take a new one",
+                reason="file_changed",
+            )
+
+
+def _open_root(container: Container) -> int:
+    """An O_PATH handle on the sandbox's root directory, in its mount namespace."""
+    try:
+        return os.open(f"/proc/{container.pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise UnsupportedOperation(f"sandbox {container.id} is not running", reason="not_running") from e
+
+
+def _mnt_id(fdinfo: str) -> int | None:
+    try:
+        with open(fdinfo) as f:
+            for line in f:
+                if line.startswith("mnt_id:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _shm_mnt_id() -> int | None:
+    """The kernel's internal mount of memfds and SysV shared memory (in no namespace)."""
+    fd = os.memfd_create("dsec-probe", os.MFD_CLOEXEC)
+    try:
+        return _mnt_id(f"/proc/self/fdinfo/{fd}")
+    finally:
+        os.close(fd)
+
+
+def foreign_holdings(container: Container, pids: Sequence[int]) -> list[str]:
+    """Every cwd, root or path descriptor of `pids` (host pids of the sandbox's processes)
+    on a mount outside the sandbox's mount namespace: a host directory or file, or a
+    detached mount of the platform's. Pipes, sockets and anonymous inodes have no path;
+    memfds live on the kernel's internal shm mount."""
+    with open(f"/proc/{container.pid}/mountinfo") as f:
+        allowed = {int(line.split()[0]) for line in f}
+    shm = _shm_mnt_id()
+    if shm is not None:
+        allowed.add(shm)
+    bad = []
+    for pid in pids:
+        links = ["cwd", "root"]
+        with contextlib.suppress(OSError):
+            links += [f"fd/{n}" for n in os.listdir(f"/proc/{pid}/fd")]
+        for link in links:
+            try:
+                target = os.readlink(f"/proc/{pid}/{link}")
+            except OSError:
+                continue
+            if not target.startswith("/"):
+                continue
+            if link.startswith("fd/"):
+                mnt = _mnt_id(f"/proc/{pid}/fdinfo/{link[3:]}")
+            else:
+                try:
+                    fd = os.open(f"/proc/{pid}/{link}", os.O_PATH | os.O_CLOEXEC)
+                except OSError:
+                    continue
+                try:
+                    mnt = _mnt_id(f"/proc/self/fdinfo/{fd}")
+                finally:
+                    os.close(fd)
+            if mnt is not None and mnt not in allowed:
+                bad.append(f"process {pid} {link} -> {target}")
+    return bad
+
+
+# --- detached mounts ------------------------------------------------------------------
+
+_SYS_OPEN_TREE = 428
+_SYS_MOUNT_SETATTR = 442
+_OPEN_TREE_CLONE = 1
+_AT_EMPTY_PATH = 0x1000
+_AT_FDCWD = -100
+_MOUNT_ATTR_RDONLY = 0x1
+_MOUNT_ATTR_NOSUID = 0x2
+_MOUNT_ATTR_NODEV = 0x4
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
+
+
+def detached_clone(path: Path, *, readonly: bool) -> int:
+    """A detached bind mount of `path` (open_tree(OPEN_TREE_CLONE)), nosuid and nodev, as
+    a close-on-exec fd. Its root is a mount root with no parent: ``..`` stays there, so
+    nothing walked from it reaches the host's tree."""
+    fd = int(_libc.syscall(_SYS_OPEN_TREE, _AT_FDCWD, os.fsencode(path), _OPEN_TREE_CLONE | os.O_CLOEXEC))
+    if fd < 0:
+        e = ctypes.get_errno()
+        raise InternalError(f"open_tree({path}): {os.strerror(e)}")
+    flags = _MOUNT_ATTR_NOSUID | _MOUNT_ATTR_NODEV | (_MOUNT_ATTR_RDONLY if readonly else 0)
+    attr = _MountAttr(flags, 0, 0, 0)
+    size = ctypes.sizeof(attr)
+    if _libc.syscall(_SYS_MOUNT_SETATTR, fd, b"", _AT_EMPTY_PATH, ctypes.byref(attr), size) < 0:
+        e = ctypes.get_errno()
+        os.close(fd)
+        raise InternalError(f"mount_setattr({path}): {os.strerror(e)}")
+    return fd
+
+
 # --- running CRIU in a sandbox's namespaces ----------------------------------------------
 
 # argv[1]: JSON {ns: {name: fd}, user: fd | null, cgroups: [path], last_pid: fd | null,
-# min_pid: int, exe: [argv with @IMG@], img: fd}. Kept small: started with -S -I.
+# min_pid: int, exe: [argv with @IMG@ and @WORK@], img: fd, work: fd}. Kept small: started with -S -I.
 _HELPER = r"""
 import ctypes, json, os, sys
 a = json.loads(sys.argv[1])
@@ -332,7 +541,8 @@ if a["last_pid"] is not None:
 pid = os.fork()
 if pid == 0:
     os.setsid()
-    argv = [x.replace("@IMG@", f"/proc/self/fd/{a['img']}") for x in a["exe"]]
+    img, work = f"/proc/self/fd/{a['img']}", f"/proc/self/fd/{a['work']}"
+    argv = [x.replace("@IMG@", img).replace("@WORK@", work) for x in a["exe"]]
     os.execv(argv[0], argv)
 _, st = os.waitpid(pid, 0)
 sys.exit(os.waitstatus_to_exitcode(st))
@@ -346,13 +556,20 @@ async def _run_criu(
     args: list[str],
     *,
     as_userns_root: bool,
+    work: Path | None = None,
     cgroups: Sequence[Path] = (),
     min_pid: int | None = None,
 ) -> int:
-    """Run `criu ARGS` in the sandbox's namespaces; CRIU's exit code."""
+    """Run `criu ARGS` in the sandbox's namespaces; CRIU's exit code.
+
+    ``@IMG@`` and ``@WORK@`` in ARGS name the images directory and the work directory (its
+    log; `images` itself unless `work` is given, in which case the images are read-only).
+    CRIU reaches its tree, the images and the work directory only through detached mounts
+    (see detached_clone), and the helper's output lands in helper.log of the work directory."""
     if not container.alive():
         raise UnsupportedOperation(f"sandbox {container.id} is not running", reason="not_running")
     fds: list[int] = []
+    logs = work or images
 
     def keep(fd: int) -> int:
         fds.append(fd)
@@ -364,8 +581,9 @@ async def _run_criu(
         user = keep(os.open(f"/proc/{container.pid}/ns/user", os.O_RDONLY)) if as_userns_root else None
         if not container.alive():  # the pid could have been reused between the check and the opens
             raise UnsupportedOperation(f"sandbox {container.id} is not running", reason="not_running")
-        root = keep(os.open(criu, os.O_PATH | os.O_DIRECTORY))
-        img = keep(os.open(images, os.O_PATH | os.O_DIRECTORY))
+        root = keep(detached_clone(criu, readonly=True))
+        img = keep(detached_clone(images, readonly=work is not None))
+        wrk = keep(detached_clone(work, readonly=False)) if work is not None else img
         last = keep(os.open("/proc/sys/kernel/ns_last_pid", os.O_RDWR)) if min_pid is not None else None
         spec = {
             "ns": ns,
@@ -374,11 +592,19 @@ async def _run_criu(
             "last_pid": last,
             "min_pid": min_pid or 0,
             "img": img,
+            "work": wrk,
             "exe": criu_argv(f"/proc/self/fd/{root}", *args),
         }
         argv = [sys.executable, "-S", "-I", "-c", _HELPER, json.dumps(spec)]
-        with open(images / "helper.log", "ab") as log:
-            return await run_process_quick(argv, log.fileno(), fds)
+        log = os.memfd_create("dsec-criu-helper", os.MFD_CLOEXEC)  # no host file in CRIU's fd table
+        try:
+            rc = await run_process_quick(argv, log, fds)
+            os.lseek(log, 0, os.SEEK_SET)
+            with open(logs / "helper.log", "ab") as out, open(log, "rb", closefd=False) as src:
+                shutil.copyfileobj(src, out)
+        finally:
+            os.close(log)
+        return rc
     finally:
         for fd in fds:
             os.close(fd)
@@ -558,11 +784,52 @@ def _signal_all(pids: list[int], sig: int) -> None:
             os.kill(p, sig)
 
 
-def _chown_tree(root: Path, uid: int) -> None:
-    os.chown(root, uid, uid)
+def _seal_tree(root: Path) -> None:
+    """CRIU images: root's, readable (0644 / 0755), writable by nobody else."""
+    os.chown(root, 0, 0)
+    os.chmod(root, 0o755)
     for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            os.chown(os.path.join(dirpath, name), uid, uid, follow_symlinks=False)
+        for name in dirnames:
+            os.chown(os.path.join(dirpath, name), 0, 0, follow_symlinks=False)
+            os.chmod(os.path.join(dirpath, name), 0o755, follow_symlinks=False)
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            if not os.path.islink(path):
+                os.chown(path, 0, 0)
+                os.chmod(path, 0o644)
+
+
+def _check_dumped(container: Container, images_dir: Path, trees: list[TreeInfo]) -> None:
+    root = _open_root(container)
+    try:
+        for t in trees:
+            check_recorded_paths(images_dir / t.dir, root, "checkpoint", container.id)
+    finally:
+        os.close(root)
+
+
+def _host_root_id(container: Container) -> int:
+    """The host uid the sandbox's root maps to."""
+    with open(f"/proc/{container.pid}/uid_map") as f:
+        for line in f:
+            inside, outside, count = (int(x) for x in line.split())
+            if inside <= 0 < inside + count:
+                return outside - inside
+    raise InternalError(f"sandbox {container.id} maps no root user")
+
+
+def _make_work_dir(images_dir: Path, tree: str, owner: int) -> Path:
+    work = Path(tempfile.mkdtemp(prefix=f".{tree}-restore-", dir=images_dir))
+    os.chown(work, owner, owner)
+    return work
+
+
+def _check_restored(container: Container, cgroups: CgroupHost) -> list[str]:
+    pids: list[int] = []
+    for d, _, _ in os.walk(cgroups.tracking_dir(container.id)):
+        with contextlib.suppress(OSError), open(os.path.join(d, "cgroup.procs")) as f:
+            pids += [int(x) for x in f.read().split()]
+    return foreign_holdings(container, [p for p in pids if p != container.pid])
 
 
 async def dump(
@@ -606,6 +873,9 @@ async def dump(
             pids = sorted({t for _, _, threads in read_pstree(d) for t in threads})
             _patch_root_userns(d, ns_root)
             trees.append(TreeInfo(d.name, ns_root, pids, cmd))
+        # Every tree is stopped now; a later tree ran while an earlier one was dumped and may
+        # have swapped a path the earlier one holds: refuse such a checkpoint at once.
+        await asyncio.get_running_loop().run_in_executor(None, _check_dumped, container, images_dir, trees)
         t_dump = time.perf_counter()
         if while_stopped is not None:
             await while_stopped()
@@ -618,11 +888,12 @@ async def dump(
         _signal_all([p for p in stopped if p not in already_stopped], signal.SIGCONT)
     else:
         _signal_all(stopped, signal.SIGKILL)
-    # The restore runs as the sandbox's root: it must read the images and write its log
-    # (only the CRIU directories: the caller may keep other things, like the files, here).
-    os.chown(images_dir, uid_offset, uid_offset)
+    # The restore runs as the sandbox's root id: it must read the images (through a
+    # detached read-only mount, so no path to them is needed) but write none of them, and
+    # no other id may reach the checkpoint at all (the caller keeps the files here too).
+    os.chmod(images_dir, 0o700)
     for t in trees:
-        await asyncio.get_running_loop().run_in_executor(None, _chown_tree, images_dir / t.dir, uid_offset)
+        await asyncio.get_running_loop().run_in_executor(None, _seal_tree, images_dir / t.dir)
     size = sum(f.stat().st_size for f in images_dir.rglob("*.img"))
     info = CheckpointInfo(
         sandbox=container.id,
@@ -679,19 +950,48 @@ async def restore(
     group.close_fd()
     targets = _cgroup_targets(cgroups, container.id, group.path)
     restored: list[int] = []
+    loop = asyncio.get_running_loop()
+    owner = _host_root_id(container)
+    root = _open_root(container)
     try:
         for tree in info.trees:
             d = images_dir / tree.dir
-            args = ["restore", "-D", "@IMG@", "-o", "restore.log", "--restore-detached", "--unprivileged"]
-            rc = await _run_criu(
-                container, criu, d, [*args, *_COMMON], as_userns_root=True, cgroups=targets, min_pid=min_pid
+            # The paths CRIU opens by name, as the sandbox has them now (restoring in place,
+            # or after an earlier tree of this checkpoint was restored and ran).
+            await loop.run_in_executor(
+                None, check_recorded_paths, d, root, "restore a checkpoint into", container.id
             )
-            if rc != 0:
-                raise _criu_error(d, "restore.log", "restore a checkpoint into", container.id)
+            work = await loop.run_in_executor(None, _make_work_dir, images_dir, tree.dir, owner)
+            try:
+                args = ["restore", "-D", "@IMG@", "-W", "@WORK@", "-o", "restore.log"]
+                rc = await _run_criu(
+                    container,
+                    criu,
+                    d,
+                    [*args, "--restore-detached", "--unprivileged", *_COMMON],
+                    as_userns_root=True,
+                    work=work,
+                    cgroups=targets,
+                    min_pid=min_pid,
+                )
+                if rc != 0:
+                    raise _criu_error(work, "restore.log", "restore a checkpoint into", container.id)
+            finally:
+                await loop.run_in_executor(None, shutil.rmtree, work, True)
             restored.append(tree.root)
+        bad = await loop.run_in_executor(None, _check_restored, container, cgroups)
+        if bad:
+            raise UnsupportedOperation(
+                f"cannot restore a checkpoint into sandbox {container.id}: a restored process holds "
+                f"a file outside the sandbox ({'; '.join(bad[:3])}); the files changed since the "
+                "checkpoint. Restore into a new sandbox from an untouched checkpoint",
+                reason="file_changed",
+            )
     except BaseException:
         await asyncio.get_running_loop().run_in_executor(None, group.remove)  # kills what was restored
         raise
+    finally:
+        os.close(root)
     return restored
 
 

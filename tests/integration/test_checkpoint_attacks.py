@@ -1,0 +1,378 @@
+"""Attacks on memory checkpoints from inside the sandbox.
+
+CRIU restores a process's cwd, root and open files by the paths recorded at dump time, and
+the sandbox controls those paths: it can swap a dumped directory for a symlink after the
+dump (restore in place) or between the dumps of two process trees (the second tree runs
+while the first is dumped, and the file copy is taken after both). A symlink through
+/proc (``/proc/self/cwd/../..``, ``/proc/<criu pid>/cwd/..``) then leads CRIU, which runs in
+the sandbox's pid namespace holding descriptors on host directories, to a host directory.
+And a restored tree runs while the next tree is restored: it can walk CRIU's descriptors
+through /proc itself. Every test here must end with no restored process holding a host
+directory and no host file read; the restore is refused with reason ``file_changed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from dsec import errors
+from dsec.edge import checkpoint as ckpt
+from dsec.models import ExecRequest, SandboxSpec
+
+pytestmark = [pytest.mark.root, pytest.mark.asyncio]
+
+CRIU_DATA = Path(os.environ.get("DSEC_TEST_CRIU_DATA", "/var/lib/dsec"))
+UP = "../" * 24  # more than enough to reach / from any host directory
+
+
+@pytest.fixture(scope="session")
+def criu() -> Path:
+    try:
+        return ckpt.ensure_criu(CRIU_DATA)
+    except errors.UnsupportedOperation as e:
+        pytest.skip(f"CRIU unavailable: {e}")
+
+
+@pytest.fixture
+async def cedge(python_image: str, edge_dirs: dict[str, Path]):
+    """An edge whose data directory sits where the host's does, under world-traversable
+    directories (pytest's own temporary directories are 0700, which would hide the host
+    from the sandbox's mapped root by accident)."""
+    from dsec.config import EdgeSettings
+    from dsec.edge import Edge
+
+    base = Path(f"/var/tmp/dsec-ckpt-test-{secrets.token_hex(4)}")
+    base.mkdir(mode=0o755)
+    e = Edge(
+        EdgeSettings(
+            name="t" + secrets.token_hex(4),
+            reconcile_interval_s=3600,
+            fncall_image="",
+            **{**edge_dirs, "data_dir": base / "data"},
+        )
+    )
+    await e.start()
+    try:
+        yield e
+    finally:
+        await e.close()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def marker(cedge) -> tuple[str, str]:
+    """A host file the sandbox must never read: (its path relative to the host's /, content).
+    World-readable, next to the edge's data directory."""
+    secret = secrets.token_hex(16)
+    path = Path(cedge.settings.data_dir).parent / "host-secret"
+    path.write_text(secret)
+    path.chmod(0o644)
+    return str(path).lstrip("/"), secret
+
+
+# The victim: its cwd is /work/p/lib and it holds /work/e open; once restored it tries to read the
+# host secret relative to wherever its cwd and directory descriptor now are.
+VICTIM = r"""
+import os, sys, time
+rel = "../" * 24 + sys.argv[1]  # from wherever on the host
+os.makedirs("/work/p/lib", exist_ok=True)
+os.makedirs("/work/e", exist_ok=True)
+os.chdir("/work/p/lib")
+dfd = os.open("/work/e", os.O_RDONLY | os.O_DIRECTORY)
+with open("/tmp/victim.pid", "w") as f:
+    f.write(str(os.getpid()))
+while True:
+    by_dirfd = lambda: open(os.open(rel, os.O_RDONLY, dir_fd=dfd))
+    for how, opener in (("cwd", lambda: open(rel)), ("dirfd", by_dirfd)):
+        try:
+            data = opener().read()
+        except OSError:
+            continue
+        with open("/tmp/leak", "a") as f:
+            f.write(f"{how}:{data}\n")
+    time.sleep(0.02)
+"""
+
+# Swaps /work/p (a parent of the victim's cwd) and /work/e for symlinks out of the sandbox:
+# "dump": once the victim (an earlier tree) is dumped and stopped, before this tree is dumped
+# itself (the copy of the files is taken after both dumps); "restore": this tree is dumped
+# first, and swaps as soon as it runs again restored in a new sandbox (its init changed),
+# while the victim's tree waits for its turn.
+SWAPPER = r"""
+import os, shutil, sys, time
+target, when = sys.argv[1], sys.argv[2]
+def start_time(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[19]
+init = start_time(1)
+open("/tmp/swapper.ready", "w").close()
+while not os.path.exists("/tmp/victim.pid"):
+    time.sleep(0.01)
+victim = int(open("/tmp/victim.pid").read())
+while True:
+    if when == "dump":
+        with open(f"/proc/{victim}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                break
+    elif start_time(1) != init:
+        break
+    time.sleep(0.001)
+criu_pid = max(victim, os.getpid()) + 1  # CRIU restores with the pids past every dumped one
+t = target.replace("@CRIU@", str(criu_pid))
+for d, to in (("/work/p", t + "var"), ("/work/e", t)):  # /work/p/lib becomes the host's /var/lib
+    try:
+        os.rename(d, d + ".old")
+    except OSError:  # EXDEV: a directory of a lower layer (restored in a new sandbox)
+        shutil.rmtree(d)
+    os.symlink(to, d)
+open("/tmp/swapped", "w").close()
+time.sleep(3600)
+"""
+
+
+# Restored first, it scans every process it can see while the next tree is restored, and
+# walks up from their cwd, root and descriptors towards the host secret.
+SCANNER = r"""
+import os, sys, time
+rel = sys.argv[1]
+up = "../" * 24
+me = os.getpid()
+open("/tmp/scanner.ready", "w").close()
+while True:
+    for p in os.listdir("/proc"):
+        if not p.isdigit() or int(p) in (1, me):
+            continue
+        links = ["cwd", "root"]
+        try:
+            links += [f"fd/{n}" for n in os.listdir(f"/proc/{p}/fd")]
+        except OSError:
+            pass
+        for link in links:
+            try:
+                data = open(f"/proc/{p}/{link}/{up}{rel}").read()
+            except OSError:
+                continue
+            with open("/tmp/leak", "a") as f:
+                f.write(f"{p}/{link}:{data}\n")
+"""
+
+
+async def put(edge, sid: str, path: str, data: bytes) -> None:
+    r = await edge.exec(sid, ExecRequest(cmd=f"cat > {path}", stdin=data.decode()))
+    assert r.exit_code == 0, r
+
+
+async def run(edge, sid: str, cmd: str) -> None:
+    r = await edge.exec(sid, ExecRequest(cmd=cmd))
+    assert r.exit_code == 0, r
+
+
+async def wait_file(edge, sid: str, path: str, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        r = await edge.exec(sid, ExecRequest(cmd=f"test -e {path}"))
+        if r.exit_code == 0:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{path} never appeared in {sid}")
+
+
+def _mount_ids(pid: int) -> set[int]:
+    with open(f"/proc/{pid}/mountinfo") as f:
+        return {int(line.split()[0]) for line in f}
+
+
+def _mnt_id_of(path: str) -> int | None:
+    try:
+        fd = os.open(path, os.O_PATH)
+    except OSError:
+        return None
+    try:
+        with open(f"/proc/self/fdinfo/{fd}") as f:
+            for line in f:
+                if line.startswith("mnt_id:"):
+                    return int(line.split()[1])
+    finally:
+        os.close(fd)
+    return None
+
+
+def host_holdings(edge, sid: str) -> list[str]:
+    """Every cwd, root or descriptor of a process of the sandbox on a mount the sandbox does
+    not have (a host directory or file, or a detached mount of the platform). The init's
+    handle on the writable layer (fd 5, see dsec-shim.c; it is non-dumpable) is the one
+    expected exception."""
+    sb = edge.sandboxes.get(sid)
+    if sb is None:
+        return []
+    inside = _mount_ids(sb.container.pid)
+    bad = []
+    for d, _, _ in os.walk(edge.cgroups.tracking_dir(sid)):
+        with contextlib.suppress(OSError), open(os.path.join(d, "cgroup.procs")) as f:
+            pids = [int(x) for x in f.read().split()]
+        for pid in (p for p in pids if p != sb.container.pid):
+            links = ["cwd", "root"]
+            with contextlib.suppress(OSError):
+                links += [f"fd/{n}" for n in os.listdir(f"/proc/{pid}/fd")]
+            for link in links:
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/{link}")
+                    if not target.startswith("/") or target.startswith("/memfd:"):
+                        continue  # pipes, sockets, anonymous inodes
+                    mnt = _mnt_id_of(f"/proc/{pid}/{link}")
+                    if mnt is not None and mnt not in inside:
+                        bad.append(f"pid {pid} {link} -> {target} (mount {mnt})")
+    return bad
+
+
+async def leaked(edge, sid: str) -> str:
+    if sid not in edge.sandboxes:
+        return ""
+    await asyncio.sleep(0.5)  # the restored processes look for it every 20 ms
+    r = await edge.exec(sid, ExecRequest(cmd="cat /tmp/leak 2>/dev/null; true"))
+    return r.stdout
+
+
+async def restore_or_refuse(
+    edge, cid: str, *, sandbox_id: str | None = None
+) -> tuple[str | None, str | None]:
+    """(restored sandbox id or None, refusal reason or None)."""
+    try:
+        info = await edge.restore(cid, sandbox_id=sandbox_id)
+    except errors.UnsupportedOperation as e:
+        return None, e.details["reason"]
+    return info.id, None
+
+
+async def start_victim(edge, sid: str, rel: str) -> None:
+    await put(edge, sid, "/tmp/victim.py", VICTIM.encode())
+    await run(edge, sid, f"nohup python3 /tmp/victim.py {rel} > /tmp/victim.log 2>&1 &")
+    await wait_file(edge, sid, "/tmp/victim.pid")
+
+
+@pytest.mark.parametrize(
+    "swap",
+    [
+        # the cwd's parent and the open directory, through CRIU's own cwd (its images directory
+        # on the host): /work/p/lib becomes the host's /var/lib, /work/e the host's /
+        "mv p p.old && mv e e.old && ln -s /proc/self/cwd/{up}var p && ln -s /proc/self/cwd/{up} e",
+        # through thread-self and a `..` chain, only the cwd itself
+        "mv p/lib p/lib.old && ln -s /proc/thread-self/cwd/{up}usr/../var/lib p/lib",
+        # relative symlinks
+        "mv p p.old && mv e e.old && ln -s ../proc/self/cwd/{up}var p"
+        " && ln -s ../../../proc/self/cwd/{up}usr e",
+    ],
+)
+async def test_restore_in_place_refuses_a_directory_swapped_for_a_symlink(cedge, criu, marker, swap):
+    edge = cedge
+    rel, secret = marker
+    sb = await edge.create(SandboxSpec(image="python"))
+    await start_victim(edge, sb.id, rel)
+    c = await edge.checkpoint(sb.id, leave_running=False)
+    await asyncio.sleep(0.2)
+    # after the dump: the recorded cwd and open directory become symlinks out of the sandbox
+    await run(edge, sb.id, "cd /work && " + swap.format(up=UP))
+    restored, reason = await restore_or_refuse(edge, c.id, sandbox_id=sb.id)
+    holdings = host_holdings(edge, sb.id)
+    leak = await leaked(edge, sb.id)
+    assert secret not in leak, leak[:300]
+    assert holdings == []
+    assert reason == "file_changed", (restored, reason)
+    # the sandbox is still usable and holds nothing of the host
+    r = await edge.exec(sb.id, ExecRequest(cmd="echo ok"))
+    assert r.stdout == "ok\n"
+
+
+@pytest.mark.parametrize(
+    ("when", "target"),
+    [
+        ("dump", "/proc/self/cwd/" + UP),
+        ("dump", "/proc/@CRIU@/cwd/" + UP),  # CRIU seen as another process (its pid is predictable)
+        ("restore", "/proc/self/cwd/" + UP),
+        ("restore", "../../proc/thread-self/cwd/" + UP + "etc/..//"),  # relative
+    ],
+)
+async def test_a_swap_between_the_trees_of_a_checkpoint_is_refused(cedge, criu, marker, when, target):
+    edge = cedge
+    rel, secret = marker
+    sb = await edge.create(SandboxSpec(image="python"))
+    await put(edge, sb.id, "/tmp/swapper.py", SWAPPER.encode())
+    swapper = f"nohup python3 /tmp/swapper.py '{target}' {when} > /tmp/swapper.log 2>&1 &"
+    if when == "dump":
+        await start_victim(edge, sb.id, rel)  # tree 0, dumped first
+        await run(edge, sb.id, swapper)
+    else:
+        await run(edge, sb.id, swapper)  # tree 0, restored first
+        await start_victim(edge, sb.id, rel)
+    await wait_file(edge, sb.id, "/tmp/swapper.ready")
+    try:
+        c = await edge.checkpoint(sb.id, leave_running=False)
+    except errors.UnsupportedOperation as e:
+        assert when == "dump" and e.details["reason"] == "file_changed", e
+        r = await edge.exec(sb.id, ExecRequest(cmd="cat /tmp/swapped && pgrep -f victim.py"))
+        assert r.exit_code == 0, r  # the attack landed, and a refused checkpoint left the processes running
+        assert edge.list_checkpoints() == []
+        return
+    assert len(c.trees) == 2
+    if when == "dump":
+        assert (edge._checkpoint_dir(c.id) / "fs" / "work" / "p").is_symlink()  # the attack landed
+    restored, reason = await restore_or_refuse(edge, c.id)
+    try:
+        holdings = host_holdings(edge, restored) if restored else []
+        leak = await leaked(edge, restored) if restored else ""
+        assert secret not in leak, leak[:300]
+        assert holdings == []
+        assert reason == "file_changed", (restored, reason)
+    finally:
+        if restored:
+            await edge.stop(restored)
+    assert not [s for s in edge.sandboxes if s != sb.id]  # a refused restore leaves no sandbox
+
+
+async def test_a_restored_tree_cannot_walk_criu_descriptors_while_the_next_is_restored(cedge, criu, marker):
+    edge = cedge
+    rel, secret = marker
+    sb = await edge.create(SandboxSpec(image="python"))
+    await put(edge, sb.id, "/tmp/scanner.py", SCANNER.encode())
+    await run(edge, sb.id, f"nohup python3 /tmp/scanner.py {rel} > /tmp/scanner.log 2>&1 &")  # tree 0
+    await wait_file(edge, sb.id, "/tmp/scanner.ready")
+    for _ in range(3):  # more trees: each is restored while the scanner runs
+        await run(edge, sb.id, "nohup sleep 3600 > /dev/null 2>&1 &")
+    c = await edge.checkpoint(sb.id, leave_running=False)
+    assert len(c.trees) == 4
+    restored, reason = await restore_or_refuse(edge, c.id)
+    assert reason is None and restored is not None  # nothing was swapped: the restore works
+    try:
+        leak = await leaked(edge, restored)
+        assert secret not in leak, leak[:300]
+        assert host_holdings(edge, restored) == []
+    finally:
+        await edge.stop(restored)
+
+
+async def test_without_the_path_check_criu_still_reaches_no_host_directory(cedge, criu, marker, monkeypatch):
+    """Defence in depth: with the check of the recorded paths switched off, CRIU's view
+    still ends at its detached mounts (their `..` stays put), so the swapped path resolves
+    to nothing of the host; the restore fails or is refused and nothing is held."""
+    edge = cedge
+    rel, secret = marker
+    monkeypatch.setattr(ckpt, "check_recorded_paths", lambda *a, **k: None, raising=False)
+    sb = await edge.create(SandboxSpec(image="python"))
+    await start_victim(edge, sb.id, rel)
+    c = await edge.checkpoint(sb.id, leave_running=False)
+    await asyncio.sleep(0.2)
+    for t in (f"/proc/self/cwd/{UP}var/lib", f"/proc/thread-self/cwd/{UP}"):
+        await run(edge, sb.id, f"cd /work && rm -rf p e && mkdir p && ln -s {t} p/lib && ln -s {t} e")
+        _, reason = await restore_or_refuse(edge, c.id, sandbox_id=sb.id)
+        assert host_holdings(edge, sb.id) == []
+        assert secret not in await leaked(edge, sb.id)
+        assert reason is not None  # CRIU finds nothing there, or the check after the restore refuses
+        await ckpt.kill_user_processes(edge.cgroups, sb.id)
