@@ -15,6 +15,26 @@ __all__ = ["NetRule", "NetworkPolicy"]  # re-exported: part of the wire format
 MiB = 1024 * 1024
 ShortStr = Annotated[str, Field(max_length=256)]
 LabelDict = Annotated[dict[str, str], Field(max_length=64)]
+# The kernel takes at most ~2 MiB of argv + environment in all (and 128 KiB per string): bound
+# the environment well inside that, so too much is a clear 4xx here and not a failure at exec.
+MAX_ENV_VARS = 4096
+MAX_ENV_BYTES = 1 * MiB
+EnvDict = Annotated[dict[str, str], Field(max_length=MAX_ENV_VARS)]
+
+
+def check_env(v: dict[str, str]) -> dict[str, str]:
+    """Environment variables: names without '=' or NUL, values without NUL, bounded in size."""
+    total = 0
+    for k, val in v.items():
+        if not k or "=" in k or "\0" in k or "\0" in val:
+            raise ValueError(f"environment variable name {k[:100]!r} is invalid: no '=' or NUL allowed")
+        total += len(k) + len(val) + 2
+    if total > MAX_ENV_BYTES:
+        raise ValueError(
+            f"the environment holds {total} bytes, over the {MAX_ENV_BYTES}-byte limit: pass large data "
+            "as a file or on stdin"
+        )
+    return v
 
 
 class _Model(BaseModel):
@@ -70,10 +90,7 @@ class SandboxSpec(_Model):
     @field_validator("env")
     @classmethod
     def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
-        for k, val in v.items():
-            if not k or "=" in k or "\0" in k or "\0" in val:
-                raise ValueError(f"environment variable name {k!r} is invalid: no '=' or NUL allowed")
-        return v
+        return check_env(v)
 
 
 class SandboxInfo(_Model):
@@ -105,12 +122,14 @@ class Step(_Model):
 class ExecRequest(_Model):
     cmd: str | list[str] = Field(description="a shell string (run by /bin/sh -c) or an argv list")
     stdin: str | None = Field(None, max_length=64 * MiB)
-    env: dict[str, str] = Field(default_factory=dict)
+    env: EnvDict = Field(default_factory=dict)
     cwd: str | None = None
     user: str | None = None
     timeout: float = Field(60.0, gt=0, le=86400)
     max_output_bytes: int = Field(1 * MiB, ge=0, le=64 * MiB, description="cap per stream")
     step: Step | None = None
+
+    _env = field_validator("env")(check_env)
 
     @field_validator("cmd")
     @classmethod
@@ -145,9 +164,11 @@ class SessionKind(StrEnum):
 
 class SessionCreate(_Model):
     kind: SessionKind = SessionKind.BASH
-    env: dict[str, str] = Field(default_factory=dict)
+    env: EnvDict = Field(default_factory=dict)
     cwd: str | None = None
     user: str | None = None
+
+    _env = field_validator("env")(check_env)
 
 
 class SessionInfo(_Model):

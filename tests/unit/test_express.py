@@ -161,14 +161,17 @@ async def test_lanes_answer_exactly_as_fastapi(tmp_path: Path, monkeypatch: pyte
     taken: list[str] = []
     original = Gate._express
 
-    async def counting(self: Gate, lane: Any, kwargs: Any, scope: Any, receive: Any, send: Any) -> None:
+    async def counting(
+        self: Gate, lane: Any, kwargs: Any, body: Any, scope: Any, receive: Any, send: Any
+    ) -> None:
         taken.append(scope["path"])
-        await original(self, lane, kwargs, scope, receive, send)
+        await original(self, lane, kwargs, body, scope, receive, send)
 
     monkeypatch.setattr(Gate, "_express", counting)
     fast, fast_calls = await _run(tmp_path / "a", lanes=True)
-    # every authenticated request on a lane path took the lane (good input and bad)
-    assert len(taken) == len(REQUESTS) - 2, taken
+    # every authenticated request on a lane path took the lane (good input and bad); the three
+    # with a bad or no token (two bearer, one SandboxFusion path token) were refused before it
+    assert len(taken) == len(REQUESTS) - 3, taken
     taken.clear()
     slow, slow_calls = await _run(tmp_path / "b", lanes=False)
     assert not taken

@@ -88,6 +88,86 @@ def test_rotate_and_delete_invalidate_the_cache(iam: IAM) -> None:
         iam.rotate_token(p.id)
 
 
+def test_rotate_and_revoke_reach_other_processes_at_once(db_path: Path) -> None:
+    """Two apiservers share one IAM file: a token rotated or revoked through one stops working
+    in the other at once, although the other has it cached (TTL 1 h here)."""
+    a = IAM(db_path, auth_cache_ttl_s=3600)
+    b = IAM(db_path, auth_cache_ttl_s=3600)
+    try:
+        a.bootstrap()
+        p, token = a.create_principal("leaky", ["default"])
+        assert b.authenticate(token).id == p.id  # now cached in b
+        new = a.rotate_token(p.id)
+        with pytest.raises(errors.AuthError, match="revoked or was rotated"):
+            b.authenticate(token)
+        assert b.authenticate(new).id == p.id  # cached again
+        a.revoke_token(p.id)
+        with pytest.raises(errors.AuthError):
+            b.authenticate(new)
+        with pytest.raises(errors.AuthError):
+            a.authenticate(new)
+        assert b.find_principal("leaky").id == p.id  # the principal and its grants stay
+        assert b.find_principal(p.id).projects == ["default"]
+        again = b.rotate_token(p.id)  # an admin issues a new one
+        assert a.authenticate(again).name == "leaky"
+        # unrelated writes (reservations) in one process do not empty the other's cache
+        b.authenticate(again)
+        a.reserve("sb-1", "default", 1, 64)
+        hits = b._auth_cache.copy()
+        assert b.authenticate(again).name == "leaky" and b._auth_cache == hits
+        with pytest.raises(errors.NotFound, match="no principal"):
+            a.find_principal("nobody")
+    finally:
+        a.close()
+        b.close()
+
+
+def _reserve_pending_and_hang(db: str, ready: Any) -> None:
+    iam = IAM(Path(db))
+    iam.reserve("pending-crashed", "default", 1, 64, pending=True)
+    ready.set()
+    time.sleep(3600)  # killed by the test: a crashed apiserver mid-create
+
+
+def test_pending_reservations_stay_while_their_create_runs(db_path: Path) -> None:
+    """A create's reservation is never reconciled away while its process lives, however long
+    the create takes; a crashed process's pending reservations are released by the next."""
+    creator = IAM(db_path)
+    reconciler = IAM(db_path)
+    try:
+        creator.bootstrap()
+        creator.set_quota("default", Quota(max_sandboxes=2))
+        creator.reserve("pending-slow", "default", 1, 64, pending=True)
+        time.sleep(0.05)
+        # old behaviour: anything older than the grace and not listed by an edge went
+        assert reconciler.reconcile(set(), older_than_s=0.01) == []
+        assert creator.reconcile(set(), older_than_s=0.01) == []
+        assert reconciler.release_orphaned() == []
+        assert set(reconciler.reservations()) == {"pending-slow"}
+        # the create ends: re-keyed, the grace starts again, then the edges vouch for it
+        creator.rekey("pending-slow", "n0-sandbox")
+        assert reconciler.reconcile(set(), older_than_s=30) == []
+        assert reconciler.reconcile({"n0-sandbox"}, older_than_s=0) == []
+        ctx = multiprocessing.get_context("spawn")
+        ready = ctx.Event()
+        proc = ctx.Process(target=_reserve_pending_and_hang, args=(str(db_path), ready))
+        proc.start()
+        assert ready.wait(60)
+        assert reconciler.release_orphaned() == []  # alive: kept
+        with pytest.raises(errors.QuotaExceeded):
+            reconciler.reserve("third", "default", 1, 64)
+        proc.kill()
+        proc.join(30)
+        assert reconciler.release_orphaned() == ["pending-crashed"]
+        assert set(reconciler.reservations()) == {"n0-sandbox"}
+        assert reconciler.usage("default").sandboxes == 1
+        assert not list((db_path.parent / (db_path.name + ".owners")).iterdir())[1:]  # only creator's
+    finally:
+        creator.close()
+        reconciler.close()
+    assert list((db_path.parent / (db_path.name + ".owners")).iterdir()) == []  # closed: gone
+
+
 def test_principal_validation(iam: IAM) -> None:
     with pytest.raises(errors.NotFound, match="'nope'"):
         iam.create_principal("carol", ["nope"])
@@ -765,9 +845,10 @@ def test_migrates_a_v1_database(db_path: Path) -> None:
         assert again.get_project("team").quota.max_snapshots == 1
     db = sqlite3.connect(str(db_path))
     try:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == 2
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 3
         cols = {r[1] for r in db.execute("PRAGMA table_info(projects)")}
         assert {"max_snapshots", "max_snapshot_mb", "used_snapshots", "used_snapshot_mb"} <= cols
+        assert "owner" in {r[1] for r in db.execute("PRAGMA table_info(reservations)")}
     finally:
         db.close()
 

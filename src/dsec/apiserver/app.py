@@ -35,10 +35,18 @@ from dsec.apiserver.routes import (
     Express,
     Gate,
     Target,
-    bearer,
     install_error_handlers,
     model_response,
     sandbox_router,
+)
+from dsec.apiserver.tenancy import (
+    ApiServerSettings,
+    TenantMetrics,
+    Visibility,
+    make_guard,
+    metrics_scope,
+    tenant_edge,
+    tenant_layer,
 )
 from dsec.compat.sandboxfusion import sandboxfusion_router
 from dsec.compat.swerex import swerex_router
@@ -136,14 +144,19 @@ class Metrics:
 
 
 class EventBus:
-    """Lifecycle events for SSE subscribers; slow subscribers lose old events, never block creates."""
+    """Lifecycle events for SSE subscribers; slow subscribers lose old events, never block creates.
+    Each subscriber sees only events of its projects (None: all); an event without a project
+    reaches admins only."""
 
     def __init__(self) -> None:
-        self.subscribers: set[asyncio.Queue[dict[str, Any]]] = set()
+        self.subscribers: dict[asyncio.Queue[dict[str, Any]], set[str] | None] = {}
 
     def publish(self, kind: str, **data: Any) -> None:
         event = {"type": kind, "time": time.time(), **data}
-        for q in list(self.subscribers):
+        project = data.get("project")
+        for q, scope in list(self.subscribers.items()):
+            if scope is not None and project not in scope:
+                continue
             if q.full():
                 with contextlib.suppress(asyncio.QueueEmpty):
                     q.get_nowait()
@@ -170,7 +183,9 @@ def create_api_app(
     extra_lifespan: Callable[[], Awaitable[None]] | None = None,
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
     compat_auth: bool = True,
+    settings: ApiServerSettings | None = None,
 ) -> FastAPI:
+    settings = settings or ApiServerSettings()
     directory = EdgeDirectory(poll_interval_s=poll_interval_s)
     for e in local_edges or []:
         directory.add(e)
@@ -184,7 +199,9 @@ def create_api_app(
             await extra_lifespan()
         await directory.poll_once()
         directory.start()
-        reconcile = asyncio.create_task(_reconcile_quota(st))
+        reconcile = asyncio.create_task(
+            _reconcile_quota(st, settings.reconcile_interval_s, settings.reservation_grace_s)
+        )
         try:
             yield
         finally:
@@ -204,7 +221,8 @@ def create_api_app(
     app.state.dsec = st
     install_error_handlers(app)
     express = Express()
-    _install_gate(app, iam, max_body, express)
+    guard = make_guard(iam, cluster_token, compat_auth=compat_auth, metrics_token=settings.metrics_secret())
+    app.add_middleware(Gate, limit=max_body, guard=guard, express=express)
 
     def principal(request: Request) -> Principal:
         cached = getattr(request.state, "principal", None)
@@ -239,6 +257,7 @@ def create_api_app(
     _install_state_routes(app, st, principal)
     _install_checkpoint_routes(app, st, principal)
     _install_image_pool_routes(app, st, principal, require_admin)
+    _install_pool_routes(app, st, principal, require_admin)
     _install_edge_routes(app, st, principal)
     _install_iam_routes(app, st, principal, require_admin)
 
@@ -247,19 +266,6 @@ def create_api_app(
         return JSONResponse(exc.to_wire(), status_code=exc.status, headers={"WWW-Authenticate": "Bearer"})
 
     return app
-
-
-def _install_gate(app: FastAPI, iam: IAM, max_body: int, express: Express) -> None:
-    """Body limit, then authentication of every guarded /v1 call before its body is
-    parsed: a caller without a valid token learns nothing about what its request would do."""
-    open_paths = {"/v1/health", "/v1/version", "/v1/edges/register", "/v1/ping"}
-
-    def guard(scope: dict[str, Any]) -> None:
-        path: str = scope["path"]
-        if path.startswith("/v1/") and path not in open_paths:
-            scope.setdefault("state", {})["principal"] = iam.authenticate(bearer(scope))
-
-    app.add_middleware(Gate, limit=max_body, guard=guard, express=express)
 
 
 def _install_fncall_routes(
@@ -303,7 +309,9 @@ def _install_fncall_routes(
 
 
 def _install_public_routes(app: FastAPI, st: ApiServerState) -> None:
-    """Health, version and metrics: no token needed."""
+    """Health and version: no token needed, nothing about any tenant. Metrics: an admin token
+    or the metrics token sees every series; a tenant's token sees none per project and none
+    naming another project's snapshot."""
     directory = st.directory
 
     # --- public, unauthenticated ---------------------------------------------------
@@ -318,11 +326,14 @@ def _install_public_routes(app: FastAPI, st: ApiServerState) -> None:
         return {"version": __version__}
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
+    async def metrics(request: Request) -> PlainTextResponse:
+        view = metrics_scope(request.scope)  # set by the gate, which authenticated the caller
         _refresh_gauges(st)
-        return PlainTextResponse(
-            generate_latest(st.metrics.registry).decode(), media_type="text/plain; version=0.0.4"
-        )
+        registry: Any = st.metrics.registry
+        if view != "all":
+            p = request.state.principal
+            registry = TenantMetrics(registry, await _visibility(st, st.iam.visible_projects(p)))
+        return PlainTextResponse(generate_latest(registry).decode(), media_type="text/plain; version=0.0.4")
 
 
 def respond_then(response: Response, after: list[Callable[[], None]]) -> Response:
@@ -356,7 +367,7 @@ def _install_sandbox_routes(
         iam.authorize(p, spec.project)
         key = f"pending-{secrets.token_hex(8)}"
         try:
-            iam.reserve(key, spec.project, spec.cpu, spec.memory_mb)
+            iam.reserve(key, spec.project, spec.cpu, spec.memory_mb, pending=True)
         except errors.QuotaExceeded:
             st.metrics.failures.labels("create", "quota").inc()
             raise
@@ -440,7 +451,7 @@ def _install_state_routes(app: FastAPI, st: ApiServerState, principal: _Principa
         reserved: list[str] = []
         try:
             for key in keys:
-                iam.reserve(key, source.spec.project, source.spec.cpu, source.spec.memory_mb)
+                iam.reserve(key, source.spec.project, source.spec.cpu, source.spec.memory_mb, pending=True)
                 reserved.append(key)
             infos = await edge.fork(sid, body.n, scope)
         except BaseException:
@@ -449,7 +460,14 @@ def _install_state_routes(app: FastAPI, st: ApiServerState, principal: _Principa
             raise
         for key, info in zip(keys, infos, strict=True):
             iam.rekey(key, info.id)
-            st.events.publish("created", id=info.id, edge=info.edge, image=info.spec.image, fork_of=sid)
+            st.events.publish(
+                "created",
+                id=info.id,
+                edge=info.edge,
+                image=info.spec.image,
+                project=info.spec.project,
+                fork_of=sid,
+            )
         return {"sandboxes": [i.model_dump(mode="json") for i in infos]}
 
     @app.post("/v1/projects/{project}/pause")
@@ -551,14 +569,21 @@ def _install_checkpoint_routes(app: FastAPI, st: ApiServerState, principal: _Pri
         if ck is None:
             raise errors.CheckpointNotFound(f"there is no checkpoint {cid} in your projects")
         key = f"pending-{secrets.token_hex(8)}"
-        iam.reserve(key, ck.project, ck.cpu, ck.memory_mb)
+        iam.reserve(key, ck.project, ck.cpu, ck.memory_mb, pending=True)
         try:
             info = await edge.restore(cid, body, scope)
         except BaseException:
             iam.release(key)
             raise
         iam.rekey(key, info.id)
-        st.events.publish("created", id=info.id, edge=info.edge, image=info.spec.image, restored_from=cid)
+        st.events.publish(
+            "created",
+            id=info.id,
+            edge=info.edge,
+            image=info.spec.image,
+            project=ck.project,
+            restored_from=cid,
+        )
         return model_response(info, 201)
 
     @app.delete("/v1/checkpoints/{cid}", status_code=204)
@@ -579,8 +604,8 @@ def _install_sandbox_stop_routes(
         await edge.stop(sid, iam.visible_projects(p))
 
         def account() -> None:
-            iam.release(sid)
-            st.events.publish("stopped", id=sid, edge=edge.name)
+            project = iam.release(sid)
+            st.events.publish("stopped", id=sid, edge=edge.name, project=project)
 
         if after is None:
             account()
@@ -625,22 +650,30 @@ def _install_image_pool_routes(
 
     @app.get("/v1/images")
     async def images(request: Request) -> dict[str, Any]:
-        principal(request)
+        """Shared images for everyone; a snapshot only for its own project (and admins)."""
+        vis = await _visibility(st, iam.visible_projects(principal(request)))
         seen: dict[str, dict[str, Any]] = {}
         for e in directory.all():
             with contextlib.suppress(errors.DsecError):
                 for img in await e.images():
-                    seen.setdefault(img["name"], {**img, "edges": []})["edges"].append(e.name)
+                    if vis.image(img["name"]):
+                        seen.setdefault(img["name"], {**img, "edges": []})["edges"].append(e.name)
         return {"images": list(seen.values())}
 
     @app.get("/v1/layers")
     async def layers(request: Request) -> dict[str, Any]:
-        principal(request)
+        """Admins: every layer. Tenants: the layers of the images they see, without other
+        sandboxes' ids, scrubbed paths or import paths."""
+        vis = await _visibility(st, iam.visible_projects(principal(request)))
         seen: dict[str, dict[str, Any]] = {}
         for e in directory.all():
             with contextlib.suppress(errors.DsecError):
                 for layer in await e.layers():
-                    seen.setdefault(f"{layer['name']}@{layer['version']}", layer)
+                    ref = f"{layer['name']}@{layer['version']}"
+                    if vis.scope is None:
+                        seen.setdefault(ref, layer)
+                    elif vis.layer(ref):
+                        seen.setdefault(ref, tenant_layer(layer))
         return {"layers": list(seen.values())}
 
     @app.post("/v1/images/build")
@@ -658,13 +691,25 @@ def _install_image_pool_routes(
         await directory.poll_once()
         return results[0] if results else {}
 
+
+def _install_pool_routes(
+    app: FastAPI, st: ApiServerState, principal: _PrincipalFn, require_admin: _PrincipalFn
+) -> None:
+    """Warm pools across every edge: configured and prewarmed by admins only."""
+    iam, directory = st.iam, st.directory
+
     @app.get("/v1/pools")
     async def pools(request: Request) -> dict[str, Any]:
-        principal(request)
+        """Warm pools of the images the caller sees."""
+        vis = await _visibility(st, iam.visible_projects(principal(request)))
         out = []
         for e in directory.all():
             with contextlib.suppress(errors.DsecError):
-                out += [{"edge": e.name, **i.model_dump(mode="json")} for i in await e.pools()]
+                out += [
+                    {"edge": e.name, **i.model_dump(mode="json")}
+                    for i in await e.pools()
+                    if vis.image(i.spec.image)
+                ]
         return {"pools": out}
 
     @app.post("/v1/pools")
@@ -675,8 +720,9 @@ def _install_image_pool_routes(
 
     @app.post("/v1/pools/prewarm")
     async def prewarm(body: PrewarmRequest, request: Request) -> dict[str, Any]:
-        p = principal(request)
-        iam.authorize(p, body.spec.project)
+        """Admins only: pooled sandboxes belong to no project, so they count against no quota
+        (a tenant's create that takes one from a pool is admitted like any other)."""
+        require_admin(request)
         spec = PoolSpec(**body.spec.model_dump(include=set(PoolSpec.model_fields) - {"min_size", "max_size"}))
         edges = [v.api for v in directory.candidates(body.spec)]
         share, extra = divmod(body.count, max(len(edges), 1))
@@ -692,14 +738,18 @@ def _install_edge_routes(app: FastAPI, st: ApiServerState, principal: _Principal
 
     @app.get("/v1/edges")
     async def edges(request: Request) -> dict[str, Any]:
-        principal(request)
-        return {"edges": [v.status.model_dump(mode="json") for v in directory.views.values() if v.status]}
+        """Admins: every edge's status. Tenants: without other projects, their snapshots and
+        sandbox ids, or the edges' internal addresses."""
+        scope = st.iam.visible_projects(principal(request))
+        statuses = [v.status for v in directory.views.values() if v.status]
+        if scope is None:
+            return {"edges": [s.model_dump(mode="json") for s in statuses]}
+        vis = await _visibility(st, scope)
+        return {"edges": [tenant_edge(s, vis) for s in statuses]}
 
     @app.post("/v1/edges/register")
     async def register(body: RegisterEdge, request: Request) -> dict[str, str]:
-        auth = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not secrets.compare_digest(auth.encode(), cluster_token.encode()):
-            raise errors.AuthError("edge registration needs the cluster token")
+        # the gate checked the cluster token before the body was read
         view = directory.add(HttpEdge(body.name, body.url, cluster_token))
         if view.status is None:
             with contextlib.suppress(Exception):
@@ -708,9 +758,9 @@ def _install_edge_routes(app: FastAPI, st: ApiServerState, principal: _Principal
 
     @app.get("/v1/events")
     async def events(request: Request) -> StreamingResponse:
-        principal(request)
+        """Lifecycle events of the caller's projects (admins: all)."""
         q: asyncio.Queue[dict[str, Any]] = asyncio.Queue(maxsize=1000)
-        st.events.subscribers.add(q)
+        st.events.subscribers[q] = st.iam.visible_projects(principal(request))
 
         async def body() -> AsyncIterator[bytes]:
             try:
@@ -722,7 +772,7 @@ def _install_edge_routes(app: FastAPI, st: ApiServerState, principal: _Principal
                     except TimeoutError:
                         yield b": keep-alive\n\n"
             finally:
-                st.events.subscribers.discard(q)
+                st.events.subscribers.pop(q, None)
 
         return StreamingResponse(body(), media_type="text/event-stream")
 
@@ -758,6 +808,65 @@ def _install_iam_routes(
         require_admin(request)
         p, token = iam.create_principal(body.name, body.projects, admin=body.admin)
         return {"principal": p.model_dump(mode="json"), "token": token}
+
+    # --- tokens: an admin revokes or rotates anyone's; a principal its own -----------------
+
+    @app.get("/v1/principals")
+    async def list_principals(request: Request) -> dict[str, Any]:
+        require_admin(request)
+        return {"principals": [x.model_dump(mode="json") for x in iam.list_principals()]}
+
+    @app.get("/v1/principals/me")
+    async def whoami(request: Request) -> dict[str, Any]:
+        return {"principal": principal(request).model_dump(mode="json")}
+
+    @app.post("/v1/principals/{who}/rotate")
+    async def rotate_principal(who: str, request: Request) -> dict[str, Any]:
+        """A new token for `who` (a name or id), returned once; the old one stops working at once."""
+        require_admin(request)
+        target = iam.find_principal(who)
+        token = iam.rotate_token(target.id)
+        return {"principal": target.model_dump(mode="json"), "token": token}
+
+    @app.post("/v1/principals/{who}/revoke")
+    async def revoke_principal(who: str, request: Request) -> dict[str, Any]:
+        """`who`'s token stops working at once; it gets no new one (rotate issues one)."""
+        me = require_admin(request)
+        target = iam.find_principal(who)
+        if target.id == me.id:
+            raise errors.InvalidRequest(
+                "an admin cannot revoke its own token here (nobody could issue a new one): "
+                "rotate it with POST /v1/token/rotate, or revoke it with another admin's token"
+            )
+        iam.revoke_token(target.id)
+        return {"principal": target.model_dump(mode="json"), "revoked": True}
+
+    @app.post("/v1/token/rotate")
+    async def rotate_own(request: Request) -> dict[str, Any]:
+        """Replace the caller's own token: the new one is returned once, the one that made this
+        call stops working at once."""
+        me = principal(request)
+        return {"principal": me.model_dump(mode="json"), "token": iam.rotate_token(me.id)}
+
+    @app.post("/v1/token/revoke")
+    async def revoke_own(request: Request) -> dict[str, Any]:
+        """Revoke the caller's own token (a leaked one): an admin can issue a new one."""
+        me = principal(request)
+        iam.revoke_token(me.id)
+        return {"principal": me.model_dump(mode="json"), "revoked": True}
+
+
+async def _visibility(st: ApiServerState, scope: set[str] | None) -> Visibility:
+    """What `scope` may see of the edges' images and layers (admins, scope None: everything)."""
+    if scope is None:
+        return Visibility(None, [], [])
+    images: list[dict[str, Any]] = []
+    snapshots: list[dict[str, Any]] = []
+    for e in st.directory.all():
+        with contextlib.suppress(errors.DsecError):
+            images += await e.images()
+            snapshots += await e.snapshots(None)
+    return Visibility(scope, images, snapshots)
 
 
 async def _candidates(st: ApiServerState, spec: SandboxSpec) -> list[EdgeView]:
@@ -824,10 +933,15 @@ def _refresh_gauges(st: ApiServerState) -> None:
     m.edges.set(healthy)
 
 
-async def _reconcile_quota(st: ApiServerState) -> None:
-    """Release reservations of sandboxes no edge reports any more (TTL reaping, crashes)."""
+async def _reconcile_quota(st: ApiServerState, interval_s: float, grace_s: float) -> None:
+    """Release reservations of sandboxes no edge reports any more (TTL reaping, crashes) and
+    those of creates whose apiserver died mid-way. A create in flight keeps its reservation
+    however long it takes: only its own success (re-keyed to the sandbox) or failure
+    (released) ends it."""
     while True:
-        await asyncio.sleep(10.0)
+        with contextlib.suppress(Exception):
+            st.iam.release_orphaned()
+        await asyncio.sleep(interval_s)
         live: set[str] = set()
         complete = True
         for e in st.directory.all():
@@ -836,4 +950,4 @@ async def _reconcile_quota(st: ApiServerState) -> None:
             except Exception:
                 complete = False
         if complete:
-            st.iam.reconcile(live)
+            st.iam.reconcile(live, older_than_s=grace_s)

@@ -137,54 +137,91 @@ class Express:
 
 
 class Gate:
-    """Checks that run before any body is read: size limit, then an optional guard
-    (authentication) that raises a DsecError; then the express lanes, if any. Plain ASGI
-    on purpose: Starlette's BaseHTTPMiddleware costs an extra task and stream per request
-    (~0.3 ms each)."""
+    """Checks that run before any body is read: the declared size, then an optional guard
+    (authentication) that raises a DsecError; then the body is read under its route's cap
+    (`caps`), whatever the framing (chunked bodies have no content-length): a JSON body (or
+    one without a content type, which FastAPI parses as JSON) is read whole, checked for text
+    JSON cannot carry (lone UTF-16 surrogates) and replayed; any other body streams through a
+    counter that answers 413 the moment it passes the cap. Then the express lanes, if any.
+    Plain ASGI on purpose: Starlette's BaseHTTPMiddleware costs an extra task and stream per
+    request (~0.3 ms each)."""
 
-    def __init__(self, app: Any, *, limit: int, guard: Guard | None = None, express: Express | None = None):
+    def __init__(
+        self,
+        app: Any,
+        *,
+        limit: int,
+        guard: Guard | None = None,
+        express: Express | None = None,
+        caps: Callable[[str, str, int], int] | None = None,
+    ):
         self.app = app
         self.limit = limit
         self.guard = guard
         self.express = express
+        self.caps = caps or body_cap
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        has_body = _has_body(scope)
+        try:
+            cap = self._check(scope)
+        except errors.DsecError as err:
+            await reject(err, scope, send, close=has_body)
+            return
+        body: bytes | None = None
+        if has_body and _json_or_untyped(scope):
+            body = await self._read(scope, receive, send, cap)
+            if body is None:
+                return
             try:
-                self._check(scope)
+                check_json_text(body)
             except errors.DsecError as err:
-                await error_response(err)(scope, receive, send)
+                await reject(err, scope, send)
                 return
-            hit = self.express.match(scope) if self.express is not None else None
-            if hit is not None:
-                await self._express(hit[0], hit[1], scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+            receive = _replay(body, receive)
+        hit = self.express.match(scope) if self.express is not None else None
+        if hit is not None:
+            await self._express(hit[0], hit[1], body, scope, receive, send)
+        elif has_body and body is None:
+            await _Limited(self.app, cap)(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    async def _read(self, scope: dict[str, Any], receive: Any, send: Any, cap: int) -> bytes | None:
+        """The whole body, or None once answered (over `cap`) or when the client went away."""
+        body = bytearray()
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return None
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > cap:
+                await reject(_too_large(cap), scope, send, close=more)
+                return None
+        return bytes(body)
 
     async def _express(
-        self, lane: Lane, kwargs: dict[str, Any], scope: dict[str, Any], receive: Any, send: Any
+        self,
+        lane: Lane,
+        kwargs: dict[str, Any],
+        body: bytes | None,
+        scope: dict[str, Any],
+        receive: Any,
+        send: Any,
     ) -> None:
         if lane.body is not None:
-            if not _json_content(scope):
+            if body is None or not _json_content(scope):
                 await self.app(scope, receive, send)
                 return
-            body = bytearray()
-            more = True
-            while more:
-                message = await receive()
-                if message["type"] != "http.request":  # the client went away
-                    return
-                body += message.get("body", b"")
-                more = message.get("more_body", False)
-                if len(body) > self.limit:
-                    await error_response(
-                        errors.PayloadTooLarge(f"request body exceeds the {self.limit}-byte limit")
-                    )(scope, receive, send)
-                    return
             try:
                 kwargs[lane.body_arg] = lane.body.model_validate_json(body)
             except ValidationError:
-                await self.app(scope, _replay(bytes(body), receive), send)  # FastAPI's own errors
+                await self.app(scope, receive, send)  # FastAPI's own errors (the body is replayed)
                 return
         request = Request(scope, receive)
         try:
@@ -197,17 +234,133 @@ class Gate:
             response = await answer if inspect.isawaitable(answer) else answer
         await response(scope, receive, send)
 
-    def _check(self, scope: dict[str, Any]) -> None:
-        path: str = scope["path"]
-        cap = MAX_ARCHIVE if path.endswith("/archive") or "/images/import" in path else self.limit
+    def _check(self, scope: dict[str, Any]) -> int:
+        """The body cap of this request; raises when the declared length exceeds it or the
+        guard refuses the caller."""
+        cap = self.caps(scope["method"], scope["path"], self.limit)
         for name, value in scope["headers"]:
             if name == b"content-length" and value.isdigit() and int(value) > cap:
                 raise errors.PayloadTooLarge(
-                    f"request body of {int(value)} bytes exceeds the {cap}-byte limit; "
-                    "send large files as an archive upload"
+                    f"request body of {int(value)} bytes exceeds the {cap}-byte limit of this route; "
+                    "send large files as an archive upload",
+                    limit=cap,
                 )
         if self.guard is not None:
             self.guard(scope)
+        return cap
+
+
+class _Limited:
+    """Runs the app with a receive channel that counts body bytes: past `cap` the caller gets
+    413 (if nothing was answered yet), the app sees a disconnect and whatever it answers
+    after that is dropped."""
+
+    def __init__(self, app: Any, cap: int) -> None:
+        self.app = app
+        self.cap = cap
+        self.seen = 0
+        self.tripped = False
+        self.started = False
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        async def limited_receive() -> dict[str, Any]:
+            if self.tripped:
+                return {"type": "http.disconnect"}
+            message: dict[str, Any] = await receive()
+            if message["type"] == "http.request":
+                self.seen += len(message.get("body", b""))
+                if self.seen > self.cap:
+                    self.tripped = True
+                    if not self.started:
+                        self.started = True
+                        await reject(_too_large(self.cap), scope, send, close=message.get("more_body", False))
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message: dict[str, Any]) -> None:
+            if self.tripped:
+                return
+            if message["type"] == "http.response.start":
+                self.started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not self.tripped:
+                raise  # the app's own failure; a cut-off body is answered already
+
+
+# Routes whose bodies may be large (file contents, stdin, code, archives); every other route
+# takes a small JSON document (a spec, a policy, a list of ids).
+SMALL_BODY = 4 * 1024 * 1024
+_LARGE_BODY = re.compile(
+    r"^(?:/v1/sandboxes/[^/]+/(?:exec|exec/stream|verify|files|files/edit|sessions/[^/]+/run)"
+    r"|/v1/fncall/(?:run|jupyter)|/run_code|/run_jupyter|/sandboxfusion/[^/]+/run_(?:code|jupyter)"
+    r"|/swerex/.*)$"
+)
+
+
+def body_cap(method: str, path: str, limit: int) -> int:
+    """The most bytes a request body to `path` may carry."""
+    if path.endswith("/archive") or path == "/v1/images/import":
+        return max(MAX_ARCHIVE, limit)
+    if _LARGE_BODY.match(path):
+        return limit
+    return min(limit, SMALL_BODY)
+
+
+def _too_large(cap: int) -> errors.PayloadTooLarge:
+    return errors.PayloadTooLarge(
+        f"request body exceeds the {cap}-byte limit of this route; send less, or large files as an "
+        "archive upload",
+        limit=cap,
+    )
+
+
+async def reject(err: errors.DsecError, scope: dict[str, Any], send: Any, *, close: bool = False) -> None:
+    """Answer `err` without reading the body. `close`: the client may still be sending one,
+    so the connection ends after the answer instead of reading (and discarding) the rest."""
+    response = error_response(err)
+    if scope["path"].startswith("/swerex/"):  # SWE-ReX clients read FastAPI's {"detail": ...}
+        detail = f"Invalid API Key: {err.message}" if type(err) is errors.AuthError else err.message
+        response = JSONResponse({"detail": detail, **err.to_wire()}, status_code=err.status)
+    if close:
+        response.headers["connection"] = "close"
+
+    async def no_body() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    await response(scope, no_body, send)
+
+
+_SURROGATE = re.compile(rb"(?<!\\)((?:\\\\)*)\\u[dD]([89abAB]|[c-fC-F])[0-9a-fA-F]{2}")
+
+
+def check_json_text(body: bytes) -> None:
+    """Refuse JSON text that names a lone UTF-16 surrogate (``"\\ud800"``): no valid string
+    holds one, and it would fail later, when the text is encoded for the sandbox."""
+    if b"\\u" not in body:
+        return
+    expect_low_at = -1  # where the low half of the pair just begun must start
+    for m in _SURROGATE.finditer(body):
+        start = m.start() + len(m.group(1))
+        high = m.group(2) in b"89abAB"
+        if expect_low_at >= 0:
+            if high or start != expect_low_at:
+                break  # a high surrogate not followed by a low one
+            expect_low_at = -1
+        elif high:
+            expect_low_at = m.end()
+        else:
+            break  # a low surrogate with no high one before it
+    else:
+        if expect_low_at < 0:
+            return
+    raise errors.InvalidRequest(
+        "the JSON body contains a lone UTF-16 surrogate escape (such as \\ud800): strings must be "
+        "valid Unicode; send binary data base64-encoded"
+    )
 
 
 def _exception_handler(scope: dict[str, Any], exc: Exception) -> Callable[..., Any] | None:
@@ -226,6 +379,23 @@ def _json_content(scope: dict[str, Any]) -> bool:
         if name == b"content-type":
             media: bytes = value.split(b";", 1)[0].strip().lower()
             return media == b"application/json" or media.endswith(b"+json")
+    return False
+
+
+def _json_or_untyped(scope: dict[str, Any]) -> bool:
+    """A body FastAPI would parse as JSON: a JSON media type, or none at all."""
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            media: bytes = value.split(b";", 1)[0].strip().lower()
+            return media == b"application/json" or media.endswith(b"+json")
+    return True
+
+
+def _has_body(scope: dict[str, Any]) -> bool:
+    """Whether the request says a body follows (HTTP/1.1: a length or chunked framing)."""
+    for name, value in scope["headers"]:
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() not in (b"0", b"")):
+            return True
     return False
 
 

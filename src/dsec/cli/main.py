@@ -21,8 +21,12 @@ image_app = typer.Typer(
     help="Build, import and list images (on this machine's layer store).", no_args_is_help=True
 )
 sandbox_app = typer.Typer(help="Create, list, run in and remove sandboxes.", no_args_is_help=True)
+token_app = typer.Typer(
+    help="Rotate or revoke API tokens (a leaked one, a departing user's).", no_args_is_help=True
+)
 app.add_typer(image_app, name="image")
 app.add_typer(sandbox_app, name="sandbox")
+app.add_typer(token_app, name="token")
 console = Console()
 err_console = Console(stderr=True)
 
@@ -289,6 +293,69 @@ def sandbox_rm(sandbox_ids: list[str]) -> None:
             c.stop_many(sandbox_ids)
     except errors.DsecError as e:
         _fail(e)
+
+
+# --- tokens ----------------------------------------------------------------------------------
+
+Who = Annotated[
+    str | None,
+    typer.Argument(help="a principal's name or id (admins only); default: your own token"),
+]
+
+
+def _save_own_token(token: str) -> Path | None:
+    """Put a rotated own token where the SDK found the old one: the config file, unless the
+    token came from DSEC_TOKEN (then the caller must update that)."""
+    from dsec.client.config import config_path
+
+    if os.environ.get("DSEC_TOKEN"):
+        return None
+    path = config_path()
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    data["token"] = token
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+    return path
+
+
+@token_app.command("rotate")
+def token_rotate(principal: Who = None, as_json: JsonOut = False) -> None:
+    """Issue a new token; the old one stops working at once. Your own token (no PRINCIPAL) is
+    also written to the client config file it came from."""
+    try:
+        with _client() as c:
+            token = c.rotate_token(principal)
+    except errors.DsecError as e:
+        _fail(e)
+    saved = _save_own_token(token) if principal is None else None
+    if as_json:
+        print(json.dumps({"principal": principal, "token": token, "config": str(saved) if saved else None}))
+        return
+    print(token)
+    if saved is not None:
+        err_console.print(f"the new token is in {saved}")
+    elif principal is None:
+        err_console.print("update DSEC_TOKEN: the old token no longer works")
+
+
+@token_app.command("revoke")
+def token_revoke(principal: Who = None) -> None:
+    """Revoke a token at once: PRINCIPAL's (admins only) or your own. An admin can issue a new
+    one with `dsec token rotate PRINCIPAL`."""
+    try:
+        with _client() as c:
+            c.revoke_token(principal)
+    except errors.DsecError as e:
+        _fail(e)
+    err_console.print(f"revoked the token of {principal or 'this client'}")
 
 
 @app.command()

@@ -225,6 +225,21 @@ class AsyncClient:
     async def version(self) -> str:
         return await self._call(_base.version())
 
+    async def rotate_token(self, principal: str | None = None) -> str:
+        """A new token for `principal` (a name or id; admins only) or, by default, for the
+        caller. It is returned only here; the old one stops working at once, so a client that
+        rotated its own token needs a new Client with the new one."""
+        return await self._call(_base.rotate_token(principal))
+
+    async def revoke_token(self, principal: str | None = None) -> None:
+        """Revoke `principal`'s token (admins only) or, by default, the caller's own (a leaked
+        one): it stops working at once; an admin can issue a new one with rotate_token."""
+        await self._call(_base.revoke_token(principal))
+
+    async def whoami(self) -> dict[str, Any]:
+        """The principal this client's token belongs to: its id, name, admin flag, projects."""
+        return await self._call(_base.whoami())
+
     async def pause_project(self, project: str) -> builtins.list[str]:
         """Pause every sandbox of a project (a preempted job) in one call; their ids."""
         return await self._call(_base.pause_project(project))

@@ -649,6 +649,32 @@ def prewarm(count: int, spec: SandboxSpec) -> Call[dict[str, Any]]:
     return Call(Request("POST", "/v1/pools/prewarm", json={"spec": _dump(spec), "count": count}), _json)
 
 
+def _principal_path(principal: str | None, action: str) -> str:
+    if principal is None:
+        return f"/v1/token/{action}"  # the caller's own token
+    if not principal or "/" in principal or "\0" in principal:
+        raise errors.InvalidRequest(f"principal {principal!r} must be a principal's name or id")
+    return f"/v1/principals/{principal}/{action}"
+
+
+def rotate_token(principal: str | None) -> Call[str]:
+    def parse(response: httpx.Response) -> str:
+        return str(response.json()["token"])
+
+    return Call(Request("POST", _principal_path(principal, "rotate")), parse)
+
+
+def revoke_token(principal: str | None) -> Call[None]:
+    return Call(Request("POST", _principal_path(principal, "revoke")), _none)
+
+
+def whoami() -> Call[dict[str, Any]]:
+    def parse(response: httpx.Response) -> dict[str, Any]:
+        return dict(response.json()["principal"])
+
+    return Call(Request("GET", "/v1/principals/me", idempotent=True), parse)
+
+
 # --------------------------------------------------------------------------- transport
 
 

@@ -5,9 +5,20 @@ Design notes
 * One connection per :class:`IAM` (``check_same_thread=False``) guarded by a :class:`threading.Lock`;
   several processes may open the same file (WAL mode, ``busy_timeout``).
 * Tokens are ``"dsec_" + secrets.token_urlsafe(32)``; only their SHA-256 (hex) is stored.
-  :meth:`IAM.authenticate` keeps ``hash -> principal`` in memory; entries are dropped at once on
-  :meth:`IAM.rotate_token` / :meth:`IAM.delete_principal` in this process and expire after
-  ``auth_cache_ttl_s`` so changes made by other processes are seen within that bound.
+  :meth:`IAM.authenticate` keeps ``hash -> principal`` in memory for ``auth_cache_ttl_s``.
+  :meth:`IAM.rotate_token`, :meth:`IAM.revoke_token` and :meth:`IAM.delete_principal` bump an
+  *auth epoch* (table ``meta``) in the same transaction; every authentication first asks SQLite
+  whether any other connection wrote the file since it last looked (``PRAGMA data_version``,
+  no I/O) and, if so, re-reads the epoch: a changed epoch empties the cache, so a revoked or
+  rotated token stops working at once in every process that shares the database. A revoked
+  principal keeps its grants but has no token (its hash is replaced by a value no token hashes
+  to) until an admin rotates it a new one.
+* A create's reservation is *pending* (``owner`` = the creating process) until the create ends:
+  re-keyed to the sandbox id on success, released on failure. The reconciler never releases a
+  pending reservation of a live process, however long the create takes; a process holds an
+  exclusive ``flock`` on ``<db>.owners/<owner>`` while it lives, so another process (or its
+  successor after a crash) sees the lock gone and releases what it left pending
+  (:meth:`IAM.release_orphaned`). SQLite in WAL mode is one host only, and so are these locks.
 * Projects form a tree (a project's parent never changes and projects are never deleted, so
   ``(name, parent)`` is immutable once written). Each project row carries the *recursive* usage
   of its subtree (``used_*`` columns), kept in step with the ``reservations`` table inside the same
@@ -27,9 +38,12 @@ Design notes
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import hmac
 import math
+import os
 import re
 import secrets
 import sqlite3
@@ -43,6 +57,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from dsec.errors import AuthError, Conflict, Forbidden, InvalidRequest, NotFound, QuotaExceeded
+from dsec.privatefs import private_file
 
 __all__ = ["IAM", "Principal", "Project", "Quota", "Usage"]
 
@@ -53,7 +68,11 @@ TOKEN_PREFIX = "dsec_"
 _PROJECT_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 _PRINCIPAL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
 _MILLI = 1000
-_SCHEMA_VERSION = 2  # 2: snapshot quotas (max_snapshot*, used_snapshot*, snapshot_reservations)
+# 2: snapshot quotas (max_snapshot*, used_snapshot*, snapshot_reservations)
+# 3: reservations.owner (pending creates), meta (auth epoch)
+_SCHEMA_VERSION = 3
+_OWNER_RE = re.compile(r"o[0-9a-f]{16}")
+_REVOKED = "revoked:"  # prefix of a revoked principal's token_hash: no SHA-256 hex matches it
 
 _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS projects (
@@ -89,7 +108,8 @@ _SCHEMA = (
         project TEXT NOT NULL REFERENCES projects(name),
         cpu_m INTEGER NOT NULL,
         memory_mb INTEGER NOT NULL,
-        created_at REAL NOT NULL
+        created_at REAL NOT NULL,
+        owner TEXT
     )""",
     "CREATE INDEX IF NOT EXISTS reservations_project ON reservations(project)",
     "CREATE INDEX IF NOT EXISTS reservations_created ON reservations(created_at)",
@@ -101,6 +121,7 @@ _SCHEMA = (
     )""",
     "CREATE INDEX IF NOT EXISTS snapshot_reservations_project ON snapshot_reservations(project)",
     "CREATE INDEX IF NOT EXISTS snapshot_reservations_created ON snapshot_reservations(created_at)",
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL) WITHOUT ROWID",
 )
 
 # Columns added after schema version 1, by table: a database from an older dsec gains them on open
@@ -110,6 +131,7 @@ _ADDED_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("projects", "max_snapshot_mb", "INTEGER"),
     ("projects", "used_snapshots", "INTEGER NOT NULL DEFAULT 0"),
     ("projects", "used_snapshot_mb", "INTEGER NOT NULL DEFAULT 0"),
+    ("reservations", "owner", "TEXT"),
 )
 
 # The project and its ancestors, nearest first, with their quotas and recursive usage.
@@ -269,6 +291,12 @@ class IAM:
         self._auth_ttl = auth_cache_ttl_s
         # token hash -> (principal, expiry on the monotonic clock)
         self._auth_cache: dict[str, tuple[Principal, float]] = {}
+        self._data_version = -1  # PRAGMA data_version when the auth epoch was last read
+        self._auth_epoch = -1
+        self._owners_dir = self.db_path.with_name(self.db_path.name + ".owners")
+        self._owner_id: str | None = None  # set on this process's first pending reservation
+        self._owner_fd = -1
+        private_file(self.db_path)  # 0600, and so its -wal and -shm files
         self._db = sqlite3.connect(
             str(self.db_path), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
         )
@@ -342,6 +370,10 @@ class IAM:
             self._closed = True
             self._auth_cache.clear()
             self._db.close()
+            if self._owner_id is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(self._owners_dir / self._owner_id)  # while still holding the lock
+                os.close(self._owner_fd)
 
     def __enter__(self) -> IAM:
         return self
@@ -516,23 +548,81 @@ class IAM:
         for h in [h for h, (p, _) in self._auth_cache.items() if p.id == principal_id]:
             del self._auth_cache[h]
 
+    def find_principal(self, name_or_id: str) -> Principal:
+        """A principal by id (``pr_...``) or by name."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT * FROM principals WHERE id = ? OR name = ? ORDER BY id = ? DESC LIMIT 1",
+                (name_or_id, name_or_id, name_or_id),
+            ).fetchone()
+            if row is None:
+                raise NotFound(
+                    f"there is no principal {name_or_id!r}: give a principal's name or id "
+                    "(GET /v1/principals lists them)",
+                    principal=name_or_id,
+                )
+            return self._principal(self._db, row)
+
+    def _bump_epoch(self, db: sqlite3.Connection) -> None:
+        """Tell every process sharing the database to drop its cached authentications (this
+        one drops its own entries for the principal itself; its other entries stay unless
+        another process had bumped the epoch unseen)."""
+        row = db.execute("SELECT value FROM meta WHERE key = 'auth_epoch'").fetchone()
+        before = row[0] if row is not None else 0
+        db.execute(
+            "INSERT INTO meta (key, value) VALUES ('auth_epoch', 1)"
+            " ON CONFLICT(key) DO UPDATE SET value = value + 1"
+        )
+        if before != self._auth_epoch:
+            self._auth_cache.clear()
+        self._auth_epoch = before + 1
+
     def rotate_token(self, principal_id: str) -> str:
-        """Replace a principal's token; the old one stops working at once (in this process)."""
+        """Replace a principal's token (a revoked one gets a token again); the old one stops
+        working at once, in every process sharing the database."""
         token = _new_token()
         with self._write() as db:
             self._principal_row(db, principal_id)
             db.execute(
                 "UPDATE principals SET token_hash = ? WHERE id = ?", (_hash_token(token), principal_id)
             )
+            self._bump_epoch(db)
             self._forget(principal_id)
         return token
+
+    def revoke_token(self, principal_id: str) -> None:
+        """Invalidate a principal's token without issuing another (the principal and its grants
+        stay; :meth:`rotate_token` gives it a new token). Effective at once, everywhere."""
+        with self._write() as db:
+            self._principal_row(db, principal_id)
+            db.execute(
+                "UPDATE principals SET token_hash = ? WHERE id = ?",
+                (_REVOKED + secrets.token_hex(16), principal_id),
+            )
+            self._bump_epoch(db)
+            self._forget(principal_id)
 
     def delete_principal(self, principal_id: str) -> None:
         with self._write() as db:
             self._principal_row(db, principal_id)
             db.execute("DELETE FROM grants WHERE principal_id = ?", (principal_id,))
             db.execute("DELETE FROM principals WHERE id = ?", (principal_id,))
+            self._bump_epoch(db)
             self._forget(principal_id)
+
+    def _check_epoch(self) -> None:
+        """Empty the auth cache if another connection changed the auth epoch; caller holds the
+        lock. ``PRAGMA data_version`` changes only when another connection committed, so the
+        common case costs one pragma and no read."""
+        (version,) = self._db.execute("PRAGMA data_version").fetchone()
+        if version == self._data_version:
+            return
+        self._data_version = version
+        row = self._db.execute("SELECT value FROM meta WHERE key = 'auth_epoch'").fetchone()
+        epoch = row[0] if row is not None else 0
+        if epoch != self._auth_epoch:
+            self._auth_epoch = epoch
+            self._auth_cache.clear()
 
     def authenticate(self, token: str | None) -> Principal:
         if not token:
@@ -540,17 +630,18 @@ class IAM:
         digest = _hash_token(token)
         now = time.monotonic()
         with self._lock:
+            if self._closed:
+                raise RuntimeError("IAM is closed")
+            self._check_epoch()
             hit = self._auth_cache.get(digest)
             if hit is not None and hit[1] > now:
                 return hit[0]
-            if self._closed:
-                raise RuntimeError("IAM is closed")
             row = self._db.execute("SELECT * FROM principals WHERE token_hash = ?", (digest,)).fetchone()
             if row is None or not hmac.compare_digest(row["token_hash"], digest):
                 self._auth_cache.pop(digest, None)
                 raise AuthError(
-                    "invalid API token: it is unknown, revoked or was rotated; "
-                    "send a current token (an admin can issue one with rotate_token)"
+                    "invalid API token: it is unknown, revoked or was rotated; send a current token "
+                    "(an admin can issue one: `dsec token rotate <principal>`)"
                 )
             principal = self._principal(self._db, row)
             if self._auth_ttl > 0:
@@ -588,10 +679,12 @@ class IAM:
 
     # ------------------------------------------------------------------ admission
 
-    def reserve(self, key: str, project: str, cpu: float, memory_mb: int) -> None:
+    def reserve(self, key: str, project: str, cpu: float, memory_mb: int, *, pending: bool = False) -> None:
         """Atomically admit one sandbox ``key`` into ``project``, or raise :class:`QuotaExceeded`.
 
-        Idempotent: reserving an existing key for the same project is a no-op.
+        Idempotent: reserving an existing key for the same project is a no-op. ``pending``: the
+        key is provisional (a create in flight in this process): :meth:`reconcile` leaves it
+        alone while this process lives; :meth:`rekey` or :meth:`release` ends it.
         """
         if not key:
             raise InvalidRequest("reservation key must be a non-empty string (the sandbox id)")
@@ -600,6 +693,7 @@ class IAM:
                 f"cpu ({_fmt(cpu)}) and memory_mb ({memory_mb}) must not be negative", key=key
             )
         cpu_m = _milli(cpu)
+        owner = self._owner() if pending else None
         with self._write() as db:
             existing = db.execute("SELECT project FROM reservations WHERE key = ?", (key,)).fetchone()
             if existing is not None:
@@ -617,9 +711,9 @@ class IAM:
             for row in chain:
                 _admit(row, project, cpu_m, memory_mb)
             db.execute(
-                "INSERT INTO reservations (key, project, cpu_m, memory_mb, created_at)"
-                " VALUES (?, ?, ?, ?, ?)",
-                (key, project, cpu_m, memory_mb, time.time()),
+                "INSERT INTO reservations (key, project, cpu_m, memory_mb, created_at, owner)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (key, project, cpu_m, memory_mb, time.time(), owner),
             )
             self._add_usage(db, [r["name"] for r in chain], 1, cpu_m, memory_mb)
 
@@ -631,21 +725,21 @@ class IAM:
             (n, cpu_m, memory_mb, *names),
         )
 
-    def _release(self, db: sqlite3.Connection, key: str) -> bool:
+    def _release(self, db: sqlite3.Connection, key: str) -> str | None:
         row = db.execute(
             "SELECT project, cpu_m, memory_mb FROM reservations WHERE key = ?", (key,)
         ).fetchone()
         if row is None:
-            return False
+            return None
         names = [r["name"] for r in db.execute(_ANCESTORS_SQL, (row["project"],))]
         db.execute("DELETE FROM reservations WHERE key = ?", (key,))
         self._add_usage(db, names, -1, -row["cpu_m"], -row["memory_mb"])
-        return True
+        return str(row["project"])
 
-    def release(self, key: str) -> None:
-        """Give back the reservation ``key``; unknown keys are ignored."""
+    def release(self, key: str) -> str | None:
+        """Give back the reservation ``key``; return its project (None: there was none)."""
         with self._write() as db:
-            self._release(db, key)
+            return self._release(db, key)
 
     def rekey(self, old_key: str, new_key: str) -> None:
         """Move a reservation from a provisional key to the sandbox's real id (idempotent)."""
@@ -667,7 +761,12 @@ class IAM:
                     f"reservation key {new_key!r} is already taken: release it or pick another key",
                     key=new_key,
                 )
-            db.execute("UPDATE reservations SET key = ? WHERE key = ?", (new_key, old_key))
+            # No longer pending: from now on the edges' listings vouch for it, and the grace
+            # period of reconcile() starts again (the edge may not list it for a moment yet).
+            db.execute(
+                "UPDATE reservations SET key = ?, owner = NULL, created_at = ? WHERE key = ?",
+                (new_key, time.time(), old_key),
+            )
 
     def usage(self, project: str, *, recursive: bool = True) -> Usage:
         """What ``project`` holds; with ``recursive`` (the default) including every descendant."""
@@ -694,15 +793,68 @@ class IAM:
         return {r[0]: r[1] for r in self._read("SELECT key, project FROM reservations")}
 
     def reconcile(self, live_keys: set[str], older_than_s: float = 30.0) -> list[str]:
-        """Release reservations not in ``live_keys`` older than ``older_than_s``; return their keys."""
+        """Release reservations not in ``live_keys`` older than ``older_than_s``; return their keys.
+
+        Pending reservations (creates in flight) are not the edges' to vouch for: they stay
+        while their process lives, whatever their age, and go when it is gone."""
         cutoff = time.time() - older_than_s
-        released: list[str] = []
+        released = self.release_orphaned()
         with self._write() as db:
-            rows = db.execute("SELECT key FROM reservations WHERE created_at < ?", (cutoff,)).fetchall()
+            rows = db.execute(
+                "SELECT key FROM reservations WHERE created_at < ? AND owner IS NULL", (cutoff,)
+            ).fetchall()
             for (key,) in rows:
                 if key not in live_keys and self._release(db, key):
                     released.append(key)
         return sorted(released)
+
+    # ------------------------------------------------------------------ pending creates' owners
+
+    def _owner(self) -> str:
+        """This instance's owner id, locked for as long as it lives (created on first use)."""
+        with self._lock:
+            if self._owner_id is None:
+                self._owners_dir.mkdir(mode=0o700, exist_ok=True)
+                oid = "o" + secrets.token_hex(8)
+                fd = os.open(self._owners_dir / oid, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                self._owner_id, self._owner_fd = oid, fd
+            return self._owner_id
+
+    def _owner_alive(self, owner: str) -> bool:
+        if owner == self._owner_id:
+            return True
+        if not _OWNER_RE.fullmatch(owner):
+            return False
+        try:
+            fd = os.open(self._owners_dir / owner, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # drops the lock we may have taken
+        return False
+
+    def release_orphaned(self) -> list[str]:
+        """Release the pending reservations of processes that are gone (a crash mid-create);
+        return their keys. Those of live processes stay, however old."""
+        owners = [r[0] for r in self._read("SELECT DISTINCT owner FROM reservations WHERE owner IS NOT NULL")]
+        dead = [o for o in owners if not self._owner_alive(o)]
+        released: list[str] = []
+        if not dead:
+            return released
+        with self._write() as db:
+            for owner in dead:
+                for (key,) in db.execute("SELECT key FROM reservations WHERE owner = ?", (owner,)).fetchall():
+                    if self._release(db, key):
+                        released.append(key)
+        for owner in dead:
+            with contextlib.suppress(OSError):
+                os.unlink(self._owners_dir / owner)
+        return released
 
     # ------------------------------------------------------------------ snapshot storage
 

@@ -1,0 +1,207 @@
+"""Who may call what, and what each caller may see, for the apiserver's cross-tenant endpoints.
+
+The gate (:func:`make_guard`) authenticates every call that needs a token before its body is
+read: the native API (`Authorization: Bearer`), the SandboxFusion endpoints (token in the path,
+the query or the header), SWE-ReX (`X-API-Key`), edge registration (the cluster token) and
+`/metrics` (an admin token or the separate metrics token). Calls only an admin may make are
+refused there too, so a tenant's body is never read for them.
+
+The rest filters what the listing endpoints return to a tenant (a principal that is not an
+admin): shared base images and their layers for everyone, a project's snapshots (images made
+from its sandboxes) and their layers only for that project; edges without other tenants'
+projects, snapshot names or sandbox ids; metrics without per-project or per-snapshot series.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Iterable, MutableMapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from dsec import errors
+from dsec.apiserver.routes import Guard, bearer
+from dsec.iam import IAM, Principal
+from dsec.models import EdgeStatus
+
+Scope = set[str] | None  # a principal's visible projects; None: all (an admin)
+
+OPEN_PATHS = frozenset({"/v1/health", "/v1/version", "/v1/ping"})
+_ADMIN_ONLY = re.compile(
+    r"^(?:POST /v1/(?:projects|principals|pools|pools/prewarm|images/build|images/import"
+    r"|principals/[^/]+/(?:rotate|revoke))"
+    r"|GET /v1/principals)$"
+)
+_SANDBOXFUSION_TOKEN = re.compile(r"^/sandboxfusion/([^/]+)/run_(?:code|jupyter)$")
+_SANDBOXFUSION_QUERY = frozenset({"/run_code", "/run_jupyter"})
+
+
+class ApiServerSettings(BaseSettings):
+    """The apiserver. Environment: DSEC_APISERVER_<FIELD>."""
+
+    model_config = SettingsConfigDict(env_prefix="DSEC_APISERVER_")
+
+    #: How often reservations of sandboxes no edge reports any more are released.
+    reconcile_interval_s: float = 10.0
+    #: A reservation younger than this is never taken for a leftover (a sandbox just made may
+    #: not be listed yet). A create still in flight is never released, however long it takes.
+    reservation_grace_s: float = 30.0
+    #: A token that may read /metrics (for Prometheus) without being an IAM principal.
+    metrics_token: str | None = None
+    #: ...or a file holding it (read at start).
+    metrics_token_file: Path | None = None
+
+    def metrics_secret(self) -> str | None:
+        if self.metrics_token:
+            return self.metrics_token
+        if self.metrics_token_file is not None and self.metrics_token_file.exists():
+            return self.metrics_token_file.read_text().strip() or None
+        return None
+
+
+def make_guard(iam: IAM, cluster_token: str, *, compat_auth: bool, metrics_token: str | None) -> Guard:
+    """Authentication (and admin-only refusals) of every route that needs a token, from the
+    request line and headers alone. The principal goes to `scope["state"]["principal"]`."""
+
+    def state(scope: dict[str, Any]) -> dict[str, Any]:
+        st: dict[str, Any] = scope.setdefault("state", {})
+        return st
+
+    def guard(scope: dict[str, Any]) -> None:
+        path: str = scope["path"]
+        if path.startswith("/v1/"):
+            if path in OPEN_PATHS:
+                return
+            if path == "/v1/edges/register":
+                given = bearer(scope) or ""
+                if not secrets.compare_digest(given.encode(), cluster_token.encode()):
+                    raise errors.AuthError("edge registration needs the cluster token")
+                return
+            p = iam.authenticate(bearer(scope))
+            state(scope)["principal"] = p
+            if not p.admin and _ADMIN_ONLY.match(f"{scope['method']} {path}"):
+                raise errors.Forbidden(
+                    f"{scope['method']} {path} needs an admin token; principal {p.name!r} is not an admin"
+                )
+        elif path == "/metrics":
+            presented = bearer(scope)
+            if (
+                metrics_token
+                and presented
+                and secrets.compare_digest(presented.encode(), metrics_token.encode())
+            ):
+                state(scope)["metrics_scope"] = "all"
+                return
+            p = iam.authenticate(presented)
+            state(scope)["principal"] = p
+            state(scope)["metrics_scope"] = "all" if p.admin else "tenant"
+        elif path.startswith("/swerex/"):
+            state(scope)["principal"] = iam.authenticate(_header(scope, b"x-api-key"))
+        elif compat_auth:
+            m = _SANDBOXFUSION_TOKEN.match(path)
+            if m is not None:
+                iam.authenticate(m.group(1))
+            elif path in _SANDBOXFUSION_QUERY:
+                query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+                token = query["token"][0] if query.get("token") else bearer(scope)
+                iam.authenticate(token)
+
+    return guard
+
+
+def _header(scope: dict[str, Any], wanted: bytes) -> str | None:
+    for name, value in scope["headers"]:
+        if name == wanted:
+            return str(value.decode("latin-1"))
+    return None
+
+
+# --- images and layers ------------------------------------------------------------------------
+
+
+class Visibility:
+    """Which images and layers a scope may see, from every edge's images and snapshots."""
+
+    def __init__(self, scope: Scope, images: Iterable[dict[str, Any]], snapshots: Iterable[dict[str, Any]]):
+        self.scope = scope
+        owner = {s["name"]: s.get("source", {}).get("project") for s in snapshots}
+        self.images: set[str] = set()
+        self.layers: set[str] = set()
+        for img in images:
+            name = img["name"]
+            if name in owner or name.startswith("snap-"):
+                project = owner.get(name)
+                if scope is not None and project not in scope:
+                    continue
+            self.images.add(name)
+            self.layers.update(img.get("layers", ()))
+
+    def image(self, name: str) -> bool:
+        return self.scope is None or name in self.images
+
+    def layer(self, ref: str) -> bool:
+        return self.scope is None or ref in self.layers
+
+
+def tenant_layer(layer: dict[str, Any]) -> dict[str, Any]:
+    """A layer as a tenant sees it: its own snapshot layers whole, others without their source
+    (host paths of imports, other sandboxes' ids and scrubbed paths)."""
+    source = layer.get("source") or {}
+    if source.get("type") == "snapshot":
+        return layer
+    return {**layer, "source": {"type": source.get("type")}}
+
+
+def tenant_edge(status: EdgeStatus, vis: Visibility) -> dict[str, Any]:
+    """An edge's status without other tenants' projects, snapshots or sandbox ids, and without
+    the platform's internal address."""
+    return {
+        **status.model_dump(mode="json"),
+        "url": None,
+        "by_project": {k: v for k, v in status.by_project.items() if vis.scope is None or k in vis.scope},
+        "by_image": {k: v for k, v in status.by_image.items() if vis.image(k)},
+        "layers": [r for r in status.layers if vis.layer(r)],
+        "images": [i for i in status.images if vis.image(i)],
+    }
+
+
+# --- metrics ------------------------------------------------------------------------------------
+
+
+class TenantMetrics:
+    """A registry view for tenants: every series except per-project ones and those naming an
+    image the tenant may not see (another project's snapshot)."""
+
+    def __init__(self, registry: CollectorRegistry, vis: Visibility) -> None:
+        self.registry = registry
+        self.vis = vis
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self.registry.collect():
+            kept = [s for s in family.samples if self._keep(s.labels)]
+            if len(kept) != len(family.samples):
+                family = Metric(family.name, family.documentation, family.type, family.unit)
+                family.samples = kept
+            yield family
+
+    def _keep(self, labels: dict[str, str]) -> bool:
+        image = labels.get("image", "*")
+        return labels.get("project", "*") == "*" and (image == "*" or self.vis.image(image))
+
+
+def metrics_scope(scope: MutableMapping[str, Any]) -> str:
+    value = scope.get("state", {}).get("metrics_scope")
+    if value not in ("all", "tenant"):
+        raise errors.AuthError("missing API token: send 'Authorization: Bearer <token>'")
+    return str(value)
+
+
+def principal_of(scope: MutableMapping[str, Any]) -> Principal | None:
+    p = scope.get("state", {}).get("principal")
+    return p if isinstance(p, Principal) else None
