@@ -18,6 +18,7 @@ from dsec.config import EdgeSettings
 from dsec.edge import Edge
 from dsec.edge.server import create_edge_app
 from dsec.iam import IAM
+from dsec.privatefs import seal_data_dir
 
 log = logging.getLogger("dsec.service")
 
@@ -70,7 +71,7 @@ def up_app(
     build_default: bool = True,
 ) -> tuple[FastAPI, str]:
     """An apiserver with an in-process edge and an embedded SQLite IAM: what `dsec up` serves."""
-    data_dir.mkdir(parents=True, exist_ok=True)
+    seal_data_dir(data_dir)  # 0700, its files 0600 (an older install is fixed here)
     settings = edge_settings or EdgeSettings(data_dir=data_dir)
     iam = IAM(data_dir / "iam.db")
     token = admin_token(iam, data_dir)
@@ -123,6 +124,7 @@ def serve(app: FastAPI, host: str, port: int, log_level: str = "warning") -> Non
 
 
 def apiserver_app(data_dir: Path, edges: dict[str, str]) -> FastAPI:
+    seal_data_dir(data_dir)
     iam = IAM(data_dir / "iam.db")
     admin_token(iam, data_dir)
     cluster = os.environ.get("DSEC_CLUSTER_TOKEN") or _secret_file(data_dir / "cluster-token")

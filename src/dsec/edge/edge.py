@@ -49,7 +49,7 @@ from dsec.edge.files import MAX_ARCHIVE_ENTRIES, SandboxFiles, off_loop
 from dsec.edge.pools import POOL_PROJECT, PoolInfo, PoolSpec, WarmPools
 from dsec.edge.process import PipeReader, RawResult, run_process, spawn
 from dsec.edge.sessions import Session, session_argv
-from dsec.edge.snapshots import copy_tree, copy_tree_under, scrub, start_copy
+from dsec.edge.snapshots import copy_tree, copy_tree_under, scrub, start_copy, strip_setid
 from dsec.edge.store import EdgeStore, Record
 from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult
 from dsec.isolation import linux
@@ -79,6 +79,7 @@ from dsec.models import (
     Step,
 )
 from dsec.native import ensure_copy, ensure_shim
+from dsec.privatefs import seal_data_dir
 from dsec.trajlog import StepTag, TrajectoryLog, action_hash
 
 log = logging.getLogger("dsec.edge")
@@ -199,7 +200,7 @@ class Edge:
         linux.become_subreaper()
         if s.cgroup_favordynmods and not self.cgroups.favor_dynamic_changes():
             log.info("cgroup2 favordynmods unavailable: the first exec after an idle moment may take ~10 ms")
-        s.data_dir.mkdir(parents=True, exist_ok=True)
+        seal_data_dir(s.data_dir)  # 0700, its files 0600 (an older install is fixed here)
         shim = ensure_shim(s.data_dir / "bin")
         self._copy_tool = ensure_copy(s.data_dir / "bin")
         self._ensure_run_tmpfs()
@@ -1343,7 +1344,8 @@ class Edge:
         criu = ckpt.find_criu(self.settings.criu_root)
         cid = f"{self.name}-ckpt-{secrets.token_hex(6)}"
         dest = self._checkpoints_dir() / cid
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(dest.parent, 0o700)  # root's only: no sandbox id reaches another checkpoint
 
         async def copy_files() -> None:
             await copy_tree(self._copy_tool, sb.container.upper, dest / "fs")
@@ -1448,7 +1450,8 @@ class Edge:
     def _forks_root(self) -> Path:
         """Fork layers live in the edge's run dir, a tmpfs (see _ensure_run_tmpfs)."""
         root = self.settings.edge_run_dir / "forks"
-        root.mkdir(mode=0o711, exist_ok=True)
+        root.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(root, 0o700)  # root's only: the layers hold sandbox-owned (maybe setuid) files
         return root
 
     async def _frozen_copy(self, sb: Sandbox, dst: Path) -> None:
@@ -1475,7 +1478,14 @@ class Edge:
         loop = asyncio.get_running_loop()
         with self.layers.staging() as stage:
             await self._frozen_copy(sb, stage)
-            scrubbed = scrub(stage, scrub_paths or [], self.settings.uid_offset)
+            lower = [self.layers.layer_path(r) for r in reversed(base.layers)]  # as the sandbox sees them
+
+            def clean() -> builtins.list[str]:
+                done = scrub(stage, scrub_paths or [], self.settings.uid_offset, lower)
+                strip_setid(stage)  # no setuid file of a sandbox's in the layer store
+                return done
+
+            scrubbed = await loop.run_in_executor(None, clean)
             layer = await loop.run_in_executor(
                 None,
                 lambda: self.layers.commit_layer(

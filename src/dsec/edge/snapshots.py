@@ -111,30 +111,210 @@ async def copy_tree_under(tool: Path, lower: Path, dst: Path) -> None:
         copy.close()
 
 
-def scrub(tree: Path, paths: list[str], owner: int) -> list[str]:
+_WHITEOUT = os.makedev(0, 0)
+_MAX_LINKS = 40  # symlinks followed while resolving one path, like the kernel
+
+
+def _is_whiteout(st: os.stat_result) -> bool:
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == _WHITEOUT
+
+
+def _is_opaque(path: str) -> bool:
+    try:
+        return os.getxattr(path, "trusted.overlay.opaque", follow_symlinks=False) == b"y"
+    except OSError:
+        return False
+
+
+class _View:
+    """The tree a sandbox sees: `layers` stacked like overlayfs (first on top), read
+    without following anything on the host (every component is lstat'ed in each layer)."""
+
+    def __init__(self, layers: list[Path]) -> None:
+        self.layers = [str(x) for x in layers]
+
+    def lookup(self, dirs: list[str], name: str) -> tuple[str, list[str], os.stat_result] | None:
+        """Entry `name` of the directory whose copies in the layers are `dirs` (top first):
+        (kind "dir" or "other", its copies (dirs) or [its one path], its lstat), or None."""
+        found: list[str] = []
+        first: os.stat_result | None = None
+        for d in dirs:
+            path = os.path.join(d, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if _is_whiteout(st):
+                break
+            if stat.S_ISDIR(st.st_mode):
+                if first is None:
+                    first = st
+                found.append(path)
+                if _is_opaque(path):
+                    break
+                continue
+            if first is None:
+                return "other", [path], st
+            break  # a non-directory below a directory is hidden, and so is all below it
+        return ("dir", found, first) if first is not None else None
+
+    def resolve(self, rel: list[str], *, follow_last: bool) -> tuple[list[str], list[str]] | None:
+        """The symlink-free path (components) that `rel` names in the sandbox, and the
+        directory copies of its parent; None if it cannot be resolved (a loop, a dangling
+        or non-directory component)."""
+        todo = list(rel)
+        real: list[str] = []
+        chain: list[list[str]] = [self.layers]  # copies of each prefix of `real`
+        links = 0
+        while todo:
+            part = todo.pop(0)
+            if part in ("", "."):
+                continue
+            if part == "..":
+                if real:
+                    real.pop()
+                    chain.pop()
+                continue
+            entry = self.lookup(chain[-1], part)
+            is_link = entry is not None and entry[0] == "other" and stat.S_ISLNK(entry[2].st_mode)
+            if entry is not None and is_link and (todo or follow_last):
+                links += 1
+                if links > _MAX_LINKS:
+                    return None
+                target = os.readlink(entry[1][0])
+                if target.startswith("/"):
+                    real, chain = [], [self.layers]
+                todo = target.split("/") + todo
+                continue
+            if not todo:
+                real.append(part)
+                return real, chain[-1]
+            if entry is None or entry[0] != "dir":
+                return None  # an intermediate component that is no directory
+            real.append(part)
+            chain.append(entry[1])
+        return (real, chain[-1]) if real else None
+
+
+def _make_parents(tree: Path, real: list[str], view: _View, owner: int) -> Path:
+    """The parent of `real` in `tree` (the top layer), created like the directories below
+    (mode and owner of the first copy in a lower layer) where the top layer lacks them."""
+    parent = tree
+    for i, part in enumerate(real[:-1]):
+        parent = parent / part
+        if os.path.lexists(parent):
+            continue  # resolve() found it to be a directory in this layer
+        mode, uid, gid = 0o755, owner, owner
+        entry = view.resolve(real[: i + 1], follow_last=False)
+        if entry is not None:
+            found = view.lookup(entry[1], part)
+            if found is not None and found[0] == "dir":
+                st = found[2]
+                mode, uid, gid = stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid
+        parent.mkdir(mode=0o700)
+        os.chown(parent, uid, gid)
+        os.chmod(parent, mode)
+    return parent
+
+
+def _inodes(path: Path) -> set[tuple[int, int]]:
+    """(dev, ino) of the non-directories at or under `path` (lstat, never following)."""
+    out: set[tuple[int, int]] = set()
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        return {(st.st_dev, st.st_ino)} if st.st_nlink > 1 else out
+    for dirpath, _, filenames in os.walk(path):
+        for name in filenames:
+            sub = os.lstat(os.path.join(dirpath, name))
+            if sub.st_nlink > 1:
+                out.add((sub.st_dev, sub.st_ino))
+    return out
+
+
+def _whiteout(target: Path, owner: int) -> None:
+    if os.path.lexists(target):
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        else:
+            target.unlink()
+    os.mknod(target, stat.S_IFCHR | 0o000, _WHITEOUT)  # an overlayfs whiteout
+    os.chown(target, owner, owner)
+
+
+def _scrub_real(tree: Path, real: list[str], view: _View, owner: int, links: set[tuple[int, int]]) -> None:
+    parent = _make_parents(tree, real, view, owner)
+    target = parent / real[-1]
+    if os.path.lexists(target):
+        links |= _inodes(target)
+    _whiteout(target, owner)
+
+
+def scrub(tree: Path, paths: list[str], owner: int, lower: list[Path] | None = None) -> list[str]:
     """Remove `paths` (absolute, as the sandbox sees them) from a layer tree and whiteout
-    them, so they are absent from the layer and hide any copy in the layers below."""
-    done = []
-    for raw in paths:
+    them, so they are absent from the layer and hide any copy in the layers below.
+
+    A path is resolved the way the sandbox resolves it, through `tree` stacked on `lower`
+    (the image's layers, top first): a symlinked parent or a symlink at the path itself
+    scrubs what it leads to (and the link itself); nothing on the host is followed. Every
+    other name of a scrubbed file in `tree` (a hard link, anywhere) is removed too."""
+    view = _View([tree, *(lower or [])])
+    done: list[str] = []
+    real: list[list[str]] = []
+    literal: list[PurePosixPath] = []
+    for raw in paths:  # resolve every path before changing anything
         if not raw.startswith("/") or "\0" in raw:
             raise errors.InvalidRequest(f"scrub path {raw!r} must be absolute, e.g. /work/answers")
         rel = PurePosixPath(os.path.normpath(raw)).relative_to("/")
         if str(rel) in ("", "."):
             raise errors.InvalidRequest("refusing to scrub /")
-        target = tree / rel
-        parent = tree
-        for part in rel.parts[:-1]:  # never follow a symlink out of the tree
-            parent = parent / part
-            if parent.is_symlink():
-                parent.unlink()
-            if not parent.exists():
-                parent.mkdir(mode=0o755)
-                os.chown(parent, owner, owner)
-        if target.is_symlink() or target.is_file() or (target.exists() and not target.is_dir()):
-            target.unlink()
-        elif target.is_dir():
-            shutil.rmtree(target)
-        os.mknod(target, stat.S_IFCHR | 0o000, os.makedev(0, 0))  # an overlayfs whiteout
-        os.chown(target, owner, owner)
+        # The name itself, in its real parent directory (a symlinked parent resolved) ...
+        named = view.resolve(list(rel.parts), follow_last=False)
+        if named is None:  # a parent that leads nowhere: scrub the literal path, as before
+            literal.append(rel)
+        else:
+            real.append(named[0])
+            # ... and, if it is a symlink, what it leads to (as the sandbox would read it).
+            target = view.resolve(list(rel.parts), follow_last=True)
+            if target is not None and target[0] != named[0]:
+                real.append(target[0])
         done.append("/" + str(rel))
+    links: set[tuple[int, int]] = set()
+    for parts in real:
+        _scrub_real(tree, parts, view, owner, links)
+    for rel in literal:
+        _scrub_literal(tree, rel, owner)
+    if links:  # every other name of a scrubbed file
+        for dirpath, _, filenames in os.walk(tree):
+            for name in filenames:
+                path = os.path.join(dirpath, name)
+                st = os.lstat(path)
+                if (st.st_dev, st.st_ino) in links:
+                    _whiteout(Path(path), owner)
     return done
+
+
+def _scrub_literal(tree: Path, rel: PurePosixPath, owner: int) -> None:
+    parent = tree
+    for part in rel.parts[:-1]:  # never follow a symlink out of the tree
+        parent = parent / part
+        if parent.is_symlink() or (os.path.lexists(parent) and not parent.is_dir()):
+            parent.unlink()
+        if not parent.exists():
+            parent.mkdir(mode=0o755)
+            os.chown(parent, owner, owner)
+    _whiteout(parent / rel.parts[-1], owner)
+
+
+def strip_setid(tree: Path) -> int:
+    """Clear the setuid and setgid bits of every regular file in a layer made from a
+    sandbox: its files belong to sandbox ids, and no host user may gain one. Returns how
+    many files were changed."""
+    n = 0
+    for dirpath, _, filenames in os.walk(tree):
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_mode & (stat.S_ISUID | stat.S_ISGID):
+                os.chmod(path, stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID))
+                n += 1
+    return n

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsec.models import SandboxSpec, SandboxState
+from dsec.privatefs import private_file
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
@@ -44,6 +45,7 @@ class Record:
 class EdgeStore:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        private_file(path)  # 0600, and so its -wal and -shm files
         # isolation_level=None: autocommit; each statement is its own transaction.
         self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")

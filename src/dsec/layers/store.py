@@ -307,6 +307,11 @@ class LayerStore:
         self.uid_offset = uid_offset
         for sub in ("layers", "images", "staging", "cache"):
             _mkdir(self.root / sub)
+        # Root's only at the top: layer trees are owned by sandbox ids (shifted), and a file
+        # a sandbox made setuid must not be reachable by any host user. Overlay lower
+        # directories are looked up by the mounter (root), so sandboxes need no path here.
+        if os.geteuid() == 0:
+            os.chmod(self.root, 0o700)
 
     # ---- layers
 

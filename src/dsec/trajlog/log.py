@@ -64,6 +64,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from dsec import errors
+from dsec.privatefs import open_private, private_file
 
 GAP = "gap"
 
@@ -251,7 +252,7 @@ class TrajectoryLog:
         if self._open or self._task is not None:
             raise errors.Conflict("the trajectory log is already started")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(f"{self.path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_private(Path(f"{self.path}.lock"), os.O_RDWR)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -658,6 +659,7 @@ class TrajectoryLog:
 
     def _connect(self) -> sqlite3.Connection:
         # isolation_level=None: autocommit; the writer opens its own transactions.
+        private_file(self.path)  # 0600, and so its -wal and -shm files
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         db.execute("PRAGMA busy_timeout = 10000")
         db.execute("PRAGMA journal_mode=WAL")
