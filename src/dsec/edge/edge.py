@@ -325,6 +325,8 @@ class Edge:
                 raise
         return info
 
+        if spec.network is not None:  # a rule to the platform's addresses: 400 before any work
+            await self.net.check(spec.network)
     async def _create_plain(self, spec: SandboxSpec, sandbox_id: str | None) -> SandboxInfo:
         t0 = time.perf_counter()
         image = self._image(spec.image)
@@ -654,8 +656,8 @@ class Edge:
 
     # --- network policy ----------------------------------------------------------------
 
-    async def _apply_network(self, sb: Sandbox, policy: NetworkPolicy) -> None:
-        timings = await self.net.apply(sb.id, sb.container.pid, policy)
+    async def _apply_network(self, sb: Sandbox, policy: NetworkPolicy, *, check: bool = True) -> None:
+        timings = await self.net.apply(sb.id, sb.container.pid, policy, check=check)
         sb.files.write("/etc/resolv.conf", self.net.resolv_conf().encode())
         sb.container.timings_ms.update({f"network_{k}": v for k, v in timings.items()})
 
@@ -1282,7 +1284,7 @@ class Edge:
             self.sandboxes[rec.id] = sb
             if rec.spec.network is not None:
                 try:
-                    await self._apply_network(sb, rec.spec.network)
+                    await self._apply_network(sb, rec.spec.network, check=False)
                 except Exception:
                     log.exception("re-applying the network policy of %s failed", rec.id)
             self._watch_exit(sb)

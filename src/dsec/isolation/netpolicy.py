@@ -34,14 +34,24 @@ Enforcement happens twice, with the same compiled rule body:
   sandbox's chain, which also drops spoofed source addresses. If the inner table were
   wrong or missing, the outer one still holds.
 
-Rule order (both tables): loopback, established/related, the DNS forwarder, then the
-allowlist's exact addresses (/32: these may name a host or gateway address on purpose),
-then ``never`` (the host's own addresses, the dsec supernet of every edge's sandboxes
-and gateways, loopback, link-local incl. cloud metadata, multicast, broadcast, plus
-``blocked`` from the edge's settings), then CIDR rules, then domain rules
-(``ip daddr @<set>``), then a counted drop. So a broad 0.0.0.0/0 never reaches the node,
-the edge, the apiserver (put its addresses in ``blocked``) or another sandbox, and a
-domain that resolves to such an address (DNS rebinding) does not either.
+Rule order (both tables): loopback, established/related, the DNS forwarder, then
+``never`` (the host's own addresses and its subnets' broadcast addresses, the dsec
+supernet of every edge's sandboxes and gateways, loopback, link-local incl. cloud
+metadata, multicast, broadcast, the platform's addresses on other hosts from
+``platform=`` and ``$DSEC_PLATFORM_ADDRESSES`` (IPs, CIDRs, host names or URLs of
+apiservers and edges), plus ``blocked``), then the allowlist: addresses and CIDRs, then
+domain rules (``ip daddr @<set>``), then a counted drop. So no rule, not even an exact
+/32, reaches the node, the edge, the apiserver, a gateway or another sandbox, and a domain
+that resolves to such an address (DNS rebinding) does not either; :meth:`NetHost.check`
+refuses a rule that can only name such addresses (HTTP 400 naming the address). Behind
+both tables the host's own table drops everything from its gateways addressed to the host
+itself (input hook), whatever address the host has now or gets later.
+
+Shared pieces have per-sandbox shares (:class:`NetLimits`): live conntrack entries
+(``ct count``) and new connections per second, in the sandbox's table and again in the
+gateway keyed by the link; closed TCP connections leave the gateway's and the host's
+tables after 10 s; the DNS forwarder's query rate, TCP connections and upstream lookups.
+A source address that is not the link's own is dropped at the gateway (reverse path).
 
 DNS: each gateway runs a forwarder (asyncio, UDP and TCP) on 10.X.0.1:53; its listening
 sockets are made in the gateway namespace, its upstream sockets in the host's (so the
@@ -97,6 +107,8 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from dsec import errors
+
 log = logging.getLogger("dsec.netpolicy")
 
 T = TypeVar("T")
@@ -111,7 +123,7 @@ MAX_RULES = 256
 SANDBOX_IF = "eth0"
 GW_UPLINK_IF = "up0"
 DEFAULT_SUPERNET = "10.240.0.0/12"
-# Never reachable by CIDR or domain rules (exact /32 rules still are).
+# Never reachable by any rule (see NetHost.never(); a rule naming them is refused).
 ALWAYS_BLOCKED = (
     "0.0.0.0/8",
     "127.0.0.0/8",
@@ -119,6 +131,50 @@ ALWAYS_BLOCKED = (
     "224.0.0.0/4",  # multicast
     "240.0.0.0/4",  # reserved, 255.255.255.255
 )
+_BLOCKED_WHY = {
+    "0.0.0.0/8": "'this network'",
+    "127.0.0.0/8": "loopback",
+    "169.254.0.0/16": "link-local (cloud metadata services)",
+    "224.0.0.0/4": "multicast",
+    "240.0.0.0/4": "reserved or broadcast",
+}
+# Extra platform addresses (apiservers, edges, databases on other hosts): IPs, CIDRs, host
+# names or URLs, separated by commas or spaces. Added to NetHost(platform=...).
+PLATFORM_ENV = "DSEC_PLATFORM_ADDRESSES"
+PLATFORM_RESOLVE_S = 60.0  # host names in the platform list are resolved again after this
+NEVER_CACHE_S = 1.0  # the DNS path's view of the host's addresses is at most this old
+
+
+@dataclass(frozen=True)
+class NetLimits:
+    """Per-sandbox shares of the per-edge pieces every sandbox with a policy uses.
+
+    Conntrack (the gateway's table, and the host's, which every gateway's flows also pass):
+    at most ``ct_open`` live entries per sandbox (nf_conncount counts every state but TCP
+    TIME_WAIT/CLOSE), and at most ``ct_rate``/s new ones (burst ``ct_burst``), so closed
+    connections, whose entries the count does not see, stay bounded too: they last
+    ``ct_closed_timeout`` s (instead of 120) in both tables. Enforced in the sandbox's own
+    table (a refused connect() fails at once) and again in the gateway, keyed by the link.
+
+    DNS forwarder: ``dns_rate`` queries/s per sandbox (burst ``dns_burst``), UDP in the
+    gateway's kernel (a flood never reaches the socket) and UDP+TCP in the forwarder; at
+    most ``dns_tcp`` TCP connections per sandbox (kernel and forwarder), each closed after
+    ``dns_tcp_idle`` s without a complete query or ``dns_tcp_queries`` queries; at most
+    ``dns_inflight`` upstream lookups per sandbox at a time."""
+
+    ct_open: int = 1024
+    ct_rate: int = 100
+    ct_burst: int = 1000
+    ct_closed_timeout: int = 10
+    host_ct_open: int = 65536  # every sandbox of the edge together, in the host's table
+    dns_rate: int = 100
+    dns_burst: int = 200
+    dns_tcp: int = 4
+    dns_tcp_total: int = 1024
+    dns_tcp_idle: float = 2.0
+    dns_tcp_queries: int = 100
+    dns_inflight: int = 32
+
 
 # --------------------------------------------------------------------------- the policy model
 
@@ -385,17 +441,59 @@ def _resolve_once(fut: asyncio.Future[None]) -> None:
 # --------------------------------------------------------------------------- host facts
 
 
-def host_addresses(fib_trie: str = "/proc/net/fib_trie") -> set[str]:
-    """Every IPv4 address local to this process's network namespace (the host's)."""
+def host_addresses(fib_trie: str = "/proc/net/fib_trie", *, broadcast: bool = False) -> set[str]:
+    """Every IPv4 address local to this process's network namespace (the host's); with
+    `broadcast`, also its subnets' broadcast addresses (the host delivers those to itself)."""
     out: set[str] = set()
     last = ""
+    kinds = ("/32 host LOCAL", "/32 link BROADCAST") if broadcast else ("/32 host LOCAL",)
     with contextlib.suppress(OSError), open(fib_trie) as f:
         for line in f:
             s = line.strip()
             if s.startswith(("|--", "+--")):
                 last = s.split()[1]
-            elif s == "/32 host LOCAL" and last:
+            elif s in kinds and last:
                 out.add(last)
+    return out
+
+
+def parse_platform(values: Iterable[str]) -> tuple[list[str], list[str]]:
+    """(IPv4 networks, host names) of a platform address list: IPs, CIDRs, host names or
+    URLs (``https://api.example:8443/x`` -> ``api.example``). IPv6 entries are ignored
+    (sandboxes have no IPv6)."""
+    nets: list[str] = []
+    names: list[str] = []
+    for raw in values:
+        for item in re.split(r"[\s,]+", raw.strip()):
+            if not item:
+                continue
+            host = item
+            if "://" in item:
+                host = item.split("://", 1)[1].split("/", 1)[0].rsplit("@", 1)[-1]
+                if host.startswith("["):
+                    continue  # an IPv6 literal
+                host = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+            try:
+                net = ipaddress.ip_network(host, strict=False)
+            except ValueError:
+                if not _DOMAIN.match(host.lower().rstrip(".")):
+                    raise ValueError(
+                        f"platform address {item!r} is not an IP, a CIDR, a host name or a URL"
+                    ) from None
+                names.append(host.lower().rstrip("."))
+                continue
+            if net.version == 4:
+                nets.append(str(net))
+    return nets, names
+
+
+def _resolve_names(names: Sequence[str]) -> list[str]:
+    """Blocking: every IPv4 address of `names` (run in an executor)."""
+    out: list[str] = []
+    for name in names:
+        with contextlib.suppress(OSError):
+            for info in socket.getaddrinfo(name, None, socket.AF_INET, socket.SOCK_STREAM):
+                out.append(str(info[4][0]))
     return out
 
 
@@ -468,13 +566,12 @@ def _l4_matches(rule: NetRule) -> list[str]:
 
 def compile_body(policy: NetworkPolicy, *, prefix: str, never: str, deny: str) -> list[str]:
     """The rule lines shared by the inner and the outer chain (see the module docstring);
-    `deny` is the terminal verdict statement (with its counter)."""
-    exact = [r for r in policy.allow if r.is_exact_ip]
-    cidr = [r for r in policy.allow if not r.is_domain and not r.is_exact_ip]
+    `deny` is the terminal verdict statement (with its counter). The platform's addresses
+    are dropped before any allow rule: no rule, exact or broad, reaches them."""
+    ips = [r for r in policy.allow if not r.is_domain]
     dom = [r for r in policy.allow if r.is_domain]
-    lines = [f"ip daddr {r.to} {m} accept" for r in exact for m in _l4_matches(r)]
-    lines.append(f"ip daddr @{prefix}{never} {deny}")
-    lines += [f"ip daddr {r.to} {m} accept" for r in cidr for m in _l4_matches(r)]
+    lines = [f"ip daddr @{prefix}{never} {deny}"]
+    lines += [f"ip daddr {r.to} {m} accept" for r in ips for m in _l4_matches(r)]
     lines += [f"ip daddr @{prefix}{_set_suffix(r.to)} {m} accept" for r in dom for m in _l4_matches(r)]
     lines.append(deny)
     return lines
@@ -503,14 +600,24 @@ INNER_TABLE = "inet dsec"
 INNER_DENY = 'counter name "denied" reject with icmpx admin-prohibited'  # connect() fails at once
 
 
-def inner_base_script() -> str:
-    """Created once per sandbox: only additions, so it is as fast as a rule load."""
+def inner_base_script(*, gw_ip: str, limits: NetLimits) -> str:
+    """Created once per sandbox: only additions, so it is as fast as a rule load. The
+    ``limits`` chain is never flushed (its counts survive policy updates)."""
     t = INNER_TABLE
+    lim = 'counter name "limited" reject with icmpx admin-prohibited'
     return (
         "\n".join(
             [
                 f"add table {t}",
                 f"add counter {t} denied",
+                f"add counter {t} limited",
+                f"add chain {t} limits {{ type filter hook output priority filter - 1; }}",
+                f'add rule {t} limits oif "lo" accept',
+                f"add rule {t} limits ip daddr {gw_ip} meta l4proto {{ tcp, udp }} "
+                f"th dport {DNS_PORT} accept",
+                f"add rule {t} limits ct state new ct count over {limits.ct_open} {lim}",
+                f"add rule {t} limits ct state new limit rate over {limits.ct_rate}/second "
+                f"burst {limits.ct_burst} packets {lim}",
                 f"add chain {t} output {{ type filter hook output priority filter; policy drop; }}",
                 f"add chain {t} input {{ type filter hook input priority filter; policy drop; }}",
                 f'add rule {t} input iif "lo" accept',
@@ -518,6 +625,16 @@ def inner_base_script() -> str:
             ]
         )
         + "\n"
+    )
+
+
+def _ct_timeout(table: str, limits: NetLimits) -> str:
+    """A conntrack timeout policy: closed TCP connections (which nf_conncount does not
+    count) leave the table after ct_closed_timeout s; every other state keeps the default."""
+    c = limits.ct_closed_timeout
+    return (
+        f"add ct timeout {table} closed {{ protocol tcp; l3proto ip; "
+        f"policy = {{ time_wait: {c}, close: {c} }}; }}"
     )
 
 
@@ -570,6 +687,15 @@ def gw_sandbox_base_script(*, chain: str, ifname: str) -> str:
     )
 
 
+GW_LIMIT_SETS = ("ct_open", "ct_rate", "dns_rate", "dns_conn")  # keyed by the sandbox's link
+
+
+def gw_forget_limits_script(*, ifname: str) -> list[str]:
+    """One command per set (a missing element would fail a whole transaction): a reused
+    link name starts with clean counts."""
+    return [f'delete element {INNER_TABLE} {name} {{ "{ifname}" }}\n' for name in GW_LIMIT_SETS]
+
+
 def gw_remove_script(*, chain: str, ifname: str, state: RuleState) -> str:
     t = INNER_TABLE
     s = [f'delete element {t} sbs {{ "{ifname}" }}', f"flush chain {t} {chain}", f"delete chain {t} {chain}"]
@@ -581,41 +707,81 @@ def gw_remove_script(*, chain: str, ifname: str, state: RuleState) -> str:
     return "\n".join(s) + "\n"
 
 
-def gw_base_script(*, gw_ip: str) -> str:
+def gw_base_script(*, gw_ip: str, limits: NetLimits) -> str:
+    """The gateway's table. Before any per-sandbox chain: a source address that is not the
+    link's own is dropped (reverse path; this covers the DNS forwarder too, which the
+    per-sandbox chains do not see), and each link's share of conntrack and of the DNS
+    forwarder is enforced, keyed by the link (which nothing inside can forge). DNS over UDP
+    is not tracked at all (no conntrack entry per query)."""
     t = "inet dsec"
+    lim = 'counter name "limited" reject with icmpx admin-prohibited'
+    dns = f'iifname "s*" ip daddr {gw_ip}'
     s = [
         f"add table {t}",
         f"add map {t} sbs {{ type ifname : verdict; }}",
+        f"add counter {t} limited",
+        f"add counter {t} spoofed",
+        _ct_timeout(t, limits),
+        f"add set {t} ct_open {{ type ifname; size 65535; flags dynamic; }}",
+        f"add set {t} ct_rate {{ type ifname; size 65535; flags dynamic,timeout; timeout 1m; }}",
+        f"add set {t} dns_rate {{ type ifname; size 65535; flags dynamic,timeout; timeout 1m; }}",
+        f"add set {t} dns_conn {{ type ifname; size 65535; flags dynamic; }}",
+        f"add chain {t} raw {{ type filter hook prerouting priority raw; }}",
+        f"add chain {t} raw_out {{ type filter hook output priority raw; }}",
+        f"add chain {t} pre {{ type filter hook prerouting priority mangle; }}",
         f"add chain {t} forward {{ type filter hook forward priority filter; policy drop; }}",
         f"add chain {t} input {{ type filter hook input priority filter; policy drop; }}",
         f"add chain {t} postrouting {{ type nat hook postrouting priority srcnat; }}",
-        f"flush chain {t} forward",
-        f"flush chain {t} input",
-        f"flush chain {t} postrouting",
+        *(f"flush chain {t} {c}" for c in ("raw", "raw_out", "pre", "forward", "input", "postrouting")),
+        f'add rule {t} raw iifname "s*" fib saddr . iif oif missing counter name "spoofed" drop',
+        f"add rule {t} raw {dns} udp dport {DNS_PORT} notrack",
+        f"add rule {t} raw_out ip saddr {gw_ip} udp sport {DNS_PORT} notrack",
+        f'add rule {t} pre iifname "s*" ct state new ct timeout set "closed"',
         f"add rule {t} forward ct state established,related accept",
+        f'add rule {t} forward iifname "s*" ct state new add @ct_open '
+        f"{{ iifname ct count over {limits.ct_open} }} {lim}",
+        f'add rule {t} forward iifname "s*" ct state new update @ct_rate {{ iifname limit rate over '
+        f"{limits.ct_rate}/second burst {limits.ct_burst} packets }} {lim}",
         f"add rule {t} forward iifname vmap @sbs",
         f'add rule {t} input iif "lo" accept',
         f"add rule {t} input ct state established,related accept",
-        f'add rule {t} input iifname "s*" ip daddr {gw_ip} meta l4proto {{ tcp, udp }} '
-        f"th dport {DNS_PORT} accept",
+        f"add rule {t} input {dns} udp dport {DNS_PORT} update @dns_rate {{ iifname limit rate over "
+        f'{limits.dns_rate}/second burst {limits.dns_burst} packets }} counter name "limited" drop',
+        f"add rule {t} input {dns} udp dport {DNS_PORT} accept",
+        f"add rule {t} input {dns} tcp dport {DNS_PORT} ct state new add @dns_conn {{ iifname ct count over "
+        f'{limits.dns_tcp} }} counter name "limited" reject with tcp reset',
+        f"add rule {t} input {dns} tcp dport {DNS_PORT} accept",
         f'add rule {t} postrouting oifname "{GW_UPLINK_IF}" masquerade',
     ]
     return "\n".join(s) + "\n"
 
 
-def host_script(*, table: str, host_if: str, gw_uplink_ip: str) -> str:
+def host_script(*, table: str, host_if: str, gw_uplink_ip: str, limits: NetLimits) -> str:
+    """The host's table for one edge. Nothing from the gateway is ever delivered to the
+    host itself (input): whatever address the host has, now or later, and whatever the
+    rules say. Flows from the gateway get the short timeout for closed connections, and
+    the edge's sandboxes together hold at most host_ct_open entries of the host's table."""
     t = f"ip {table}"
     return (
         "\n".join(
             [
                 f"add table {t}",
+                _ct_timeout(t, limits),
                 f"add chain {t} postrouting {{ type nat hook postrouting priority srcnat; }}",
                 f"add chain {t} forward {{ type filter hook forward priority filter; policy accept; }}",
+                f"add chain {t} input {{ type filter hook input priority filter - 10; policy accept; }}",
+                f"add chain {t} pre {{ type filter hook prerouting priority mangle; }}",
                 f"flush chain {t} postrouting",
                 f"flush chain {t} forward",
+                f"flush chain {t} input",
+                f"flush chain {t} pre",
+                f'add rule {t} input iifname "{host_if}" counter drop',
+                f'add rule {t} pre iifname "{host_if}" ct state new ct timeout set "closed"',
                 f'add rule {t} postrouting ip saddr {gw_uplink_ip} oifname != "{host_if}" masquerade',
                 f'add rule {t} forward oifname "{host_if}" ct state established,related accept',
                 f'add rule {t} forward oifname "{host_if}" counter drop',  # nothing starts a flow inwards
+                f'add rule {t} forward iifname "{host_if}" ct state new ct count over {limits.host_ct_open} '
+                "counter reject with icmp type admin-prohibited",
             ]
         )
         + "\n"
@@ -719,6 +885,31 @@ def a_records(msg: bytearray, *, max_ttl: int = DNS_MAX_TTL) -> list[tuple[str, 
 # --------------------------------------------------------------------------- the gateway
 
 
+class TokenBucket:
+    """`rate` tokens a second, at most `burst` saved."""
+
+    __slots__ = ("burst", "rate", "stamp", "tokens")
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate = float(rate)
+        self.burst = float(burst)
+        self.tokens = float(burst)
+        self.stamp = time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return True
+        return False
+
+    def wait_s(self) -> float:
+        """How long until take() succeeds."""
+        return max(0.0, (1 - self.tokens) / self.rate)
+
+
 @dataclass
 class SandboxNet:
     """What the edge holds for one sandbox with a policy."""
@@ -733,8 +924,14 @@ class SandboxNet:
     outer: RuleState = field(default_factory=RuleState)  # in the gateway's table
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     gc: asyncio.Task[None] | None = None
-    dns: dict[str, int] = field(default_factory=lambda: {"dns_allowed": 0, "dns_denied": 0})
+    dns: dict[str, int] = field(
+        default_factory=lambda: {"dns_allowed": 0, "dns_denied": 0, "dns_limited": 0, "dns_platform": 0}
+    )
     last_inner: tuple[int, int] = (0, 0)
+    last_limited: tuple[int, int] = (0, 0)
+    dns_bucket: TokenBucket = field(default_factory=lambda: TokenBucket(1, 1))
+    dns_tcp: int = 0  # open TCP connections to the forwarder
+    dns_inflight: int = 0  # upstream lookups in flight
 
     @property
     def ifname(self) -> str:
@@ -762,6 +959,8 @@ class NetHost:
         subnet: str | None = None,
         upstreams: Sequence[tuple[str, int]] | None = None,
         blocked: Sequence[str] = (),
+        platform: Sequence[str] | None = None,
+        limits: NetLimits | None = None,
     ) -> None:
         self.edge = edge_name
         tag = hashlib.sha1(edge_name.encode()).hexdigest()[:8]
@@ -773,6 +972,14 @@ class NetHost:
         self.subnet: ipaddress.IPv4Network | None = None
         self.upstreams = list(upstreams) if upstreams else _resolv_conf_upstreams()
         self.blocked = list(blocked)
+        # The platform's own addresses elsewhere (apiservers, other edges): given, and from
+        # the environment. Names are resolved off the event loop (see _refresh_platform).
+        extra = [*(platform or ()), os.environ.get(PLATFORM_ENV, "")]
+        self._platform_nets, self._platform_names = parse_platform(extra)
+        self._platform_resolved: list[str] = []
+        self._platform_stamp = -PLATFORM_RESOLVE_S
+        self._never_cache: tuple[float, list[ipaddress.IPv4Network]] = (-NEVER_CACHE_S, [])
+        self.limits = limits or NetLimits()
         self.sandboxes: dict[str, SandboxNet] = {}
         self._by_ip: dict[str, SandboxNet] = {}
         self._free: list[int] = []
@@ -817,8 +1024,84 @@ class NetHost:
         raise RuntimeError(f"no free /16 for sandbox networks in {self.supernet}")
 
     def never(self) -> list[str]:
-        """What no CIDR or domain rule reaches: see the module docstring."""
-        return _collapse([*ALWAYS_BLOCKED, str(self.supernet), *host_addresses(), *self.blocked])
+        """What no rule reaches (see the module docstring): reserved ranges, every edge's
+        sandbox and gateway addresses, the host's addresses and broadcasts, the platform's
+        addresses elsewhere and ``blocked``."""
+        own = [str(self.subnet)] if self.subnet is not None else []
+        return _collapse(
+            [
+                *ALWAYS_BLOCKED,
+                str(self.supernet),
+                *own,
+                *host_addresses(broadcast=True),
+                *self._platform_nets,
+                *self._platform_resolved,
+                *self.blocked,
+            ]
+        )
+
+    def _never_nets(self) -> list[ipaddress.IPv4Network]:
+        """never() as networks, at most NEVER_CACHE_S old (the DNS path asks per answer)."""
+        stamp, nets = self._never_cache
+        now = time.monotonic()
+        if now - stamp >= NEVER_CACHE_S:
+            nets = [ipaddress.IPv4Network(n) for n in self.never()]
+            self._never_cache = (now, nets)
+        return nets
+
+    def is_platform(self, address: str) -> bool:
+        ip = ipaddress.IPv4Address(address)
+        return any(ip in n for n in self._never_nets())
+
+    async def _refresh_platform(self) -> None:
+        """Resolve the platform's host names (blocking: in an executor) every PLATFORM_RESOLVE_S."""
+        if not self._platform_names or time.monotonic() - self._platform_stamp < PLATFORM_RESOLVE_S:
+            return
+        loop = asyncio.get_running_loop()
+        resolved = await loop.run_in_executor(None, _resolve_names, self._platform_names)
+        self._platform_stamp = time.monotonic()
+        if resolved or not self._platform_resolved:  # a resolver outage keeps the last answer
+            self._platform_resolved = sorted(set(resolved))
+        self._never_cache = (-NEVER_CACHE_S, [])
+
+    def _why_never(self, net: ipaddress.IPv4Network, host: Iterable[str]) -> str | None:
+        """Why a rule's address or network lies wholly inside what no rule reaches."""
+
+        def inside(items: Iterable[str]) -> bool:
+            return any(net.subnet_of(ipaddress.IPv4Network(i, strict=False)) for i in items)
+
+        for block, why in _BLOCKED_WHY.items():
+            if inside([block]):
+                return why
+        if inside([str(self.supernet)] + ([str(self.subnet)] if self.subnet is not None else [])):
+            return "the platform's sandbox and gateway network"
+        if inside(host):
+            return "an address of the host"
+        if inside([*self._platform_nets, *self._platform_resolved]):
+            return f"a platform address ({PLATFORM_ENV})"
+        if inside(self.blocked):
+            return "blocked on this edge"
+        return None
+
+    async def check(self, policy: NetworkPolicy) -> None:
+        """Refuse a policy with a rule that can only reach the platform (an address of the
+        host, of a gateway, an apiserver, another sandbox, loopback, link-local...): such a
+        rule is never honoured, so the caller is told which address to remove. Broader
+        rules are accepted; the platform's addresses inside them stay unreachable."""
+        await self._refresh_platform()
+        host: list[str] | None = None
+        for rule in policy.allow:
+            if rule.is_domain:
+                continue
+            if host is None:
+                host = sorted(host_addresses(broadcast=True))
+            why = self._why_never(ipaddress.IPv4Network(rule.to), host)
+            if why is not None:
+                raise errors.InvalidRequest(
+                    f"network rule to {rule.to}: {rule.to} is {why}; sandboxes can never reach the "
+                    "platform's addresses, whatever the policy says; remove this rule",
+                    address=rule.to,
+                )
 
     def resolv_conf(self) -> str:
         """The /etc/resolv.conf a sandbox with a policy needs."""
@@ -876,10 +1159,13 @@ class NetHost:
                 )
                 self._enable_host_forwarding()
                 await self._worker.nft(
-                    None, host_script(table=self.host_table, host_if=self.host_if, gw_uplink_ip=gw_up_ip)
+                    None,
+                    host_script(
+                        table=self.host_table, host_if=self.host_if, gw_uplink_ip=gw_up_ip, limits=self.limits
+                    ),
                 )
-                await self._worker.nft(self._gw_fd, gw_base_script(gw_ip=self.gw_ip))
-                self._dns = DnsForwarder(self, self.upstreams)
+                await self._worker.nft(self._gw_fd, gw_base_script(gw_ip=self.gw_ip, limits=self.limits))
+                self._dns = DnsForwarder(self, self.upstreams, self.limits)
                 await self._dns.start(f"/run/netns/{self.gw_netns}", self.gw_ip)
             except BaseException:
                 await self._destroy_gateway()
@@ -930,11 +1216,19 @@ class NetHost:
 
     # --- per sandbox ---------------------------------------------------------------------
 
-    async def apply(self, sandbox_id: str, pid: int, policy: NetworkPolicy) -> dict[str, float]:
+    async def apply(
+        self, sandbox_id: str, pid: int, policy: NetworkPolicy, *, check: bool = True
+    ) -> dict[str, float]:
         """Give a running sandbox `policy` (the first call links it to the gateway; later
-        calls replace its rules atomically). Returns timings in ms."""
+        calls replace its rules atomically). Returns timings in ms. `check`: refuse a rule
+        that names the platform (see check(); False when re-applying a stored policy: the
+        rules drop those addresses anyway)."""
         t0 = time.perf_counter()
         await self.ensure_gateway()
+        if check:
+            await self.check(policy)
+        else:
+            await self._refresh_platform()
         t1 = time.perf_counter()
         sb = self.sandboxes.get(sandbox_id)
         created = sb is None
@@ -945,6 +1239,7 @@ class NetHost:
                 self._next_index += 1
             try:
                 sb = SandboxNet(sandbox_id, pid, pidfd, index, self._sandbox_ip(index), policy)
+                sb.dns_bucket = TokenBucket(self.limits.dns_rate, self.limits.dns_burst)
             except BaseException:
                 os.close(pidfd)
                 self._free.append(index)
@@ -972,7 +1267,7 @@ class NetHost:
         tables = await self._worker.nft(sb.pidfd, "list tables\n")
         if f"table {INNER_TABLE}" in tables:  # an edge before a restart made it: start over
             await self._worker.nft(sb.pidfd, f"delete table {INNER_TABLE}\n")
-        await self._worker.nft(sb.pidfd, inner_base_script())
+        await self._worker.nft(sb.pidfd, inner_base_script(gw_ip=self.gw_ip, limits=self.limits))
         await self._worker.nft(self._gw_fd, gw_sandbox_base_script(chain=sb.chain, ifname=sb.ifname))
 
     async def _load_rules(self, sb: SandboxNet, policy: NetworkPolicy) -> None:
@@ -1062,6 +1357,9 @@ class NetHost:
                 await self._gc_worker.nft(
                     self._gw_fd, gw_remove_script(chain=sb.chain, ifname=sb.ifname, state=sb.outer)
                 )
+            for cmd in gw_forget_limits_script(ifname=sb.ifname):
+                with contextlib.suppress(NftError):  # no element: the link never used that share
+                    await self._gc_worker.nft(self._gw_fd, cmd)
             if sb.alive():  # a dead sandbox's netns takes both ends of the link with it
                 await run_tool(["ip", "-n", self.gw_netns, "link", "del", sb.ifname])
         os.close(sb.pidfd)
@@ -1088,12 +1386,16 @@ class NetHost:
         sb = self.sandboxes.get(sandbox_id)
         if sb is None:
             return {}
-        inner = sb.last_inner
+        inner, limited = sb.last_inner, sb.last_limited
         if sb.alive():
             with contextlib.suppress(NftError, OSError):
                 out = await self._worker.nft(sb.pidfd, "list counter inet dsec denied\n", json_output=True)
                 inner = _counter(out)
                 sb.last_inner = inner
+            with contextlib.suppress(NftError, OSError):
+                out = await self._worker.nft(sb.pidfd, "list counter inet dsec limited\n", json_output=True)
+                limited = _counter(out)
+                sb.last_limited = limited
         outer = (0, 0)
         with contextlib.suppress(NftError, OSError):
             cmd = f"list counter inet dsec {sb.chain}_denied\n"
@@ -1102,6 +1404,7 @@ class NetHost:
             "denied_packets": inner[0] + outer[0],
             "denied_bytes": inner[1] + outer[1],
             "denied_packets_gateway": outer[0],
+            "connections_limited": limited[0],
             **sb.dns,
         }
 
@@ -1157,6 +1460,9 @@ def _sandbox_sysctls() -> None:
 def _gateway_sysctls() -> None:
     _write_sysctl("net.ipv6.conf.default.disable_ipv6", "1")
     _write_sysctl("net.ipv4.ip_forward", "1")
+    # The gateway's rejects (limits) go to its own sandboxes only: none may be rate-limited
+    # away, or a refused connect() would hang in SYN retries instead of failing at once.
+    _write_sysctl("net.ipv4.icmp_ratelimit", "0")
 
 
 def _counter(out: str) -> tuple[int, int]:
@@ -1172,14 +1478,24 @@ def _counter(out: str) -> tuple[int, int]:
 
 class DnsForwarder:
     """Answers a sandbox's queries for its allowed names only, and allows what they
-    resolve to before it replies (see the module docstring)."""
+    resolve to before it replies (see the module docstring).
 
-    def __init__(self, host: NetHost, upstreams: Sequence[tuple[str, int]]) -> None:
+    Shared by every sandbox of the edge, so each gets a bounded share (NetLimits): a query
+    budget (a token bucket; UDP beyond it is dropped, also in the gateway's kernel, and a
+    TCP connection beyond it waits), a few TCP connections with a short idle timeout and
+    a write deadline, a few upstream lookups at a time. Denied names are answered at once
+    from the datagram callback (no task, no upstream); nothing waits on one client."""
+
+    def __init__(
+        self, host: NetHost, upstreams: Sequence[tuple[str, int]], limits: NetLimits | None = None
+    ) -> None:
         self.host = host
         self.upstreams = list(upstreams)
+        self.limits = limits or NetLimits()
         self._udp: asyncio.DatagramTransport | None = None
         self._tcp: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self.tcp_open = 0
 
     async def start(self, netns_path: str, ip: str) -> None:
         loop = asyncio.get_running_loop()
@@ -1199,63 +1515,127 @@ class DnsForwarder:
 
         class _Udp(asyncio.DatagramProtocol):
             def datagram_received(self, data: bytes, addr: tuple[str | Any, int]) -> None:
-                fwd._spawn(fwd._udp_query(data, addr))
+                fwd._datagram(data, addr)
 
         transport, _ = await loop.create_datagram_endpoint(_Udp, sock=us)
         self._udp = transport  # type: ignore[assignment]
-        self._tcp = await asyncio.start_server(self._tcp_client, sock=ts)
+        self._tcp = await asyncio.start_server(self._tcp_client, sock=ts, backlog=256)
 
     def _spawn(self, coro: Any) -> None:
         task: asyncio.Task[None] = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _udp_query(self, data: bytes, addr: tuple[str, int]) -> None:
-        reply = await self.answer(data, addr[0], tcp=False)
+    def _datagram(self, data: bytes, addr: tuple[str, int]) -> None:
+        sb = self.host.by_ip(addr[0])
+        if sb is None or self._udp is None:
+            return  # only linked sandboxes get here (the gateway drops forged sources)
+        if not sb.dns_bucket.take():
+            sb.dns["dns_limited"] += 1
+            return
+        local = self._local_answer(data, sb)
+        if local is not None:
+            if local:
+                self._udp.sendto(local, addr)
+            return
+        if sb.dns_inflight >= self.limits.dns_inflight:
+            sb.dns["dns_limited"] += 1
+            return
+        self._spawn(self._udp_query(data, addr, sb))
+
+    async def _udp_query(self, data: bytes, addr: tuple[str, int], sb: SandboxNet) -> None:
+        reply = await self._forward(data, sb, tcp=False)
         if reply is not None and self._udp is not None:
             self._udp.sendto(reply, addr)
 
     async def _tcp_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
+        sb = self.host.by_ip(peer[0]) if peer else None
+        lim = self.limits
+        if sb is None or sb.dns_tcp >= lim.dns_tcp or self.tcp_open >= lim.dns_tcp_total:
+            if sb is not None:
+                sb.dns["dns_limited"] += 1
+            writer.transport.abort()
+            return
+        sb.dns_tcp += 1
+        self.tcp_open += 1
         try:
-            while True:
-                n = struct.unpack("!H", await asyncio.wait_for(reader.readexactly(2), 10))[0]
-                data = await asyncio.wait_for(reader.readexactly(n), 10)
-                reply = await self.answer(data, peer[0], tcp=True)
+            for _ in range(lim.dns_tcp_queries):
+                n = struct.unpack("!H", await asyncio.wait_for(reader.readexactly(2), lim.dns_tcp_idle))[0]
+                data = await asyncio.wait_for(reader.readexactly(n), lim.dns_tcp_idle)
+                while not sb.dns_bucket.take():  # over budget: this connection waits, nothing else
+                    sb.dns["dns_limited"] += 1
+                    await asyncio.sleep(sb.dns_bucket.wait_s())
+                reply = self._local_answer(data, sb)
                 if reply is None:
+                    reply = await self._forward(data, sb, tcp=True)
+                if not reply:
                     break
                 writer.write(struct.pack("!H", len(reply)) + reply)
-                await writer.drain()
+                await asyncio.wait_for(writer.drain(), lim.dns_tcp_idle)  # a client that does not read
         except (asyncio.IncompleteReadError, TimeoutError, ConnectionError, struct.error):
             pass
         finally:
-            writer.close()
+            sb.dns_tcp -= 1
+            self.tcp_open -= 1
+            writer.transport.abort()  # never linger on unsent data: the descriptor goes now
 
-    async def answer(self, query: bytes, src: str, *, tcp: bool) -> bytes | None:
-        """The reply to one query from `src` (None: drop it)."""
+    def _local_answer(self, query: bytes, sb: SandboxNet) -> bytes | None:
+        """The reply made without asking upstream (b"": drop the query), or None."""
         try:
             _, name, qtype, qend = parse_query(query)
         except DnsError:
-            return None
-        sb = self.host.by_ip(src)
-        if sb is None:
-            return reply_without_answer(query, qend, 5)
-        rules = sb.policy.domain_rules(name)
-        if not rules:
+            return b""
+        if not sb.policy.domain_rules(name):
             sb.dns["dns_denied"] += 1
             return reply_without_answer(query, qend, 3)
-        sb.dns["dns_allowed"] += 1
         if qtype == 28:  # AAAA: no IPv6 in sandboxes; no data makes clients use A at once
+            sb.dns["dns_allowed"] += 1
             return reply_without_answer(query, qend, 0)
+        return None
+
+    async def _forward(self, query: bytes, sb: SandboxNet, *, tcp: bool) -> bytes | None:
+        """An allowed name: ask upstream, allow what it resolved to (never a platform
+        address), then reply."""
+        try:
+            _, name, _, qend = parse_query(query)
+        except DnsError:
+            return None
+        rules = sb.policy.domain_rules(name)
+        if not rules:
+            return reply_without_answer(query, qend, 3)
+        sb.dns["dns_allowed"] += 1
+        sb.dns_inflight += 1
         try:
             raw = await self._upstream(query, tcp=tcp)
             reply = bytearray(raw)
             addrs = a_records(reply)
-            await self.host.learn(sb, rules, addrs)
+            allowed = [(a, t) for a, t in addrs if not self.host.is_platform(a)]
+            if len(allowed) < len(addrs):
+                sb.dns["dns_platform"] += len(addrs) - len(allowed)
+                log.warning("dns: %s for %s resolved to a platform address: not allowed", name, sb.id)
+            if sb.id in self.host.sandboxes:
+                await self.host.learn(sb, rules, allowed)
         except (OSError, TimeoutError, DnsError, NftError) as e:
-            log.warning("dns: %s for %s (%s): %s", name, sb.id, src, e)
+            log.warning("dns: %s for %s (%s): %s", name, sb.id, sb.ip, e)
             return reply_without_answer(query, qend, 2)
+        finally:
+            sb.dns_inflight -= 1
         return bytes(reply)
+
+    async def answer(self, query: bytes, src: str, *, tcp: bool) -> bytes | None:
+        """The reply to one query from `src` (None: drop it); no budget is charged."""
+        sb = self.host.by_ip(src)
+        if sb is None:
+            try:
+                qend = parse_query(query)[3]
+            except DnsError:
+                return None
+            return reply_without_answer(query, qend, 5)
+        local = self._local_answer(query, sb)
+        if local is not None:
+            return local or None
+        return await self._forward(query, sb, tcp=tcp)
 
     async def _upstream(self, query: bytes, *, tcp: bool) -> bytes:
         ident = random.randrange(1 << 16)
