@@ -316,6 +316,8 @@ class Edge:
         return self.layers.get_image(name)
 
     async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None) -> SandboxInfo:
+        if spec.network is not None:  # a rule to the platform's addresses: 400 before any work
+            await self.net.check(spec.network)
         info = await self._create_plain(spec, sandbox_id)
         if spec.protected_paths:
             try:
@@ -325,8 +327,6 @@ class Edge:
                 raise
         return info
 
-        if spec.network is not None:  # a rule to the platform's addresses: 400 before any work
-            await self.net.check(spec.network)
     async def _create_plain(self, spec: SandboxSpec, sandbox_id: str | None) -> SandboxInfo:
         t0 = time.perf_counter()
         image = self._image(spec.image)
