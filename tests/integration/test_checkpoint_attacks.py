@@ -376,3 +376,92 @@ async def test_without_the_path_check_criu_still_reaches_no_host_directory(cedge
         assert secret not in await leaked(edge, sb.id)
         assert reason is not None  # CRIU finds nothing there, or the check after the restore refuses
         await ckpt.kill_user_processes(edge.cgroups, sb.id)
+
+
+# --- quotas: checkpoints and fork layers are metered -------------------------------------
+
+
+@pytest.fixture
+async def api(cedge, tmp_path):
+    """The apiserver in this process in front of the test's edge; (http client as a tenant of
+    project "ckq" with max_snapshots=2, max_snapshot_mb=60, the IAM)."""
+    import httpx
+
+    from dsec.apiserver.app import create_api_app
+    from dsec.apiserver.edges import LocalEdge
+    from dsec.iam import IAM, Quota
+
+    iam = IAM(tmp_path / "iam.db")
+    iam.bootstrap()
+    iam.create_project("ckq", quota=Quota(max_snapshots=2, max_snapshot_mb=60))
+    _, token = iam.create_principal("ckq-user", projects=["ckq"])
+    app = create_api_app(
+        iam=iam, cluster_token="test-cluster", local_edges=[LocalEdge(cedge, "http://local")]
+    )
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        headers = {"Authorization": f"Bearer {token}"}
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://t", headers=headers, timeout=120
+        ) as c:
+            yield c, iam
+    iam.close()
+
+
+async def test_checkpoints_count_against_the_snapshot_quota(cedge, criu, api):
+    from dsec.iam import Quota
+
+    http, iam = api
+    r = await http.post("/v1/sandboxes", json={"image": "python", "project": "ckq", "memory_mb": 256})
+    assert r.status_code == 201, r.text
+    sid = r.json()["id"]
+    big = "import os, time; b = os.urandom(40 << 20); time.sleep(3600)"  # ~40 MiB of memory
+    r = await http.post(
+        f"/v1/sandboxes/{sid}/exec", json={"cmd": f"nohup python3 -c '{big}' >/dev/null 2>&1 &"}
+    )
+    assert r.status_code == 200, r.text
+    await asyncio.sleep(1.5)
+    first = await http.post(f"/v1/sandboxes/{sid}/checkpoint", json={"leave_running": True})
+    assert first.status_code == 201, first.text
+    size_mb = first.json()["size_bytes"] >> 20
+    assert size_mb >= 40
+    assert iam.snapshot_reservations()[first.json()["id"]][1] >= size_mb
+    # a second one: over max_snapshot_mb (60), refused and not kept
+    second = await http.post(f"/v1/sandboxes/{sid}/checkpoint", json={"leave_running": True})
+    assert second.status_code == 429 and second.json()["error"]["code"] == "quota_exceeded", second.text
+    assert [c["id"] for c in (await http.get("/v1/checkpoints")).json()["checkpoints"]] == [
+        first.json()["id"]
+    ]
+    assert len(cedge.list_checkpoints()) == 1  # nothing left on disk either
+    # deleting gives the share back
+    assert (await http.delete(f"/v1/checkpoints/{first.json()['id']}")).status_code == 204
+    assert first.json()["id"] not in iam.snapshot_reservations()
+    again = await http.post(f"/v1/sandboxes/{sid}/checkpoint", json={"leave_running": True})
+    assert again.status_code == 201, again.text
+    # a project at its count limit is refused before anything is dumped
+    iam.set_quota("ckq", Quota(max_snapshots=1, max_snapshot_mb=60))
+    before = len(os.listdir(cedge._checkpoints_dir()))
+    r = await http.post(f"/v1/sandboxes/{sid}/checkpoint", json={"leave_running": True})
+    assert r.status_code == 429 and "max_snapshots" in r.text
+    assert len(os.listdir(cedge._checkpoints_dir())) == before
+
+
+async def test_fork_layers_are_bounded_per_sandbox(cedge):
+    from dsec.edge import snapshots
+
+    edge = cedge
+    sb = await edge.create(SandboxSpec(image="python"))
+    await run(edge, sb.id, "mkdir -p /work && head -c 1000000 /dev/urandom > /work/blob")
+    kids = []
+    for _ in range(snapshots.MAX_FORK_LAYERS_PER_SANDBOX):
+        kids += await edge.fork(sb.id, 1)
+    with pytest.raises(errors.QuotaExceeded) as e:
+        await edge.fork(sb.id, 1)
+    assert e.value.details["limit"] == "fork_layers"
+    layers = [d for d in (edge.settings.edge_run_dir / "forks").iterdir() if d.name.startswith(sb.id)]
+    assert len(layers) == snapshots.MAX_FORK_LAYERS_PER_SANDBOX  # the refused one copied nothing
+    await edge.stop(kids[0].id)  # its layer goes with its only child, and a fork fits again
+    kids = kids[1:] + await edge.fork(sb.id, 1)
+    # another sandbox is not affected by this one's forks
+    other = await edge.create(SandboxSpec(image="python"))
+    assert len(await edge.fork(other.id, 2)) == 2

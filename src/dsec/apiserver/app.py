@@ -54,6 +54,8 @@ from dsec.edge.pools import PoolInfo, PoolSpec
 from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult
 from dsec.iam import IAM, Principal, Quota
 from dsec.models import (
+    Checkpoint,
+    CheckpointRequest,
     EdgeStatus,
     ExecResult,
     ForkRequest,
@@ -245,7 +247,7 @@ def create_api_app(
         return Target(directory.edge_for(sid), iam.visible_projects(p))
 
     app.state.resolve = resolve
-    _install_snapshot_route(app, st, principal)  # before the shared router: it adds quota admission
+    _install_snapshot_route(app, st, principal)  # before the shared router: snapshot/checkpoint quotas
 
     app.include_router(sandbox_router(st.metrics.observe_exec, express))
     app.include_router(swerex_router())
@@ -529,6 +531,27 @@ def _install_snapshot_route(app: FastAPI, st: ApiServerState, principal: _Princi
             raise
         return model_response(info, 201)
 
+    @app.post("/v1/sandboxes/{sid}/checkpoint", response_model=Checkpoint, status_code=201)
+    async def checkpoint(sid: str, request: Request, body: CheckpointRequest | None = None) -> Response:
+        """A memory checkpoint (its images and its copy of the files) counts like a snapshot:
+        a slot (and at least 1 MiB) before the dump, its size once known."""
+        scope = iam.visible_projects(principal(request))
+        edge = directory.edge_for(sid)
+        project = (await edge.get(sid, scope)).spec.project
+        pending = f"pending-{secrets.token_hex(8)}"
+        iam.reserve_snapshot(pending, project, 1)  # refused here, before anything is written
+        try:
+            info = await edge.checkpoint(sid, body or CheckpointRequest(), scope)
+        finally:
+            iam.release_snapshot(pending)
+        try:
+            iam.reserve_snapshot(info.id, project, max(1, -(-info.size_bytes // (1 << 20))))
+        except errors.DsecError:
+            with contextlib.suppress(errors.DsecError):
+                await edge.delete_checkpoint(info.id, scope)
+            raise
+        return model_response(info, 201)
+
 
 def _install_checkpoint_routes(app: FastAPI, st: ApiServerState, principal: _PrincipalFn) -> None:
     """Memory checkpoints: list, restore (into a new sandbox: admitted like a create), delete.
@@ -590,6 +613,7 @@ def _install_checkpoint_routes(app: FastAPI, st: ApiServerState, principal: _Pri
     async def delete_checkpoint(cid: str, request: Request) -> Response:
         scope = iam.visible_projects(principal(request))
         await edge_for(cid).delete_checkpoint(cid, scope)
+        iam.release_snapshot(cid)  # its share of the project's snapshot quota
         return Response(status_code=204)
 
 

@@ -49,7 +49,15 @@ from dsec.edge.files import MAX_ARCHIVE_ENTRIES, SandboxFiles, off_loop
 from dsec.edge.pools import POOL_PROJECT, PoolInfo, PoolSpec, WarmPools
 from dsec.edge.process import PipeReader, RawResult, run_process, spawn
 from dsec.edge.sessions import Session, session_argv
-from dsec.edge.snapshots import copy_tree, copy_tree_under, scrub, start_copy, strip_setid
+from dsec.edge.snapshots import (
+    check_fork_room,
+    copy_tree,
+    copy_tree_under,
+    disk_usage,
+    scrub,
+    start_copy,
+    strip_setid,
+)
 from dsec.edge.store import EdgeStore, Record
 from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult
 from dsec.isolation import linux
@@ -1364,6 +1372,9 @@ class Edge:
             while_stopped=copy_files,
         )
         (dest / "spec.json").write_text(sb.record.spec.model_dump_json())
+        # Its size is what it keeps on the host: the images and the copy of the files (the
+        # project's snapshot quota is charged with it).
+        info.size_bytes += await asyncio.get_running_loop().run_in_executor(None, disk_usage, dest / "fs")
         info.timings_ms["total"] = (time.perf_counter() - t0) * 1000
         info.save()
         result = self._checkpoint_model(dest)
@@ -1616,6 +1627,7 @@ class Edge:
         spec = sb.record.spec
         for _ in range(n):
             self._admit(spec)
+        check_fork_room(self._forks_root(), sandbox_id, sb.container.upper)  # before the copy
         t0 = time.perf_counter()
         shared = self._forks_root() / f"{sandbox_id}-{secrets.token_hex(4)}"
         tree = shared / "tree"

@@ -318,3 +318,49 @@ def strip_setid(tree: Path) -> int:
                 os.chmod(path, stat.S_IMODE(st.st_mode) & ~(stat.S_ISUID | stat.S_ISGID))
                 n += 1
     return n
+
+
+# Fork layers live on the edge's run tmpfs, shared by every tenant: each source sandbox may
+# hold this many at once, and a copy must leave a quarter of the tmpfs free for the others.
+MAX_FORK_LAYERS_PER_SANDBOX = 8
+FORK_TMPFS_RESERVE = 0.25
+
+
+def disk_usage(tree: Path) -> int:
+    """Bytes a tree occupies (allocated blocks; hard links once), never following links."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(tree):
+        for name in dirnames + filenames:
+            st = os.lstat(os.path.join(dirpath, name))
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+
+
+def _used_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def check_fork_room(forks: Path, sandbox_id: str, upper: Path) -> None:
+    """Refuse (quota_exceeded) a fork whose copy of `upper` (the source's writable layer, a
+    tmpfs of its own) would exceed the source's share of the run tmpfs `forks` is on."""
+    held = [d for d in forks.iterdir() if d.name.startswith(f"{sandbox_id}-")]
+    if len(held) >= MAX_FORK_LAYERS_PER_SANDBOX:
+        raise errors.QuotaExceeded(
+            f"sandbox {sandbox_id} already has {len(held)} fork layers alive (at most "
+            f"{MAX_FORK_LAYERS_PER_SANDBOX}); stop the children of earlier forks, or fork a snapshot",
+            limit="fork_layers",
+        )
+    need = _used_bytes(upper)
+    st = os.statvfs(forks)
+    free, size = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    if need > free - FORK_TMPFS_RESERVE * size:
+        raise errors.QuotaExceeded(
+            f"forking sandbox {sandbox_id} would copy {need >> 20} MiB into the edge's shared fork "
+            f"space, which has {max(0, free) >> 20} MiB free of {size >> 20} MiB; stop other forks' "
+            "children, make the sandbox's writable layer smaller, or fork a snapshot",
+            limit="fork_space",
+        )
