@@ -10,7 +10,8 @@ ROOT=$(pwd)
 VENV="$ROOT/.venv"
 
 APT_PACKAGES=(crun runc mmdebstrap bubblewrap gcc libc6-dev iproute2 nftables procps ca-certificates
-              btrfs-progs xfsprogs tar gzip zstd python3-venv debian-archive-keyring)
+              btrfs-progs xfsprogs tar gzip zstd python3-venv debian-archive-keyring
+              bash-static)  # bash-static: the trusted shell of bash sessions (/.dsec-tools/bash)
 
 log() { printf '\033[1m[dsec-install]\033[0m %s\n' "$*" >&2; }
 

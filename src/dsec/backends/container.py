@@ -251,7 +251,14 @@ class ContainerBackend:
     name = "container"
 
     def __init__(
-        self, *, run_dir: Path, shim: Path, runtime: str, uid_offset: int, cgroups: CgroupHost
+        self,
+        *,
+        run_dir: Path,
+        shim: Path,
+        runtime: str,
+        uid_offset: int,
+        cgroups: CgroupHost,
+        tools_dir: Path | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.sandboxes_dir = run_dir / "sandboxes"
@@ -260,6 +267,7 @@ class ContainerBackend:
         self.runtime = shutil.which(runtime) or runtime
         self.uid_offset = uid_offset
         self.cgroups = cgroups
+        self.tools_dir = tools_dir  # bound read-only at /.dsec-tools in every sandbox
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self.runtime_root.mkdir(parents=True, exist_ok=True)
         # crun compiles the seccomp profile with libseccomp at every start (~1.3 ms) and keeps
@@ -324,6 +332,7 @@ class ContainerBackend:
             uid_offset=self.uid_offset,
             id_range=ID_RANGE,
             env=plan.env,
+            tools_dir=str(self.tools_dir) if self.tools_dir else None,
         )
         self._use_compiled_seccomp(plan.id, config)
         (d / "config.json").write_text(json.dumps(config))

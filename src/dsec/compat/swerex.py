@@ -407,10 +407,18 @@ def _zip_to_tar(src: IO[bytes]) -> bytes:
         return out.read()
 
 
-# Signal the processes of the session's shell process group except the shell itself:
-# the commands it is running (a non-interactive bash keeps its children in its group).
+# Signal the processes of the session's running shell's process group except the shell
+# itself: the commands it is running. Every run of a dsec bash session is a shell of its own,
+# leader of its process group, whose command line carries `dsec-session-<id>;`.
 _SIGNAL_GROUP = r"""
-sig=$1; shell=$2; n=0
+sig=$1; n=0; shell=
+for f in $(grep -lsF "dsec-session-$2;" /proc/[0-9]*/cmdline); do
+  pid=${f#/proc/}; pid=${pid%/cmdline}
+  read -r line < "/proc/$pid/stat" 2>/dev/null || continue
+  set -- ${line##*) }
+  [ "$3" = "$pid" ] && shell=$pid
+done
+[ -n "$shell" ] || { echo 0; exit 0; }
 for f in /proc/[0-9]*/stat; do
   read -r line < "$f" 2>/dev/null || continue
   pid=${f#/proc/}; pid=${pid%/stat}
@@ -542,7 +550,7 @@ def swerex_router() -> APIRouter:  # noqa: C901 - one closure per endpoint
         return BashObservation(output=r.output, exit_code=exit_code, expect_string=PS1)
 
     async def signal_group(ctx: _Ctx, s: _RexSession, sig: str) -> None:
-        req = ExecRequest(cmd=["/bin/sh", "-c", _SIGNAL_GROUP, "sh", sig, str(s.shell_pid)], timeout=30)
+        req = ExecRequest(cmd=["/bin/sh", "-c", _SIGNAL_GROUP, "sh", sig, s.dsec_id], timeout=30)
         await ctx.edge.exec(ctx.sid, req, ctx.projects)
 
     async def interrupt(ctx: _Ctx, action: BashInterruptAction) -> BashObservation:
@@ -550,7 +558,7 @@ def swerex_router() -> APIRouter:  # noqa: C901 - one closure per endpoint
         apiserver). dsec already kills a command at its timeout, so after a
         CommandTimeoutError there is nothing left to interrupt and this returns at once."""
         s = session_of(ctx, action.session)
-        if s.idle.is_set() or s.shell_pid is None:
+        if s.idle.is_set():
             return BashObservation(output="", exit_code=0, expect_string=PS1)
         for sig in ["INT"] * max(action.n_retry, 1) + ["KILL"]:
             await signal_group(ctx, s, sig)

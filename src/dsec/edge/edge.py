@@ -47,8 +47,8 @@ from dsec.config import EdgeSettings
 from dsec.edge import checkpoint as ckpt
 from dsec.edge.files import MAX_ARCHIVE_ENTRIES, SandboxFiles, off_loop
 from dsec.edge.pools import POOL_PROJECT, PoolInfo, PoolSpec, WarmPools
-from dsec.edge.process import PipeReader, RawResult, run_process, spawn
-from dsec.edge.sessions import Session, session_argv
+from dsec.edge.process import RawResult, run_process
+from dsec.edge.sessions import Runner, Session, open_session, prepare_tools
 from dsec.edge.snapshots import (
     check_fork_room,
     copy_tree,
@@ -219,6 +219,7 @@ class Edge:
             runtime=s.runtime,
             uid_offset=s.uid_offset,
             cgroups=self.cgroups,
+            tools_dir=prepare_tools(s.edge_run_dir / "tools"),
         )
         self.store = EdgeStore(s.db_path)
         await self.trajlog.start()
@@ -890,40 +891,18 @@ class Edge:
         if len(sb.sessions) >= 64:
             raise errors.QuotaExceeded("a sandbox holds at most 64 sessions; close one first")
         uid, gid = self._user(sb, req.user)
-        in_r, in_w = os.pipe2(os.O_CLOEXEC)
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC) if req.kind == "python" else (-1, -1)
-        stdio = (in_r, out_w, err_w if err_w >= 0 else out_w)
         sid = f"s{self._epoch}{next(sb.counter)}"
-        try:
-            proc = await spawn(
-                sb.container,
-                self.cgroups,
-                f"dsec-{sid}",
-                session_argv(req.kind),
-                self._env(sb, req.env),
-                cwd=req.cwd or sb.record.spec.workdir,
-                uid=uid,
-                gid=gid,
-                stdio=stdio,
-            )
-        except BaseException:
-            for fd in (in_w, out_r, err_r):
-                if fd >= 0:
-                    os.close(fd)
-            raise
-        procs = proc.group.procs()
-        os.set_blocking(in_w, False)
-        session = Session(
-            id=sid,
-            kind=req.kind,
-            proc=proc,
-            root_pid=procs[0] if procs else -1,
-            stdin_fd=in_w,
-            out=PipeReader(out_r, 1 << 20),
-            err=PipeReader(err_r, 1 << 20) if err_r >= 0 else None,
-            channel=sb.container.channel,
+        session = await open_session(
+            sid,
+            req.kind,
+            Runner(sb.container, self.cgroups, uid, gid),
+            self._env(sb, req.env),
+            req.cwd or sb.record.spec.workdir,
         )
+        if len(sb.sessions) >= 64 or self.sandboxes.get(sb.id) is not sb:  # changed meanwhile
+            session.close()
+            self._get(sandbox_id)  # gone: not found
+            raise errors.QuotaExceeded("a sandbox holds at most 64 sessions; close one first")
         sb.sessions[sid] = session
         return SessionInfo(id=sid, kind=req.kind, created_at=session.created_at)
 

@@ -65,6 +65,11 @@ READONLY_PATHS = [
 
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
+# The platform's trusted tools (a static bash for sessions) as every sandbox sees them: a
+# read-only, nosuid, nodev bind of a host directory the edge prepares. Nothing inside can
+# replace them: the sandbox has no CAP_SYS_ADMIN and seccomp refuses mount and umount.
+TOOLS_DIR = "/.dsec-tools"
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -83,10 +88,23 @@ def build_config(
     uid_offset: int = UID_OFFSET,
     id_range: int = ID_RANGE,
     env: dict[str, str] | None = None,
+    tools_dir: str | None = None,
 ) -> dict[str, Any]:
     period = 100_000
     memory = limits.memory_mb * 1024 * 1024
     process_env = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8", **(env or {})}
+    tools = (
+        [
+            {
+                "destination": TOOLS_DIR,
+                "type": "bind",
+                "source": tools_dir,
+                "options": ["bind", "ro", "nosuid", "nodev"],
+            }
+        ]
+        if tools_dir
+        else []
+    )
     return {
         "ociVersion": "1.0.2",
         "hostname": hostname,
@@ -138,6 +156,7 @@ def build_config(
                 "source": "sysfs",
                 "options": ["nosuid", "noexec", "nodev", "ro"],
             },
+            *tools,
         ],
         "linux": {
             "uidMappings": [{"containerID": 0, "hostID": uid_offset, "size": id_range}],
