@@ -128,6 +128,18 @@ class ExecRequest(_Model):
     timeout: float = Field(60.0, gt=0, le=86400)
     max_output_bytes: int = Field(1 * MiB, ge=0, le=64 * MiB, description="cap per stream")
     step: Step | None = None
+    trusted: bool = Field(
+        False,
+        description="run with the image's own toolchain: its read-only layers for every system "
+        "path, the sandbox's files only in `task_dirs`, as a platform uid the sandbox cannot "
+        "reach, with a clean environment (verify always runs so)",
+    )
+    task_dirs: list[ShortStr] | None = Field(
+        None,
+        max_length=16,
+        description="trusted only: the directories taken live from the sandbox (default: /work "
+        "and the sandbox's workdir)",
+    )
 
     _env = field_validator("env")(check_env)
 

@@ -82,7 +82,8 @@ async def test_protected_paths_are_out_of_reach_until_verification(edge):
     # A grader written into the image-like filesystem, then protected at create time.
     sb = await edge.create(SandboxSpec(image="python"))
     await edge.exec(
-        sb.id, ExecRequest(cmd="mkdir -p /grader && echo 'ANSWER=42' > /grader/key && echo s > /srv/solution")
+        sb.id,
+        ExecRequest(cmd="mkdir -p /grader && echo 'ANSWER=42' > /grader/key && echo s > /work/solution"),
     )
     assert await edge.protect(sb.id, ["/grader"]) == ["/grader"]
     # the agent, root inside, with every trick: nothing there to read
@@ -101,7 +102,8 @@ async def test_protected_paths_are_out_of_reach_until_verification(edge):
             ">/dev/null 2>&1 &"
         ),
     )
-    r = await edge.verify(sb.id, ExecRequest(cmd="cat /grader/key; cat /srv/solution"))
+    # the grader sees the task directory (/work) as the agent left it
+    r = await edge.verify(sb.id, ExecRequest(cmd="cat /grader/key; cat /work/solution"))
     assert r.stdout == "ANSWER=42\ns\n"
     # the lurker was gone before the grader came back, and the grader is gone again
     r = await edge.exec(

@@ -308,12 +308,16 @@ class AsyncSandbox:
         user: str | None = None,
         max_output_bytes: int = 1 << 20,
         step: StepArg = None,
+        trusted: bool = False,
+        task_dirs: list[str] | None = None,
     ) -> ExecResult:
         """Run a command (a shell string or an argv list) to completion.
 
         With `step=(trajectory id, index)` the call is logged under that tag: sent again
         (after a preemption, a client restart, a retry) it returns the recorded result
-        without running twice. Untagged calls are never retried."""
+        without running twice. Untagged calls are never retried. With `trusted=True` it runs
+        with the image's own toolchain (read-only), the sandbox's files only in `task_dirs`
+        (default /work and the workdir), as a platform uid, in a clean environment."""
         req = _base.exec_request(
             cmd,
             timeout=timeout,
@@ -323,6 +327,8 @@ class AsyncSandbox:
             user=user,
             max_output_bytes=max_output_bytes,
             step=step,
+            trusted=trusted,
+            task_dirs=task_dirs,
         )
         return await self._client._call(_base.exec_(self.id, req))
 
@@ -432,9 +438,11 @@ class AsyncSandbox:
         user: str | None = None,
         max_output_bytes: int = 1 << 20,
         step: StepArg = None,
+        task_dirs: list[str] | None = None,
     ) -> ExecResult:
-        """The platform's verification step: every process of the sandbox is killed, the
-        protected paths come back, `cmd` runs (as `user`, root by default), they leave again."""
+        """The platform's verification step: every process of the sandbox is killed, then
+        `cmd` runs trusted (the image's own toolchain, the sandbox's files only in `task_dirs`,
+        the protected paths read-only, as the platform's uid; `user` is refused)."""
         req = _base.exec_request(
             cmd,
             timeout=timeout,
@@ -444,6 +452,7 @@ class AsyncSandbox:
             user=user,
             max_output_bytes=max_output_bytes,
             step=step,
+            task_dirs=task_dirs,
         )
         return await self._client._call(_base.verify(self.id, req))
 

@@ -265,6 +265,8 @@ def exec_request(
     user: str | None,
     max_output_bytes: int,
     step: StepArg = None,
+    trusted: bool = False,
+    task_dirs: list[str] | None = None,
 ) -> ExecRequest:
     return _validated(
         ExecRequest,
@@ -276,6 +278,8 @@ def exec_request(
         user=user,
         max_output_bytes=max_output_bytes,
         step=_step(step),
+        trusted=trusted,
+        task_dirs=task_dirs,
     )
 
 

@@ -24,6 +24,7 @@ import shutil
 import tarfile
 import tempfile
 import time
+import weakref
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ from dsec.backends.container import (
 )
 from dsec.config import EdgeSettings
 from dsec.edge import checkpoint as ckpt
+from dsec.edge import trusted
 from dsec.edge.files import MAX_ARCHIVE_ENTRIES, SandboxFiles, off_loop
 from dsec.edge.pools import POOL_PROJECT, PoolInfo, PoolSpec, WarmPools
 from dsec.edge.process import RawResult, run_process
@@ -86,7 +88,7 @@ from dsec.models import (
     SnapshotInfo,
     Step,
 )
-from dsec.native import ensure_copy, ensure_shim
+from dsec.native import ensure_copy, ensure_shim, ensure_trusted
 from dsec.privatefs import seal_data_dir
 from dsec.trajlog import StepTag, TrajectoryLog, action_hash
 
@@ -150,6 +152,8 @@ class Edge:
         self.sandboxes: dict[str, Sandbox] = {}
         self._creating: dict[str, SandboxSpec] = {}
         self._toolkit: list[str] = []
+        self._trusted_tool: Path | None = None  # dsec-trusted, built on the first trusted exec
+        self._vault_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._tasks: list[asyncio.Task[None]] = []
         # Stops started from exit callbacks; held so they are not garbage-collected mid-run.
         self._dirty_active: dict[str, float] = {}
@@ -818,6 +822,8 @@ class Edge:
         sink: Callable[[str, bytes], None] | None = None,
     ) -> Coroutine[Any, Any, RawResult]:
         """The one path every process started on request takes (exec, streams, archives)."""
+        if req.trusted or req.task_dirs is not None:
+            return self._run_trusted(sb, req, stdin=stdin, cap=cap, sink=sink)
         argv = ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) else list(req.cmd)
         uid, gid = self._user(sb, req.user)
         if stdin is None and req.stdin is not None:
@@ -837,9 +843,72 @@ class Edge:
             sink=sink,
         )
 
+    async def _run_trusted(
+        self,
+        sb: Sandbox,
+        req: ExecRequest,
+        *,
+        protected: builtins.list[trusted.Protected] | None = None,
+        stdin: bytes | None = None,
+        cap: int | None = None,
+        sink: Callable[[str, bytes], None] | None = None,
+    ) -> RawResult:
+        """Run `req` with the image's own toolchain (see dsec.edge.trusted)."""
+        dirs = self._trusted_checks(sb, req)
+        if self._trusted_tool is None:
+            tool = await asyncio.get_running_loop().run_in_executor(
+                None, ensure_trusted, self.settings.data_dir / "bin"
+            )
+            self.settings.edge_run_dir.joinpath("trusted").mkdir(mode=0o700, exist_ok=True)
+            self._trusted_tool = tool
+        assert self.backend is not None
+        bpf = self.backend.runtime_root / sb.id / "seccomp.bpf"
+        if not bpf.exists():
+            raise errors.InternalError(f"sandbox {sb.id} has no compiled seccomp program for a trusted exec")
+        spec = trusted.TrustedSpec(
+            tool=self._trusted_tool,
+            lowers=trusted.trusted_lowers(self.layers, self._image(sb.record.spec.image)),
+            task_dirs=dirs,
+            protected=protected or [],
+            scratch=self.settings.edge_run_dir / "trusted",
+            seccomp=bpf,
+            uid_offset=self.settings.uid_offset,
+            tmp_mb=sb.record.spec.disk_mb,
+        )
+        if stdin is None and req.stdin is not None:
+            stdin = req.stdin.encode()
+        return await trusted.run_trusted(
+            spec,
+            sb.container,
+            self.cgroups,
+            self._group_name(sb),
+            sb.root_fd,
+            ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) else list(req.cmd),
+            trusted.clean_env(req.env),
+            cwd=req.cwd or sb.record.spec.workdir,
+            stdin=stdin,
+            timeout=req.timeout,
+            cap=min(req.max_output_bytes, sb.record.spec.max_output_bytes) if cap is None else cap,
+            sink=sink,
+        )
+
+    @staticmethod
+    def _trusted_checks(sb: Sandbox, req: ExecRequest) -> builtins.list[str]:
+        """400s for what a trusted exec cannot do; its task directories."""
+        if not req.trusted:
+            raise errors.InvalidRequest("task_dirs applies to trusted execs only: pass trusted=true")
+        if req.user is not None:
+            raise errors.InvalidRequest(
+                f"a trusted exec runs as the platform's own uid {trusted.TRUSTED_UID}, never as a "
+                "sandbox user: drop `user`"
+            )
+        return trusted.task_dirs(req.task_dirs, sb.record.spec.workdir)
+
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
         sb = self._get(sandbox_id)
         action = {"op": "exec", **req.model_dump(include={"cmd", "stdin", "env", "cwd", "user"})}
+        if req.trusted:  # another action than the same command untrusted (a replay must not mix them)
+            action.update(trusted=True, task_dirs=req.task_dirs)
 
         async def run() -> dict[str, Any]:
             denied_before = sb.stats["denied_syscalls"]
@@ -1138,60 +1207,119 @@ class Edge:
     def _vault(self, sandbox_id: str) -> Path:
         return self.settings.data_dir / "vault" / sandbox_id
 
-    async def protect(self, sandbox_id: str, paths: builtins.list[str]) -> builtins.list[str]:
-        """Move `paths` out of the sandbox into a vault on the host (root only): the agent's
-        processes cannot read what is not there. verify() brings them back for one command
-        run by the platform, with every agent process gone."""
-        sb = self._get(sandbox_id)
+    def _vault_lock(self, sandbox_id: str) -> asyncio.Lock:
+        lock = self._vault_locks.get(sandbox_id)
+        if lock is None:
+            lock = self._vault_locks[sandbox_id] = asyncio.Lock()
+        return lock
+
+    def _vault_index(self, sandbox_id: str) -> builtins.list[dict[str, Any]]:
+        """The vault's entries ({path, kind d|f|l, tree, link}); an older edge's tar blobs
+        become trees here, once."""
         vault = self._vault(sandbox_id)
-        vault.mkdir(parents=True, exist_ok=True, mode=0o700)
         index_file = vault / "index.json"
         index: list[dict[str, Any]] = json.loads(index_file.read_text()) if index_file.exists() else []
-        done = []
+        if any("kind" not in e for e in index):
+            owner = trusted.trusted_host_id(self.settings.uid_offset)
+            for n, e in enumerate(index):
+                if "kind" not in e:
+                    tree = f"t{n}"
+                    shutil.rmtree(vault / tree, ignore_errors=True)
+                    kind, link = trusted.convert_blob(vault / e["blob"], vault / tree, e["dir"], owner)
+                    e.update(kind=kind, tree=tree, link=link)
+            index_file.write_text(json.dumps(index))
+        return index
+
+    def _protected(
+        self, sandbox_id: str, index: builtins.list[dict[str, Any]]
+    ) -> builtins.list[trusted.Protected]:
+        vault = self._vault(sandbox_id)
+        out = []
+        for e in index:
+            src = None if e["kind"] == "l" else vault / e["tree"]
+            out.append(trusted.Protected(e["path"], e["kind"], src, e["link"]))
+        return out
+
+    @staticmethod
+    async def _delete_path(sb: Sandbox, path: str) -> None:
+        await sb.files.run(lambda f: f.delete(path, recursive=True))
+
+    async def protect(self, sandbox_id: str, paths: builtins.list[str]) -> builtins.list[str]:
+        """Move `paths` out of the sandbox into a vault on the host (root only): the agent's
+        processes cannot read what is not there. They are copied by this process, from
+        descriptors that follow nothing below each path's parent; no program of the sandbox
+        runs. verify() binds them read-only into its trusted root, never into the sandbox's."""
+        sb = self._get(sandbox_id)
+        owner = trusted.trusted_host_id(self.settings.uid_offset)
         for raw in paths:
             if not raw.startswith("/") or "\0" in raw or os.path.normpath(raw) == "/":
                 raise errors.InvalidRequest(
                     f"protected path {raw!r} must be absolute and not /, e.g. /grader"
                 )
-            path = os.path.normpath(raw)
-            kind = sb.files.stat(path).type
-            data = await self.download_tar(sandbox_id, path)
-            blob = vault / f"{len(index)}.tar"
-            blob.write_bytes(data)
-            index.append({"path": path, "dir": kind == "dir", "blob": blob.name})
-            index_file.write_text(json.dumps(index))
-            sb.files.delete(path, recursive=True)
-            done.append(path)
+        async with self._vault_lock(sandbox_id):
+            vault = self._vault(sandbox_id)
+            vault.mkdir(parents=True, exist_ok=True, mode=0o700)
+            index_file = vault / "index.json"
+            index = self._vault_index(sandbox_id)
+            done = []
+            for raw in paths:
+                path = os.path.normpath(raw)
+                tree = f"t{len(index)}"
+                dest = vault / tree
+                shutil.rmtree(dest, ignore_errors=True)
+                with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                    dest.unlink()
+                try:
+
+                    def copy(f: SandboxFiles, p: str = path, d: Path = dest) -> tuple[str, str]:
+                        return trusted.copy_out(f.root_fd, p, d, owner)
+
+                    kind, link = await sb.files.run(copy)
+                    for e in index:  # a path protected before, inside this one: its mount point
+                        if kind == "d" and trusted.under(e["path"], path):
+                            rel = e["path"][len(path) :]
+                            trusted.make_mount_point(dest, rel, e["kind"], e["link"], owner)
+                except BaseException:
+                    shutil.rmtree(dest, ignore_errors=True)
+                    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                        dest.unlink()
+                    raise
+                index.append({"path": path, "kind": kind, "tree": tree, "link": link})
+                index_file.write_text(json.dumps(index))
+                await self._delete_path(sb, path)
+                done.append(path)
         await self.log_event(sandbox_id, "protect", {"op": "protect", "paths": done}, {})
         return done
 
     async def verify(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
         """Run the platform's verification: every agent process is killed (and its sessions
-        closed), the protected paths come back, `req` runs, and they leave again."""
+        closed), then `req` runs as a trusted exec (the image's own toolchain, the task
+        directories as the agent left them, the protected paths bound read-only from the
+        vault; see dsec.edge.trusted); whatever it started is killed after it."""
         sb = self._get(sandbox_id)
-        index_file = self._vault(sandbox_id) / "index.json"
-        index: list[dict[str, Any]] = json.loads(index_file.read_text()) if index_file.exists() else []
+        req = req.model_copy(update={"trusted": True})
+        dirs = self._trusted_checks(sb, req)  # a 400 before anything is killed
         for s in list(sb.sessions.values()):
             with contextlib.suppress(Exception):
                 s.close(kill=False)
         sb.sessions.clear()
-        await ckpt.kill_user_processes(self.cgroups, sb.id)  # nobody left to read them
+        await ckpt.kill_user_processes(self.cgroups, sb.id)  # nobody left to see or change anything
         action = {"op": "verify", **req.model_dump(include={"cmd", "env", "cwd", "user"})}
+        if req.task_dirs is not None:
+            action["task_dirs"] = req.task_dirs
 
         async def run() -> dict[str, Any]:
-            try:
-                for entry in index:
-                    data = (self._vault(sandbox_id) / entry["blob"]).read_bytes()
-                    target = entry["path"] if entry["dir"] else (os.path.dirname(entry["path"]) or "/")
-                    with contextlib.suppress(errors.FileNotFound):
-                        sb.files.delete(entry["path"], recursive=True)  # whatever the agent left there
-                    await self.upload_tar(sandbox_id, target, data)
-                raw = await self._run(sb, req)
-            finally:
-                await ckpt.kill_user_processes(self.cgroups, sb.id)  # nothing the verifier started stays
-                for entry in index:
-                    with contextlib.suppress(errors.DsecError):
-                        sb.files.delete(entry["path"], recursive=True)
+            async with self._vault_lock(sandbox_id):
+                protected = self._protected(sandbox_id, self._vault_index(sandbox_id))
+                made: builtins.list[str] = []
+                try:
+                    made = await sb.files.run(lambda f: trusted.prepare_mount_points(f, protected, dirs))
+                    raw = await self._run_trusted(sb, req, protected=protected)
+                finally:
+                    await ckpt.kill_user_processes(self.cgroups, sb.id)  # nothing the verifier started stays
+                    for path in made:
+                        with contextlib.suppress(errors.DsecError):
+                            await self._delete_path(sb, path)
             result = raw.to_exec_result()
             result.misbehaviour = self._misbehaviour(sb, raw)
             return result.model_dump()

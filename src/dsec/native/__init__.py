@@ -3,6 +3,7 @@ digest of their source so that an upgrade never runs a stale build):
 
 * ``dsec-shim``: PID 1 of every sandbox and the runtime launcher (see dsec-shim.c).
 * ``dsec-copy``: the parallel, exact tree copy behind forks and snapshots (see dsec-copy.c).
+* ``dsec-trusted``: runs verify and trusted execs with the image's own toolchain (see dsec-trusted.c).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from dsec.errors import InternalError
 
-_FLAGS = {"dsec-shim": [], "dsec-copy": ["-pthread"]}
+_FLAGS = {"dsec-shim": [], "dsec-copy": ["-pthread"], "dsec-trusted": []}
 
 
 def _source(name: str) -> bytes:
@@ -68,3 +69,7 @@ def ensure_shim(bin_dir: Path) -> Path:
 
 def ensure_copy(bin_dir: Path) -> Path:
     return ensure_tool("dsec-copy", bin_dir)
+
+
+def ensure_trusted(bin_dir: Path) -> Path:
+    return ensure_tool("dsec-trusted", bin_dir)

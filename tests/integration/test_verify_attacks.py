@@ -1,0 +1,333 @@
+"""Forging a grader's verdict (issue #11, "verify and trusted execs use a trusted toolchain").
+
+The agent is root in its sandbox and may rewrite every file of it before verification. A
+grader (`python3 /grader/check.py`, which fails) must report its failure whatever the agent
+did to the interpreter, the shell, the dynamic loader or the environment; a trojaned tar or
+cp must never see the protected files; a trusted exec must not run a program the agent
+added outside the task directories, and nothing the agent runs meanwhile can signal, trace
+or read it. Before this, verify ran the grader with the sandbox's own binaries and brought
+the protected files back with the sandbox's own tar.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dsec import errors
+from dsec.models import ExecRequest, SandboxSpec
+
+pytestmark = [pytest.mark.root, pytest.mark.asyncio]
+
+FAIL_PY = "import sys\nprint('grading')\nsys.exit(1)\n"
+
+
+async def sh(edge, sid: str, cmd: str, **kw) -> object:
+    return await edge.exec(sid, ExecRequest(cmd=cmd, **kw))
+
+
+async def graded_sandbox(edge, secret: str = "") -> str:
+    """A sandbox whose protected grader fails (exit 1); /work/fail.py is the same script, for
+    checking in the agent's own view that an attack really works there."""
+    sb = await edge.create(SandboxSpec(image="python"))
+    grader = f"# {secret}\n{FAIL_PY}".encode()
+    await edge.write_file(sb.id, "/grader/check.py", grader)
+    await edge.write_file(sb.id, "/work/fail.py", FAIL_PY.encode())
+    assert await edge.protect(sb.id, ["/grader"]) == ["/grader"]
+    return sb.id
+
+
+def evil_library(tmp: Path) -> bytes:
+    """A shared library whose constructor ends the process with status 0."""
+    src = tmp / "evil.c"
+    src.write_text("#include <unistd.h>\n__attribute__((constructor)) static void f(void) { _exit(0); }\n")
+    out = tmp / "libevil.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(out), str(src)], check=True, capture_output=True)
+    return out.read_bytes()
+
+
+async def site_dirs(edge, sid: str) -> list[str]:
+    r = await sh(edge, sid, "python3 -c \"import site; print('\\n'.join(site.getsitepackages()))\"")
+    return [d for d in r.stdout.split() if d.startswith("/")]
+
+
+async def attack_path_python(edge, sid: str, tmp: Path) -> str:
+    # a python3 earlier on PATH, and the image's own one replaced too
+    for p in ("/usr/local/bin/python3", "/usr/local/sbin/python3", "/usr/bin/python3"):
+        await edge.write_file(sid, p, b"#!/bin/sh\nexit 0\n", 0o755)
+    return "python3 /work/fail.py"
+
+
+async def attack_pth(edge, sid: str, tmp: Path) -> str:
+    dirs = await site_dirs(edge, sid)
+    assert dirs
+    for d in dirs:
+        await edge.write_file(sid, f"{d}/zz-evil.pth", b"import os; os._exit(0)\n")
+    return "python3 /work/fail.py"
+
+
+async def attack_sitecustomize(edge, sid: str, tmp: Path) -> str:
+    r = await sh(edge, sid, "python3 -c 'import os, sysconfig; print(sysconfig.get_paths()[\"stdlib\"])'")
+    await edge.write_file(sid, f"{r.stdout.strip()}/sitecustomize.py", b"import os\nos._exit(0)\n")
+    return "python3 /work/fail.py"
+
+
+async def attack_shell_and_tar(edge, sid: str, tmp: Path) -> str:
+    for p in ("/usr/bin/tar", "/usr/bin/dash", "/usr/bin/sh"):
+        await edge.write_file(sid, p, b"#!/usr/bin/bash\nexit 0\n", 0o755)
+    return "exit 1"  # through /bin/sh -c: the replaced shell says 0
+
+
+async def attack_ld_preload(edge, sid: str, tmp: Path) -> str:
+    await edge.write_file(sid, "/usr/local/lib/libevil.so", evil_library(tmp), 0o755)
+    await edge.write_file(sid, "/etc/ld.so.preload", b"/usr/local/lib/libevil.so\n")
+    return "python3 /work/fail.py"
+
+
+async def attack_login_environment(edge, sid: str, tmp: Path) -> str:
+    await edge.write_file(sid, "/opt/evil/sitecustomize.py", b"import os\nos._exit(0)\n")
+    env = b"export PYTHONPATH=/opt/evil\n"
+    for p in ("/etc/profile.d/evil.sh", "/root/.profile", "/root/.bashrc", "/etc/bash.bashrc"):
+        await edge.write_file(sid, p, env)
+    await edge.write_file(sid, "/etc/environment", b"PYTHONPATH=/opt/evil\n")
+    return "bash -lc 'python3 /work/fail.py'"
+
+
+ATTACKS = {
+    "python3-on-path": (attack_path_python, "python3 /grader/check.py"),
+    "pth-in-site-packages": (attack_pth, "python3 /grader/check.py"),
+    "sitecustomize-in-stdlib": (attack_sitecustomize, "python3 /grader/check.py"),
+    "replaced-sh-and-tar": (attack_shell_and_tar, "python3 /grader/check.py"),
+    "ld-so-preload": (attack_ld_preload, "python3 /grader/check.py"),
+    "profile-and-environment": (attack_login_environment, "bash -lc 'python3 /grader/check.py'"),
+}
+
+
+@pytest.mark.parametrize("name", list(ATTACKS))
+async def test_a_failing_grader_fails_whatever_the_agent_changed(edge, tmp_path, name):
+    attack, grader_cmd = ATTACKS[name]
+    sid = await graded_sandbox(edge)
+    probe = await attack(edge, sid, tmp_path)
+    # The attack is real: in the agent's own view, the failing script now "passes".
+    assert (await sh(edge, sid, probe)).exit_code == 0
+    r = await edge.verify(sid, ExecRequest(cmd=grader_cmd))
+    assert r.exit_code == 1, r
+    assert r.stdout == "grading\n"
+    # the same for a trusted exec of the agent's copy of the script, without verify
+    r = await edge.exec(sid, ExecRequest(cmd=probe, trusted=True))
+    assert r.exit_code == 1 and r.stdout == ("grading\n" if "fail.py" in probe else "")
+    await edge.stop(sid)
+
+
+def _upper_holds(edge, sid: str, needle: bytes) -> list[str]:
+    """Files of the sandbox's writable layer (read on the host) whose content holds `needle`."""
+    hits = []
+    upper = edge.sandboxes[sid].container.upper
+    for dirpath, _, files in os.walk(upper):
+        for name in files:
+            p = os.path.join(dirpath, name)
+            try:
+                if os.path.isfile(p) and not os.path.islink(p):
+                    with open(p, "rb") as f:
+                        if needle in f.read():
+                            hits.append(p)
+            except OSError:
+                continue
+    return hits
+
+
+TROJAN = """#!/usr/bin/bash
+# Copy out whatever passes through: stdin (an archive), every file argument, the grader.
+/usr/bin/cat > /tmp/.loot-{name} 2>/dev/null
+/usr/bin/cp.real /tmp/.loot-{name} /work/leak-{name} 2>/dev/null
+for a in "$@"; do /usr/bin/cat "$a" >> /work/leak-{name} 2>/dev/null; done
+/usr/bin/cat /grader/* >> /work/leak-{name} 2>/dev/null
+setsid nohup bash -c 'for i in $(seq 100); do cat /grader/* >> /work/late-{name} 2>/dev/null; \\
+  sleep 0.05; done' >/dev/null 2>&1 &
+exec /usr/bin/{name}.real "$@" < /tmp/.loot-{name}
+"""
+
+
+async def test_trojaned_tar_and_cp_never_see_the_protected_files(edge):
+    secret = f"SECRET-{secrets.token_hex(8)}"
+    sid = await graded_sandbox(edge, secret)
+    assert not _upper_holds(edge, sid, secret.encode())  # protected: gone from the sandbox
+    tools = ("tar", "cp", "sh", "dash")
+    await sh(edge, sid, " && ".join(f"cp -a /usr/bin/{t} /usr/bin/{t}.real" for t in tools))
+    for tool in tools:
+        await edge.write_file(sid, f"/usr/bin/{tool}", TROJAN.format(name=tool).encode(), 0o755)
+    # and a lurker started before verification, waiting for the grader to appear
+    await sh(
+        edge,
+        sid,
+        "setsid nohup bash -c 'while :; do cat /grader/check.py >> /work/stolen 2>/dev/null; "
+        "sleep 0.01; done' >/dev/null 2>&1 &",
+    )
+    await asyncio.sleep(0.2)
+    r = await edge.verify(sid, ExecRequest(cmd="cat /grader/check.py; python3 /grader/check.py"))
+    assert r.exit_code == 1 and secret in r.stdout  # the grader had its files
+    await asyncio.sleep(0.5)  # a background copy, had one started, would be writing by now
+    assert not _upper_holds(edge, sid, secret.encode())
+    for leftover in ["stolen", *(f"{kind}-{tool}" for tool in tools for kind in ("leak", "late"))]:
+        with contextlib.suppress(errors.FileNotFound):
+            assert secret.encode() not in await edge.read_file(sid, f"/work/{leftover}")
+    # nothing of the agent (or of the verifier) lives on: only the sandbox's init
+    assert edge.cgroups.procs(sid) == [edge.sandboxes[sid].container.pid]
+    await edge.stop(sid)
+
+
+async def test_the_grader_grades_the_agents_work_and_only_that(edge):
+    sid = await graded_sandbox(edge)
+    await edge.write_file(
+        sid,
+        "/grader2/check.py",
+        b"import os, sys\n"
+        b"print(open('/work/answer.txt').read().strip())\n"
+        b"print(os.path.exists('/srv/planted'), os.path.exists('/data/input.txt'))\n"
+        b"sys.exit(0 if open('/work/answer.txt').read().strip() == '42' else 1)\n",
+    )
+    assert await edge.protect(sid, ["/grader2"]) == ["/grader2"]
+    await sh(edge, sid, "mkdir -p /data /srv && echo 42 > /work/answer.txt && echo x > /data/input.txt")
+    await sh(edge, sid, "echo planted > /srv/planted")
+    r = await edge.verify(sid, ExecRequest(cmd="python3 /grader2/check.py"))
+    assert (r.exit_code, r.stdout) == (0, "42\nFalse False\n")  # /srv, /data: not task dirs
+    r = await edge.verify(sid, ExecRequest(cmd="python3 /grader2/check.py", task_dirs=["/work", "/data"]))
+    assert (r.exit_code, r.stdout) == (0, "42\nFalse True\n")
+    await sh(edge, sid, "echo 41 > /work/answer.txt")
+    r = await edge.verify(sid, ExecRequest(cmd="python3 /grader2/check.py"))
+    assert (r.exit_code, r.stdout) == (1, "41\nFalse False\n")
+    # the grader runs as the platform's uid, in a fresh /tmp, with a clean environment
+    r = await edge.verify(sid, ExecRequest(cmd="id -u; ls -A /tmp; env | sort", env={"GRADE": "1"}))
+    lines = r.stdout.split()
+    assert lines[0] == "65533" and "GRADE=1" in lines and "HOME=/tmp" in lines
+    assert not any(x.startswith(("HOSTNAME=", "PYTHON")) for x in lines)
+    await edge.stop(sid)
+
+
+async def test_a_program_only_the_agent_wrote_does_not_run_trusted(edge):
+    sb = await edge.create(SandboxSpec(image="python"))
+    await edge.write_file(sb.id, "/usr/local/bin/mytool", b"#!/bin/sh\necho agent tool\nexit 0\n", 0o755)
+    await edge.write_file(sb.id, "/work/tool.sh", b"#!/bin/sh\necho from work\nexit 5\n", 0o755)
+    assert (await sh(edge, sb.id, "mytool")).exit_code == 0  # there for the agent
+    r = await edge.exec(sb.id, ExecRequest(cmd=["mytool"], trusted=True))
+    assert r.exit_code == 127 and "agent tool" not in r.stdout
+    r = await edge.exec(sb.id, ExecRequest(cmd="mytool", trusted=True))
+    assert r.exit_code == 127
+    r = await edge.exec(sb.id, ExecRequest(cmd="/usr/local/bin/mytool", trusted=True))
+    assert r.exit_code == 127
+    # the task directory is the agent's: what the caller runs from there runs (the image's sh)
+    r = await edge.exec(sb.id, ExecRequest(cmd="/work/tool.sh", trusted=True))
+    assert (r.exit_code, r.stdout) == (5, "from work\n")
+    await edge.stop(sb.id)
+
+
+async def test_a_live_agent_cannot_signal_trace_or_read_a_trusted_exec(edge):
+    sb = await edge.create(SandboxSpec(image="python"))
+    marker = f"mark{secrets.token_hex(4)}"
+    # The agent (root, CAP_KILL, CAP_SETUID) hunts every process whose command line holds the
+    # marker: kill -9, become its uid, read its environment, root and memory.
+    hunter = (
+        "while :; do for d in /proc/[0-9]*; do p=${d#/proc/}; "
+        f"grep -q {marker} $d/cmdline 2>/dev/null || continue; [ $p = $$ ] && continue; "
+        "echo $p >> /work/found; kill -9 $p 2>> /work/kill-errors; "
+        "cat $d/environ >> /work/stolen 2>/dev/null; ls $d/root/ >> /work/stolen 2>/dev/null; "
+        'python3 -c "import os,sys; os.setuid(int(sys.argv[2])); '
+        "print(open(sys.argv[1]+'/environ').read())\" "
+        "$d $(awk '/^Uid/{print $2}' $d/status) >> /work/stolen 2>/dev/null; "
+        "done; sleep 0.02; done"
+    )
+    await edge.write_file(sb.id, "/work/hunter.sh", hunter.encode(), 0o755)
+    await sh(edge, sb.id, "setsid nohup sh /work/hunter.sh >/dev/null 2>&1 &")
+    r = await edge.exec(
+        sb.id,
+        ExecRequest(
+            cmd=["sh", "-c", "sleep 1.5; echo survived; exit 3", marker],
+            env={"TRUSTED_SECRET": "s3cr3t"},
+            trusted=True,
+        ),
+    )
+    assert (r.exit_code, r.stdout) == (3, "survived\n"), r
+    found = (await edge.read_file(sb.id, "/work/found")).decode()
+    assert found.strip()  # the hunter did find it
+    assert b"Operation not permitted" in await edge.read_file(sb.id, "/work/kill-errors")
+    stolen = b""
+    with contextlib.suppress(errors.FileNotFound):
+        stolen = await edge.read_file(sb.id, "/work/stolen")
+    assert b"s3cr3t" not in stolen and b"TRUSTED_SECRET" not in stolen
+    await edge.stop(sb.id)
+
+
+async def test_protected_tests_inside_work_beat_a_planted_symlink(edge):
+    secret = f"SECRET-{secrets.token_hex(8)}"
+    sb = await edge.create(SandboxSpec(image="python"))
+    await edge.write_file(sb.id, "/work/tests/check.py", f"# {secret}\n{FAIL_PY}".encode())
+    await edge.write_file(sb.id, "/work/tests/data/expected", b"42\n")
+    assert await edge.protect(sb.id, ["/work/tests"]) == ["/work/tests"]
+    assert (await sh(edge, sb.id, "ls /work/tests")).exit_code != 0
+    await edge.write_file(sb.id, "/tmp/fake/check.py", b"print('fake')\n")
+    for attack in (
+        "ln -s /tmp/fake /work/tests",
+        "mkdir -p /work/tests && cp /tmp/fake/check.py /work/tests/",
+    ):
+        await sh(edge, sb.id, f"rm -rf /work/tests; {attack}")
+        r = await edge.verify(
+            sb.id, ExecRequest(cmd="python3 tests/check.py; echo rc=$?; cat tests/data/expected")
+        )
+        assert r.stdout == "grading\nrc=1\n42\n", r
+        assert (await sh(edge, sb.id, "ls /work/tests")).exit_code != 0  # gone again
+        assert not _upper_holds(edge, sb.id, secret.encode())
+    await edge.stop(sb.id)
+
+
+async def test_timeouts_and_caps_kill_the_whole_trusted_tree_and_nothing_is_left(edge):
+    sb = await edge.create(SandboxSpec(image="python"))
+    sid = sb.id
+    r = await edge.exec(
+        sid, ExecRequest(cmd="(sleep 300 &) ; setsid sleep 301 & sleep 302", timeout=1, trusted=True)
+    )
+    assert r.timed_out and r.exit_code == 137 and r.duration < 8
+    r = await edge.exec(sid, ExecRequest(cmd="yes", max_output_bytes=1000, timeout=30, trusted=True))
+    assert r.truncated and not r.timed_out and len(r.stdout) <= 1000
+    r = await edge.exec(sid, ExecRequest(cmd="setsid sleep 303 & echo started", trusted=True))
+    assert r.stdout == "started\n"  # what it left in the background went with it
+    await edge.verify(sid, ExecRequest(cmd="true"))
+    container = edge.sandboxes[sid].container
+    assert edge.cgroups.procs(sid) == [container.pid]
+    assert [p for p in edge.cgroups.user_dir(sid).iterdir() if p.is_dir()] == []  # no exec cgroup left
+    with open("/proc/self/mounts") as f:
+        assert "dsec-trusted" not in f.read()
+    helpers = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if (d / "comm").read_text().startswith("dsec-trusted"):
+                    helpers.append(d.name)
+            except OSError:
+                pass
+    assert not helpers
+    await edge.stop(sid)
+
+
+async def test_bad_trusted_requests_are_refused_with_a_reason(edge):
+    sb = await edge.create(SandboxSpec(image="python"))
+    for dirs in (["/usr/local"], ["relative"], ["/"], ["/etc"], ["/tmp/x"]):
+        with pytest.raises(errors.InvalidRequest) as e:
+            await edge.exec(sb.id, ExecRequest(cmd="true", trusted=True, task_dirs=dirs))
+        assert "task_dirs" in e.value.message
+    with pytest.raises(errors.InvalidRequest, match="trusted"):
+        await edge.exec(sb.id, ExecRequest(cmd="true", task_dirs=["/work"]))
+    with pytest.raises(errors.InvalidRequest, match="user"):
+        await edge.exec(sb.id, ExecRequest(cmd="true", trusted=True, user="root"))
+    with pytest.raises(errors.InvalidRequest, match="user"):
+        await edge.verify(sb.id, ExecRequest(cmd="true", user="1000"))
+    # a trusted exec is another step than the same command untrusted
+    await edge.exec(sb.id, ExecRequest(cmd="echo a", step={"trajectory": "t", "index": 0}))
+    with pytest.raises(errors.TrajectoryDivergence):
+        await edge.exec(sb.id, ExecRequest(cmd="echo a", trusted=True, step={"trajectory": "t", "index": 0}))
+    await edge.stop(sb.id)
