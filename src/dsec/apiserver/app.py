@@ -52,6 +52,7 @@ from dsec.compat.sandboxfusion import sandboxfusion_router
 from dsec.compat.swerex import swerex_router
 from dsec.edge.pools import PoolInfo, PoolSpec
 from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult
+from dsec.fncall.tenancy import caller_project
 from dsec.iam import IAM, Principal, Quota
 from dsec.models import (
     Checkpoint,
@@ -292,20 +293,21 @@ def _install_fncall_routes(
         result: JupyterResult = await on_some_edge(req.image, lambda e: e.fncall_jupyter(req))
         return result
 
+    # Workers are per project: the project is always the caller's (never a client's word).
     @app.post("/v1/fncall/run", response_model=FnCallResult)
     async def fncall_run(body: FnCallRequest, request: Request) -> Response:
-        principal(request)
-        return model_response(await run(body))
+        project = caller_project(st.iam, principal(request), body.project)
+        return model_response(await run(body.model_copy(update={"project": project})))
 
     express.add("POST", "/v1/fncall/run", fncall_run, FnCallRequest)
 
     @app.post("/v1/fncall/jupyter", response_model=JupyterResult)
     async def fncall_jupyter(body: JupyterRequest, request: Request) -> Response:
-        principal(request)
-        return model_response(await jupyter(body))
+        project = caller_project(st.iam, principal(request), body.project)
+        return model_response(await jupyter(body.model_copy(update={"project": project})))
 
-    def authenticate(token: str | None) -> None:
-        st.iam.authenticate(token)
+    def authenticate(token: str | None) -> str:
+        return caller_project(st.iam, st.iam.authenticate(token), None)
 
     app.include_router(sandboxfusion_router(run, jupyter, authenticate if compat_auth else None, express))
 

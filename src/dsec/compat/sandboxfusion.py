@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from dsec import errors
 from dsec.apiserver.routes import Express
 from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult, Stage
+from dsec.fncall.tenancy import ANONYMOUS
 
 log = logging.getLogger("dsec.compat.sandboxfusion")
 
@@ -107,7 +108,7 @@ def sandbox_error(message: str) -> dict[str, Any]:
 
 RunFn = Callable[[FnCallRequest], Awaitable[FnCallResult]]
 JupyterFn = Callable[[JupyterRequest], Awaitable[JupyterResult]]
-AuthFn = Callable[[str | None], None]
+AuthFn = Callable[[str | None], str]  # token -> the caller's project (its workers serve the call)
 
 
 @contextlib.contextmanager
@@ -126,23 +127,24 @@ class _Compat:
         self.jupyter = jupyter
         self.authenticate = authenticate
 
-    def check(self, request: Request, token: str | None) -> None:
+    def check(self, request: Request, token: str | None) -> str:
+        """Authenticate; the project whose fncall workers run the call."""
         if self.authenticate is None:
-            return
+            return ANONYMOUS
         if token is None:
             token = request.query_params.get("token")
         if token is None:
             auth = request.headers.get("authorization", "")
             token = auth[7:].strip() if auth.lower().startswith("bearer ") else None
-        self.authenticate(token)
+        return self.authenticate(token)
 
     async def run_code(self, body: RunCodeRequest, request: Request, token: str | None) -> JSONResponse:
-        self.check(request, token)
+        project = self.check(request, token)
         with _as_request_error():
             req = FnCallRequest(
                 language=body.language, code=body.code, stdin=body.stdin, files=body.files,
                 fetch_files=body.fetch_files, compile_timeout=body.compile_timeout,
-                run_timeout=body.run_timeout, memory_limit_mb=body.memory_limit_MB,
+                run_timeout=body.run_timeout, memory_limit_mb=body.memory_limit_MB, project=project,
             )  # fmt: skip
         try:
             return JSONResponse(run_code_response(await self.run(req)))
@@ -154,11 +156,12 @@ class _Compat:
             return JSONResponse(sandbox_error(e.message))
 
     async def run_jupyter(self, body: RunJupyterRequest, request: Request, token: str | None) -> JSONResponse:
-        self.check(request, token)
+        project = self.check(request, token)
         with _as_request_error():
             req = JupyterRequest(
                 cells=body.cells, cell_timeout=body.cell_timeout, total_timeout=body.total_timeout,
                 memory_limit_mb=body.memory_limit_MB, files=body.files, fetch_files=body.fetch_files,
+                project=project,
             )  # fmt: skip
         try:
             return JSONResponse(jupyter_response(await self.jupyter(req)))

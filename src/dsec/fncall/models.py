@@ -30,6 +30,12 @@ def _base64_files(v: dict[str, str | None]) -> dict[str, str | None]:
     return v
 
 
+PROJECT_DOC = (
+    "the project whose workers run the call (workers are never shared across projects); the "
+    "apiserver sets it from the caller's token: one of its projects, the first when not given"
+)
+
+
 class Stage(BaseModel):
     status: Literal["Finished", "Error", "TimeLimitExceeded"]
     execution_time: float | None = None
@@ -53,6 +59,7 @@ class FnCallRequest(BaseModel):
     memory_limit_mb: int = Field(-1, ge=-1, le=65536)
     max_output: int = Field(1 * MiB, ge=0, le=64 * MiB)
     image: str = "code"
+    project: str | None = Field(None, max_length=256, description=PROJECT_DOC)
 
 
 class FnCallResult(BaseModel):
@@ -70,6 +77,7 @@ class JupyterRequest(BaseModel):
     files: dict[str, str | None] = Field(default_factory=dict)
     fetch_files: list[str] = Field(default_factory=list)
     image: str = "code"
+    project: str | None = Field(None, max_length=256, description=PROJECT_DOC)
 
     _files_are_base64 = field_validator("files")(_base64_files)
     _fetch_names = field_validator("fetch_files")(_file_names)

@@ -1,20 +1,29 @@
 """The fncall runner: a resident process inside a worker sandbox that runs one call at a time.
 
 This file is shipped into the sandbox as the source of `python3 -c` (stdlib only;
-it must run on the image's Python) and speaks JSON lines on its stdin/stdout:
+it must run on the image's Python). Its fd 0 is one end of an AF_UNIX stream
+socketpair whose other end the edge holds (the control channel); it speaks JSON
+lines on it:
 
-    request  {"op": "run", "language", "code", "stdin", "files": {rel path: base64},
+    request  {"id", "op": "run", "language", "code", "stdin", "files": {rel path: base64},
               "fetch_files": [rel path], "compile_timeout", "run_timeout",
               "memory_limit_mb", "max_output"}
-             {"op": "jupyter", "cells": [str], "cell_timeout", "total_timeout", ...}
-    reply    {"compile": Stage|None, "run": Stage|None, "files": {...}, "healthy": bool, ...}
+             {"id", "op": "jupyter", "cells": [str], "cell_timeout", "total_timeout", ...}
+             with exactly one descriptor attached (SCM_RIGHTS): the cgroup.procs of the
+             call's own cgroup, which the edge created for this call
+    reply    {"id", "compile": Stage|None, "run": Stage|None, "files": {...}, "healthy": bool, ...}
 
-Each call gets a fresh scratch directory and fresh processes: the runner forks, the
-child drops to an unprivileged uid (it can write only its scratch directory: /tmp,
-/var/tmp and /dev/shm are closed to it), sets rlimits and runs the code; Python code
-runs in the forked child of this already-warm interpreter (no interpreter start).
-After the call every process of that uid is killed and the scratch is removed, so
-nothing is left for the next call.
+Each call gets a fresh scratch directory and fresh processes: the runner forks; the
+child first joins the call's cgroup (writes "0" to the descriptor), then closes every
+descriptor but its own stdio (so no code of the call ever holds the control channel:
+the channel is close-on-exec in the runner and closed in every child, and the runner
+is not dumpable, so its /proc/<pid>/fd cannot be opened either), drops to an
+unprivileged uid (it can write only its scratch directory: /tmp, /var/tmp and /dev/shm
+are closed to it), sets rlimits and runs the code; Python code runs in the forked
+child of this already-warm interpreter (no interpreter start). Exit statuses come
+only from this runner's waitpid(). After the reply the edge kills the call's cgroup
+as a whole (pids.max=0, then SIGKILL until empty) and removes it before the worker
+serves anyone again.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ import resource
 import select
 import shutil
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -78,6 +88,51 @@ def _vm_size() -> int:
     return 0
 
 
+_CHAN: socket.socket | None = None  # the control channel (close-on-exec; closed in every child)
+
+
+def _nondumpable() -> None:
+    """PR_SET_DUMPABLE 0: /proc/<runner>/fd, mem and environ belong to root and no process
+    of a lower privilege may ptrace the runner. Also loads libc for _close_from()."""
+    global _LIBC
+    import ctypes
+
+    _LIBC = ctypes.CDLL(None, use_errno=True)
+    if _LIBC.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE = 4
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0) failed")
+
+
+def _enter_child(cgroup_fd: int, stdio: tuple[int, int, int], keep: int = -1) -> None:
+    """The first thing every forked child does, before any code of the call runs: join the
+    call's cgroup (so the edge can kill all of it), put its stdio in place and close every
+    other descriptor (the control channel above all); `keep` (if any) ends up as fd 3."""
+    try:
+        os.write(cgroup_fd, b"0")
+        for fd, target in zip(stdio, (0, 1, 2), strict=True):
+            if fd != target:
+                os.dup2(fd, target)
+        if keep >= 0:
+            os.dup2(keep, 3)
+        _close_from(4 if keep >= 0 else 3)
+        if _CHAN is not None:
+            _CHAN.detach()  # that number is closed now: no finalizer may close a reused one
+    except BaseException as e:
+        with contextlib.suppress(Exception):
+            os.write(2, f"fncall: cannot set the call up: {type(e).__name__}: {e}\n".encode())
+        os._exit(126)
+
+
+_LIBC: Any = None
+SYS_CLOSE_RANGE = 436  # the same number on x86_64 and arm64
+
+
+def _close_from(low: int) -> None:
+    """Close every descriptor >= low: close_range(2), else one close() per possible fd."""
+    if _LIBC is not None and _LIBC.syscall(SYS_CLOSE_RANGE, low, 0xFFFFFFFF, 0) == 0:
+        return
+    os.closerange(low, max(resource.getrlimit(resource.RLIMIT_NOFILE)[1], 1 << 16))
+
+
 def _drop_privileges(cwd: str, memory_mb: int, in_process: bool = False) -> None:
     os.setsid()
     os.setgroups([])
@@ -124,7 +179,14 @@ def _child_pytest() -> None:
 
 
 def run_stage(
-    argv: list[str], code: str, cwd: str, stdin: bytes, timeout: float, memory_mb: int, max_output: int
+    argv: list[str],
+    code: str,
+    cwd: str,
+    stdin: bytes,
+    timeout: float,
+    memory_mb: int,
+    max_output: int,
+    cgroup_fd: int,
 ) -> dict[str, Any]:
     """Fork, run `argv` (or the in-process Python path), collect output; a Stage dict."""
     in_r, in_w = os.pipe()
@@ -133,11 +195,8 @@ def run_stage(
     t0 = time.monotonic()
     pid = os.fork()
     if pid == 0:
+        _enter_child(cgroup_fd, (in_r, out_w, err_w))
         try:
-            for fd, target in ((in_r, 0), (out_w, 1), (err_w, 2)):
-                os.dup2(fd, target)
-            for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
-                os.close(fd)
             signal.signal(signal.SIGPIPE, signal.SIG_DFL)
             _drop_privileges(cwd, memory_mb, in_process=argv[0] in ("PYTHON", "PYTEST"))
             if argv == ["PYTHON"]:
@@ -250,7 +309,7 @@ def _write_files(cwd: str, files: dict[str, str | None]) -> None:
             os.lchown(os.path.join(dirpath, name), RUN_UID, RUN_UID)
 
 
-def _fetch_files(cwd: str, names: list[str]) -> dict[str, str | None]:
+def _read_files(cwd: str, names: list[str]) -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     for rel in names:
         target = os.path.realpath(os.path.join(cwd, rel))
@@ -262,9 +321,96 @@ def _fetch_files(cwd: str, names: list[str]) -> dict[str, str | None]:
     return out
 
 
+def _fetch_files(cwd: str, names: list[str], cgroup_fd: int) -> dict[str, str | None]:
+    """The files the caller asked for, read as the call's uid in the call's cgroup: the
+    call's processes may still live and swap a checked path for a symlink, which then
+    reaches only what the code itself could read."""
+    if not names:
+        return {}
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        nul = os.open(os.devnull, os.O_RDWR)
+        _enter_child(cgroup_fd, (nul, nul, nul), keep=w)
+        try:
+            os.setgroups([])
+            os.setgid(RUN_UID)
+            os.setuid(RUN_UID)
+            data = json.dumps(_read_files(cwd, names)).encode()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(3, view) :]
+        finally:
+            os._exit(0)
+    os.close(w)
+    chunks = []
+    with contextlib.suppress(OSError):
+        while chunk := os.read(r, 1 << 20):
+            chunks.append(chunk)
+    os.close(r)
+    os.waitpid(pid, 0)
+    try:
+        got = json.loads(b"".join(chunks))
+    except ValueError:
+        got = {}
+    if not isinstance(got, dict):
+        got = {}
+    return {rel: got[rel] if isinstance(got.get(rel), str) else None for rel in names}
+
+
+def _sweep() -> None:
+    """What an earlier call may have left for this one (the edge has killed all its processes
+    before this call came): scratch directories kept alive past its rmtree, and System V IPC
+    objects (shared memory, semaphores, message queues), which outlive their processes."""
+    for name in os.listdir(SCRATCH_ROOT):
+        shutil.rmtree(f"{SCRATCH_ROOT}/{name}", ignore_errors=True)
+    left = {kind: _ipc_ids(kind) for kind in ("shm", "msg", "sem")}
+    if _LIBC is None or not any(left.values()):
+        return
+    # Only their owner may remove them (the runner lacks CAP_IPC_OWNER): a child as that uid.
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _close_from(3)  # the control channel above all
+            os.setgroups([])
+            os.setgid(RUN_UID)
+            os.setuid(RUN_UID)
+            for ident in left["shm"]:
+                _LIBC.shmctl(ident, 0, None)  # IPC_RMID
+            for ident in left["msg"]:
+                _LIBC.msgctl(ident, 0, None)
+            for ident in left["sem"]:
+                _LIBC.semctl(ident, 0, 0)
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+
+
+def _ipc_ids(kind: str) -> list[int]:
+    """The ids of the IPC objects of `kind` owned by the call's uid (from /proc/sysvipc)."""
+    try:
+        with open(f"/proc/sysvipc/{kind}") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    if not lines:
+        return []
+    head = lines[0].split()
+    col_id = head.index({"shm": "shmid", "msg": "msqid", "sem": "semid"}[kind])
+    col_uid, col_cuid = head.index("uid"), head.index("cuid")
+    out = []
+    for line in lines[1:]:
+        cols = line.split()
+        with contextlib.suppress(ValueError, IndexError):
+            if RUN_UID in (int(cols[col_uid]), int(cols[col_cuid])):
+                out.append(int(cols[col_id]))
+    return out
+
+
 def _cleanup(cwd: str) -> None:
-    # Anything the call left running as RUN_UID dies (the runner is root; the code
-    # cannot signal it), then the scratch goes.
+    # A second line only (the edge kills the call's cgroup as a whole): anything the call
+    # left running as RUN_UID dies (the runner is root; the code cannot signal it), then
+    # the scratch goes.
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError):
@@ -279,7 +425,7 @@ def _healthy() -> bool:
     )
 
 
-def handle_run(req: dict[str, Any], n: int) -> dict[str, Any]:
+def handle_run(req: dict[str, Any], n: int, cgroup_fd: int) -> dict[str, Any]:
     lang = req.get("language") or "python"
     if lang not in LANGUAGES:
         return {
@@ -297,16 +443,17 @@ def handle_run(req: dict[str, Any], n: int) -> dict[str, Any]:
         compile_stage = None
         if compile_argv is not None:
             compile_stage = run_stage(
-                compile_argv, "", cwd, b"", float(req.get("compile_timeout", 10)), -1, cap
+                compile_argv, "", cwd, b"", float(req.get("compile_timeout", 10)), -1, cap, cgroup_fd
             )
             if compile_stage["status"] != "Finished":
                 return {"compile": compile_stage, "run": None, "files": {}}
         stdin = (req.get("stdin") or "").encode()
-        run = run_stage(run_argv, req["code"], cwd, stdin, float(req.get("run_timeout", 10)), mem, cap)
+        timeout = float(req.get("run_timeout", 10))
+        run = run_stage(run_argv, req["code"], cwd, stdin, timeout, mem, cap, cgroup_fd)
         return {
             "compile": compile_stage,
             "run": run,
-            "files": _fetch_files(cwd, req.get("fetch_files") or []),
+            "files": _fetch_files(cwd, list(req.get("fetch_files") or []), cgroup_fd),
         }
     finally:
         _cleanup(cwd)
@@ -353,19 +500,38 @@ def _jupyter_child(cells: list[str], cell_timeout: float, result_fd: int) -> Non
     os._exit(0)
 
 
-def handle_jupyter(req: dict[str, Any], n: int) -> dict[str, Any]:
+def _cells_ok(cells: Any, n: int) -> bool:
+    """The cell results have the shape the child writes (the code shares its process and
+    can write anything to that pipe: a malformed result is the code's failure)."""
+    if not isinstance(cells, list) or len(cells) != n:
+        return False
+    for c in cells:
+        if not isinstance(c, dict) or set(c) != {"stdout", "stderr", "display", "error"}:
+            return False
+        if not (isinstance(c["stdout"], str) and isinstance(c["stderr"], str)):
+            return False
+        if not (isinstance(c["display"], list) and isinstance(c["error"], list)):
+            return False
+        if not all(isinstance(x, dict) for x in c["display"] + c["error"]):
+            return False
+    return True
+
+
+def handle_jupyter(req: dict[str, Any], n: int, cgroup_fd: int) -> dict[str, Any]:
     cwd = _scratch(n)
     try:
         _write_files(cwd, dict(req.get("files") or {}))
+        cell_list = [str(c) for c in req["cells"]]
         r, w = os.pipe()
         t0 = time.monotonic()
         total = float(req.get("total_timeout", 45))
         pid = os.fork()
         if pid == 0:
-            os.close(r)
+            nul = os.open(os.devnull, os.O_RDWR)
+            _enter_child(cgroup_fd, (nul, nul, nul), keep=w)
             try:
                 _drop_privileges(cwd, int(req.get("memory_limit_mb", -1)), in_process=True)
-                _jupyter_child(list(req["cells"]), float(req.get("cell_timeout", 0)), w)
+                _jupyter_child(cell_list, float(req.get("cell_timeout", 0)), 3)
             finally:
                 os._exit(1)
         os.close(w)
@@ -379,36 +545,77 @@ def handle_jupyter(req: dict[str, Any], n: int) -> dict[str, Any]:
             if not chunk:
                 break
             data += chunk
+            if len(data) > 256 * 1024 * 1024:
+                break
         os.close(r)
         status = _reap(pid, deadline)
         timed_out = status is None
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
-        if timed_out:
-            os.waitpid(pid, 0)
-        cells = json.loads(data) if data and not timed_out else None
+        if status is None:
+            status = os.waitpid(pid, 0)[1]
+        code_ = os.waitstatus_to_exitcode(status)
+        cells: Any = None
+        stderr = ""
+        if not timed_out:
+            try:
+                cells = json.loads(data) if data else None
+            except ValueError:
+                cells = None
+            if cells is not None and not _cells_ok(cells, len(cell_list)):
+                cells = None
+            if cells is None:
+                stderr = "the code ended its kernel or corrupted the cell results"
+        ok = not timed_out and code_ == 0 and cells is not None
         driver = {
-            "status": "TimeLimitExceeded" if timed_out else "Finished",
+            "status": "TimeLimitExceeded" if timed_out else ("Finished" if ok else "Error"),
             "execution_time": round(time.monotonic() - t0, 6),
-            "return_code": None if timed_out else 0,
+            "return_code": None if timed_out else code_,
             "stdout": "",
-            "stderr": "",
+            "stderr": stderr,
         }
-        return {"driver": driver, "cells": cells, "files": _fetch_files(cwd, req.get("fetch_files") or [])}
+        files = _fetch_files(cwd, list(req.get("fetch_files") or []), cgroup_fd)
+        return {"driver": driver, "cells": cells, "files": files}
     finally:
         _cleanup(cwd)
 
 
+def _recv_request(chan: socket.socket, buf: bytearray) -> tuple[bytes, list[int]] | None:
+    """One request line and the descriptors that came with it; None at EOF."""
+    fds: list[int] = []
+    start = 0
+    while (end := buf.find(b"\n", start)) < 0:
+        start = len(buf)
+        data, got, flags, _ = socket.recv_fds(chan, 65536, 4, socket.MSG_CMSG_CLOEXEC)
+        fds += got
+        if flags & socket.MSG_CTRUNC:
+            raise OSError("descriptors were cut from a request")
+        if not data:
+            for fd in fds:
+                os.close(fd)
+            return None
+        buf += data
+    line = bytes(buf[:end])
+    del buf[: end + 1]
+    return line, fds
+
+
+def _send(chan: socket.socket, reply: dict[str, Any]) -> None:
+    chan.sendall(json.dumps(reply).encode() + b"\n")
+
+
 def main() -> None:
-    chan_in = os.fdopen(os.dup(0), "rb")
-    chan_out = os.fdopen(os.dup(1), "wb")
+    global _CHAN
+    _nondumpable()
+    chan = _CHAN = socket.socket(fileno=os.dup(0))  # os.dup: close-on-exec
     nul = os.open(os.devnull, os.O_RDWR)
     os.dup2(nul, 0)
     os.dup2(2, 1)
+    os.close(nul)
     os.makedirs(SCRATCH_ROOT, exist_ok=True)
     os.chmod(SCRATCH_ROOT, 0o711)
     # The code may write only its scratch directory: close the shared temp dirs to it.
-    for shared in ("/tmp", "/var/tmp", "/dev/shm"):
+    for shared in ("/tmp", "/var/tmp", "/dev/shm", "/dev/mqueue", "/run/lock", "/var/lock"):
         with contextlib.suppress(OSError):
             os.chmod(shared, 0o1770)
     with open("/etc/passwd", "r+") as f:
@@ -416,17 +623,33 @@ def main() -> None:
             f.write(f"runner:x:{RUN_UID}:{RUN_UID}:fncall runner:{SCRATCH_ROOT}:/bin/sh\n")
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     _preload()
-    chan_out.write(b'{"ready": true}\n')
-    chan_out.flush()
-    for n, line in enumerate(chan_in, 1):
+    _send(chan, {"ready": True})
+    buf = bytearray()
+    n = 0
+    while (got := _recv_request(chan, buf)) is not None:
+        n += 1
+        line, fds = got
         req = json.loads(line)
+        call_id = req.pop("id", None)
         try:
-            reply = handle_jupyter(req, n) if req.get("op") == "jupyter" else handle_run(req, n)
+            reply: dict[str, Any]
+            if len(fds) != 1:
+                reply = {
+                    "error": f"a request needs one cgroup descriptor, got {len(fds)}",
+                    "error_kind": "runner",
+                }
+            else:
+                _sweep()
+                op = handle_jupyter if req.get("op") == "jupyter" else handle_run
+                reply = op(req, n, fds[0])
         except Exception as e:
             reply = {"error": f"runner failure: {type(e).__name__}: {e}", "error_kind": "runner"}
-        reply["healthy"] = _healthy()
-        chan_out.write(json.dumps(reply).encode() + b"\n")
-        chan_out.flush()
+        finally:
+            for fd in fds:
+                os.close(fd)
+        reply["id"] = call_id
+        reply["healthy"] = _healthy() and len(fds) == 1
+        _send(chan, reply)
 
 
 if __name__ == "__main__":
