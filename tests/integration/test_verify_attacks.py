@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import secrets
 import subprocess
@@ -330,4 +331,50 @@ async def test_bad_trusted_requests_are_refused_with_a_reason(edge):
     await edge.exec(sb.id, ExecRequest(cmd="echo a", step={"trajectory": "t", "index": 0}))
     with pytest.raises(errors.TrajectoryDivergence):
         await edge.exec(sb.id, ExecRequest(cmd="echo a", trusted=True, step={"trajectory": "t", "index": 0}))
+    await edge.stop(sb.id)
+
+
+async def test_nested_and_symlinked_protected_paths_streams_and_stdin(edge):
+    sb = await edge.create(SandboxSpec(image="python"))
+    await edge.write_file(sb.id, "/opt/task/ref/answer", b"42\n")
+    await edge.write_file(sb.id, "/opt/task/run.sh", b"echo run $(cat /opt/task/ref/answer)\n")
+    await sh(edge, sb.id, "ln -s /opt/task/run.sh /usr/local/bin/grade")
+    # inner first, then its parent, then a symlink: each comes back where it was
+    assert await edge.protect(sb.id, ["/opt/task/ref"]) == ["/opt/task/ref"]
+    assert await edge.protect(sb.id, ["/opt/task", "/usr/local/bin/grade"]) == [
+        "/opt/task",
+        "/usr/local/bin/grade",
+    ]
+    assert (await sh(edge, sb.id, "ls /opt/task /usr/local/bin/grade")).exit_code != 0
+    r = await edge.verify(sb.id, ExecRequest(cmd="sh grade; cat /opt/task/ref/answer", cwd="/usr/local/bin"))
+    assert (r.exit_code, r.stdout) == (0, "run 42\n42\n"), r
+    with pytest.raises(errors.InvalidRequest, match="at most"):
+        await edge.protect(sb.id, [f"/p{i}" for i in range(70)])
+    # trusted execs stream and take stdin like any other
+    chunks = [
+        item
+        async for kind, item in edge.exec_stream(
+            sb.id, ExecRequest(cmd="cat; id -u", stdin="from stdin\n", trusted=True)
+        )
+        if kind == "stdout"
+    ]
+    assert b"".join(c for c in chunks if isinstance(c, bytes)) == b"from stdin\n65533\n"
+    await edge.stop(sb.id)
+
+
+async def test_a_vault_of_an_older_edge_is_converted(edge):
+    """Older edges kept protected paths as tars (built on the host from the sandbox's files)."""
+    sb = await edge.create(SandboxSpec(image="python"))
+    await edge.write_file(sb.id, "/grader/check.py", FAIL_PY.encode())
+    await edge.write_file(sb.id, "/etc/answer", b"42\n")
+    vault = edge._vault(sb.id)
+    vault.mkdir(parents=True, mode=0o700)
+    index = []
+    for n, (path, is_dir) in enumerate((("/grader", True), ("/etc/answer", False))):
+        (vault / f"{n}.tar").write_bytes(await edge.download_tar(sb.id, path))
+        index.append({"path": path, "dir": is_dir, "blob": f"{n}.tar"})
+        await edge.delete_file(sb.id, path, recursive=True)
+    (vault / "index.json").write_text(json.dumps(index))
+    r = await edge.verify(sb.id, ExecRequest(cmd="cat /etc/answer; python3 /grader/check.py"))
+    assert (r.exit_code, r.stdout) == (1, "42\ngrading\n"), r
     await edge.stop(sb.id)

@@ -1261,6 +1261,11 @@ class Edge:
             vault.mkdir(parents=True, exist_ok=True, mode=0o700)
             index_file = vault / "index.json"
             index = self._vault_index(sandbox_id)
+            if len(index) + len(paths) > trusted.MAX_PROTECTED:
+                raise errors.InvalidRequest(
+                    f"a sandbox holds at most {trusted.MAX_PROTECTED} protected paths "
+                    f"({len(index)} already); protect their common parent instead"
+                )
             done = []
             for raw in paths:
                 path = os.path.normpath(raw)

@@ -59,6 +59,7 @@ _NAMESPACES = ("mnt", "pid", "net", "ipc", "uts", "cgroup")
 # Layers a sandbox wrote (snapshots of it): never part of a trusted root.
 _SANDBOX_LAYERS = frozenset({"snapshot"})
 _KILL_WAIT_S = 5.0
+MAX_PROTECTED = 64  # protected paths per sandbox (the helper's limit)
 
 
 def trusted_host_id(uid_offset: int) -> int:
@@ -519,7 +520,14 @@ async def run_trusted(
         for k, v in env.items():
             args += ["--env", f"{k}={v}"]
         args += ["--", *argv]
-        pid, pidfd = spawn_quick(args, out_w, err_w, [*launch.theirs, group.procs_fd], stdin_fd=in_r)
+        try:
+            pid, pidfd = spawn_quick(args, out_w, err_w, [*launch.theirs, group.procs_fd], stdin_fd=in_r)
+        except OSError as e:
+            if e.errno == errno.E2BIG:
+                raise errors.InvalidRequest(
+                    "the command and its environment are too large to start; pass less (e.g. data on stdin)"
+                ) from e
+            raise
     except BaseException:
         launch.close(launch.theirs)
         launch.close(launch.ours)
@@ -537,7 +545,9 @@ async def run_trusted(
     err = PipeReader(err_r, cap, settle, (lambda b: sink("stderr", b)) if sink else None)
     status = PipeReader(status_r, 65536)
     try:
-        timed_out = await _wait(pid, pidfd, group, out, err, (in_w, stdin), timeout, settled, settle)
+        timed_out, helper_rc = await _wait(
+            pid, pidfd, group, out, err, (in_w, stdin), timeout, settled, settle
+        )
     finally:
         status.drain()  # the helper has exited: its whole report is in the pipe
         out.close()
@@ -547,6 +557,12 @@ async def run_trusted(
         await asyncio.get_running_loop().run_in_executor(None, group.kill)
         release_group(group)
     code = _result(bytes(status.buf), container.id)
+    if code is None and not timed_out and helper_rc not in (None, -signal.SIGKILL):
+        detail = bytes(err.buf).decode(errors="replace").strip()[-300:]
+        raise errors.InternalError(
+            f"the trusted command of sandbox {container.id} could not start "
+            f"(helper exit {helper_rc}): {detail}"
+        )
     return RawResult(
         stdout=bytes(out.buf),
         stderr=bytes(err.buf),
@@ -568,9 +584,9 @@ async def _wait(
     timeout: float,
     settled: asyncio.Future[None],
     settle: Callable[..., None],
-) -> bool:
+) -> tuple[bool, int | None]:
     """Wait for the helper (its end, the output cap, or the timeout); kill what is left of the
-    command's tree; whether it timed out. The helper is always reaped."""
+    command's tree; (whether it timed out, the helper's exit code). The helper is always reaped."""
     loop = asyncio.get_running_loop()
     exited = asyncio.ensure_future(wait_quick(pid, pidfd))
     exited.add_done_callback(settle)
@@ -604,7 +620,7 @@ async def _wait(
                 os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(Exception):
             await asyncio.shield(exited)  # reaped by its own task even if we are cancelled here
-    return timed_out
+    return timed_out, exited.result() if exited.done() and not exited.exception() else None
 
 
 def _result(report: bytes, sandbox_id: str) -> int | None:
