@@ -49,6 +49,10 @@ class EdgeSettings(BaseSettings):
     # fncall backend: worker sandboxes started at edge start when this image exists.
     fncall_image: str = "code"
     fncall_workers: int = 4
+    # The platform's addresses on other hosts (apiservers, other edges, databases): IPs, CIDRs,
+    # host names or URLs that no sandbox's network policy may ever reach. `dsec edge` adds its
+    # own public URL and its apiservers' URLs.
+    platform_addresses: list[str] = []
 
     @field_validator("name")
     @classmethod

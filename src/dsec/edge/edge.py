@@ -173,7 +173,7 @@ class Edge:
         self.trajlog = TrajectoryLog(settings.data_dir / f"trajlog-{settings.name}.db")
         self._inflight: dict[tuple[str, str, int], asyncio.Future[None]] = {}  # (project, trajectory, step)
         # Network policies: nothing is made on the host before the first one.
-        self.net = NetHost(settings.name)
+        self.net = NetHost(settings.name, platform=settings.platform_addresses)
         self.denials = DeniedSyscalls(self._on_denied_syscall)
 
     # --- lifecycle of the edge itself ------------------------------------------

@@ -72,7 +72,9 @@ def create_edge_app(
     heartbeat_s: float = 2.0,
     keep_sandboxes: bool = False,
 ) -> FastAPI:
-    edge = Edge(settings)
+    # No sandbox's network policy may reach this edge's API or its apiservers.
+    platform = [*settings.platform_addresses, public_url, *apiservers]
+    edge = Edge(settings.model_copy(update={"platform_addresses": platform}))
     local = LocalEdge(edge, public_url)
 
     async def register_loop() -> None:
