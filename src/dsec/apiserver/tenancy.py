@@ -27,7 +27,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from dsec import errors
 from dsec.apiserver.routes import Guard, bearer
-from dsec.iam import IAM, Principal
+from dsec.iam import IAM
 from dsec.models import EdgeStatus
 
 Scope = set[str] | None  # a principal's visible projects; None: all (an admin)
@@ -68,51 +68,68 @@ class ApiServerSettings(BaseSettings):
 def make_guard(iam: IAM, cluster_token: str, *, compat_auth: bool, metrics_token: str | None) -> Guard:
     """Authentication (and admin-only refusals) of every route that needs a token, from the
     request line and headers alone. The principal goes to `scope["state"]["principal"]`."""
+    return _Guard(iam, cluster_token, compat_auth, metrics_token)
 
-    def state(scope: dict[str, Any]) -> dict[str, Any]:
-        st: dict[str, Any] = scope.setdefault("state", {})
-        return st
 
-    def guard(scope: dict[str, Any]) -> None:
+class _Guard:
+    def __init__(self, iam: IAM, cluster_token: str, compat_auth: bool, metrics_token: str | None) -> None:
+        self.iam = iam
+        self.cluster_token = cluster_token
+        self.compat_auth = compat_auth
+        self.metrics_token = metrics_token
+
+    def __call__(self, scope: dict[str, Any]) -> None:
         path: str = scope["path"]
         if path.startswith("/v1/"):
-            if path in OPEN_PATHS:
-                return
-            if path == "/v1/edges/register":
-                given = bearer(scope) or ""
-                if not secrets.compare_digest(given.encode(), cluster_token.encode()):
-                    raise errors.AuthError("edge registration needs the cluster token")
-                return
-            p = iam.authenticate(bearer(scope))
-            state(scope)["principal"] = p
-            if not p.admin and _ADMIN_ONLY.match(f"{scope['method']} {path}"):
-                raise errors.Forbidden(
-                    f"{scope['method']} {path} needs an admin token; principal {p.name!r} is not an admin"
-                )
+            self.native(scope, path)
         elif path == "/metrics":
-            presented = bearer(scope)
-            if (
-                metrics_token
-                and presented
-                and secrets.compare_digest(presented.encode(), metrics_token.encode())
-            ):
-                state(scope)["metrics_scope"] = "all"
-                return
-            p = iam.authenticate(presented)
-            state(scope)["principal"] = p
-            state(scope)["metrics_scope"] = "all" if p.admin else "tenant"
+            self.metrics(scope)
         elif path.startswith("/swerex/"):
-            state(scope)["principal"] = iam.authenticate(_header(scope, b"x-api-key"))
-        elif compat_auth:
-            m = _SANDBOXFUSION_TOKEN.match(path)
-            if m is not None:
-                iam.authenticate(m.group(1))
-            elif path in _SANDBOXFUSION_QUERY:
-                query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-                token = query["token"][0] if query.get("token") else bearer(scope)
-                iam.authenticate(token)
+            key = _header(scope, b"x-api-key")
+            if not key:
+                raise errors.AuthError("missing API key: send 'X-API-Key: <dsec token>'")
+            _state(scope)["principal"] = self.iam.authenticate(key)
+        elif self.compat_auth:
+            self.sandboxfusion(scope, path)
 
-    return guard
+    def native(self, scope: dict[str, Any], path: str) -> None:
+        if path in OPEN_PATHS:
+            return
+        if path == "/v1/edges/register":
+            given = bearer(scope) or ""
+            if not secrets.compare_digest(given.encode(), self.cluster_token.encode()):
+                raise errors.AuthError("edge registration needs the cluster token")
+            return
+        p = self.iam.authenticate(bearer(scope))
+        _state(scope)["principal"] = p
+        if not p.admin and _ADMIN_ONLY.match(f"{scope['method']} {path}"):
+            raise errors.Forbidden(
+                f"{scope['method']} {path} needs an admin token; principal {p.name!r} is not an admin"
+            )
+
+    def metrics(self, scope: dict[str, Any]) -> None:
+        presented = bearer(scope)
+        wanted = self.metrics_token
+        if wanted and presented and secrets.compare_digest(presented.encode(), wanted.encode()):
+            _state(scope)["metrics_scope"] = "all"
+            return
+        p = self.iam.authenticate(presented)
+        _state(scope)["principal"] = p
+        _state(scope)["metrics_scope"] = "all" if p.admin else "tenant"
+
+    def sandboxfusion(self, scope: dict[str, Any], path: str) -> None:
+        m = _SANDBOXFUSION_TOKEN.match(path)
+        if m is not None:
+            self.iam.authenticate(m.group(1))
+        elif path in _SANDBOXFUSION_QUERY:
+            query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+            token = query["token"][0] if query.get("token") else bearer(scope)
+            self.iam.authenticate(token)
+
+
+def _state(scope: dict[str, Any]) -> dict[str, Any]:
+    st: dict[str, Any] = scope.setdefault("state", {})
+    return st
 
 
 def _header(scope: dict[str, Any], wanted: bytes) -> str | None:
@@ -200,8 +217,3 @@ def metrics_scope(scope: MutableMapping[str, Any]) -> str:
     if value not in ("all", "tenant"):
         raise errors.AuthError("missing API token: send 'Authorization: Bearer <token>'")
     return str(value)
-
-
-def principal_of(scope: MutableMapping[str, Any]) -> Principal | None:
-    p = scope.get("state", {}).get("principal")
-    return p if isinstance(p, Principal) else None
