@@ -541,6 +541,14 @@ def spawn_quick(
     fork of this large process and no child-watcher thread per process, which
     cost several ms per sandbox start under load (and more under uvloop).
     """
+    # No stdin is an empty pipe, never the host's /dev/null: the OCI runtime chowns the
+    # container process's stdio to the sandbox's root, and would so hand it the host's
+    # /dev/null (chmod 000 from inside would then break every host program).
+    empty = None
+    if stdin_fd is None:
+        empty = os.pipe2(os.O_CLOEXEC)
+        os.close(empty[1])
+        stdin_fd = empty[0]
     for fd in inherit:
         os.set_inheritable(fd, True)
     try:
@@ -549,9 +557,7 @@ def spawn_quick(
             list(argv),
             os.environ,
             file_actions=[
-                (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0)
-                if stdin_fd is None
-                else (os.POSIX_SPAWN_DUP2, stdin_fd, 0),
+                (os.POSIX_SPAWN_DUP2, stdin_fd, 0),
                 (os.POSIX_SPAWN_DUP2, out_fd, 1),
                 (os.POSIX_SPAWN_DUP2, err_fd, 2),
             ],
@@ -559,6 +565,8 @@ def spawn_quick(
     finally:
         for fd in inherit:
             os.set_inheritable(fd, False)
+        if empty is not None:
+            os.close(empty[0])
     _awaited.add(pid)
     return pid, os.pidfd_open(pid)
 
