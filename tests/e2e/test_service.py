@@ -223,7 +223,8 @@ def test_cli_against_the_service(service):
 def test_metrics_and_events(service):
     with Client() as c:
         c.create("python").stop()
-    text = httpx.get(service.url + "/metrics").text
+    assert httpx.get(service.url + "/metrics").status_code == 401  # no token, no metrics
+    text = httpx.get(service.url + "/metrics", headers={"Authorization": f"Bearer {service.token}"}).text
     assert 'dsec_create_phase_seconds_count{phase="runtime_start"}' in text
     assert "dsec_exec_seconds" in text
 

@@ -183,6 +183,6 @@ def test_misbehaviour_reaches_metrics(service):
         t = sb.refresh().telemetry
         assert t["timeouts"] == 1 and t["oom_kills"] >= 1
         sb.stop()
-    text = httpx.get(service.url + "/metrics").text
+    text = httpx.get(service.url + "/metrics", headers={"Authorization": f"Bearer {service.token}"}).text
     assert 'dsec_misbehaviour_total{kind="timeouts"}' in text
     assert 'dsec_misbehaviour_total{kind="oom_kills"}' in text
