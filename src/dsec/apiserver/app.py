@@ -965,8 +965,10 @@ async def _reconcile_quota(st: ApiServerState, interval_s: float, grace_s: float
     however long it takes: only its own success (re-keyed to the sandbox) or failure
     (released) ends it."""
     while True:
-        with contextlib.suppress(Exception):
+        try:
             st.iam.release_orphaned()
+        except Exception:
+            log.exception("releasing the reservations of dead apiservers failed; retrying")
         await asyncio.sleep(interval_s)
         live: set[str] = set()
         complete = True
