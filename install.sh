@@ -3,6 +3,7 @@
 #
 #   ./install.sh up [dsec up options]   install everything, build the default image, run `dsec up`
 #   ./install.sh test [pytest options]  install everything (+ test tools), then lint, type-check and test
+#   ./install.sh bench NAME [options]   install everything (+ podman, the baseline), run bench/NAME.py
 #   ./install.sh                        install only
 set -euo pipefail
 cd "$(dirname "$(readlink -f "$0")")"
@@ -65,8 +66,17 @@ case "$cmd" in
     "$VENV/bin/ruff" check src tests bench
     "$VENV/bin/mypy"
     exec "$VENV/bin/pytest" "$@" ;;
+  bench)
+    # The benchmarks measure against `podman run --rm` of the same rootfs in the same run.
+    if ! dpkg-query -W -f='${Status}' podman 2>/dev/null | grep -q "install ok installed"; then
+      log "apt: installing podman (the benchmarks' baseline)"
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends podman >/dev/null
+    fi
+    name=${1:?usage: ./install.sh bench NAME [options]  (NAME: a file in bench/, without .py)}
+    shift
+    exec "$VENV/bin/python" "bench/$name.py" "$@" ;;
   "")
     log "installed: run 'dsec up' to start the service" ;;
   *)
-    echo "usage: ./install.sh [up|test] [args...]" >&2; exit 2 ;;
+    echo "usage: ./install.sh [up|test|bench] [args...]" >&2; exit 2 ;;
 esac

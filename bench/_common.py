@@ -23,6 +23,8 @@ def pct(xs: list[float], p: float) -> float:
 
 
 def row(name: str, xs: list[float], base: float | None = None) -> str:
+    if not xs:  # a baseline that could not run here (e.g. podman not installed)
+        return f"| {name} | n/a | n/a |" + (" n/a |" if base is not None else "")
     ratio = f" {pct(xs, 0.5) / base:.2f}x |" if base else ""
     return f"| {name} | {pct(xs, 0.5):.2f} | {pct(xs, 0.95):.2f} |{ratio}"
 
