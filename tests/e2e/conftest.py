@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -73,14 +74,13 @@ def start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[b
         return subprocess.Popen([*DSEC, *args], env=env, stdout=f, stderr=subprocess.STDOUT)
 
 
-@pytest.fixture(scope="module")
-def service(
-    tmp_path_factory: pytest.TempPathFactory, python_image: str, code_image: str
-) -> Iterator[Service]:
-    """`dsec up` as a user runs it."""
-    tmp = tmp_path_factory.mktemp("dsec-up")
+@contextlib.contextmanager
+def dsec_up(tmp: Path, extra_env: dict[str, str] | None = None) -> Iterator[Service]:
+    """`dsec up` in `tmp` as a user runs it (with `extra_env` on top); stopped and cleaned
+    up afterwards."""
     port = free_port()
     env = _env(tmp, f"dsec-e2e-{secrets.token_hex(4)}")  # unique across concurrent pytest runs
+    env.update(extra_env or {})
     data = tmp / "data"
     proc = start(["up", "--port", str(port), "--data-dir", str(data)], env, tmp / "up.log")
     url = f"http://127.0.0.1:{port}"
@@ -91,9 +91,7 @@ def service(
         raise RuntimeError((tmp / "up.log").read_text()[-3000:]) from None
     cfg = json.loads((tmp / "client.json").read_text())
     svc = Service(url, cfg["token"], data, {"up": proc}, env)
-    os.environ["DSEC_CONFIG"] = str(tmp / "client.json")
     yield svc
-    os.environ.pop("DSEC_CONFIG", None)
     for name in list(svc.procs):
         svc.stop(name)
     from dsec.backends.container import mounts_under, unmount_all
@@ -105,3 +103,17 @@ def service(
     shutil.rmtree(run_dir, ignore_errors=True)
     # uvicorn re-raises the signal after a graceful shutdown
     assert proc.returncode in (0, -15), (tmp / "up.log").read_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def service(
+    tmp_path_factory: pytest.TempPathFactory, python_image: str, code_image: str
+) -> Iterator[Service]:
+    """`dsec up` as a user runs it."""
+    tmp = tmp_path_factory.mktemp("dsec-up")
+    with dsec_up(tmp) as svc:
+        os.environ["DSEC_CONFIG"] = str(tmp / "client.json")
+        try:
+            yield svc
+        finally:
+            os.environ.pop("DSEC_CONFIG", None)

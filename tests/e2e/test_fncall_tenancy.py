@@ -4,48 +4,22 @@ worker that ran one tenant's code never runs another's."""
 
 from __future__ import annotations
 
-import json
-import secrets
-import shutil
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from dsec.service import free_port
-
-from .conftest import Service, _env, start, wait_healthy
+from .conftest import Service, dsec_up
 
 pytestmark = [pytest.mark.root, pytest.mark.e2e]
 
 
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory: pytest.TempPathFactory, python_image: str, code_image: str) -> Iterator[Service]:
-    tmp = tmp_path_factory.mktemp("dsec-fncall-tenancy")
-    port = free_port()
-    env = _env(tmp, f"dsec-e2e-{secrets.token_hex(4)}")
-    env["DSEC_EDGE_FNCALL_WORKERS"] = "1"
-    data = tmp / "data"
-    proc = start(["up", "--port", str(port), "--data-dir", str(data)], env, tmp / "up.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url)
-    except TimeoutError:
-        proc.kill()
-        raise RuntimeError((tmp / "up.log").read_text()[-3000:]) from None
-    cfg = json.loads((tmp / "client.json").read_text())
-    s = Service(url, cfg["token"], data, {"up": proc}, env)
-    yield s
-    for name in list(s.procs):
-        s.stop(name)
-    from dsec.backends.container import mounts_under, unmount_all
-
-    run_dir = env["DSEC_EDGE_RUN_DIR"]
-    for m in sorted(mounts_under(Path(run_dir).parent), key=len, reverse=True):
-        if m == run_dir or m.startswith(f"{run_dir}/"):
-            unmount_all(Path(m))
-    shutil.rmtree(run_dir, ignore_errors=True)
+    """`dsec up` with one fncall worker per image."""
+    extra = {"DSEC_EDGE_FNCALL_WORKERS": "1"}
+    with dsec_up(tmp_path_factory.mktemp("dsec-fncall-tenancy"), extra) as s:
+        yield s
 
 
 def tenant(svc: Service, project: str) -> str:

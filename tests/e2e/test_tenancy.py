@@ -18,7 +18,6 @@ import os
 import re
 import secrets
 import select
-import shutil
 import socket
 import subprocess
 import threading
@@ -30,9 +29,7 @@ from typing import Any
 import httpx
 import pytest
 
-from dsec.service import free_port
-
-from .conftest import DSEC, Service, _env, start, wait_healthy
+from .conftest import DSEC, Service, dsec_up
 
 pytestmark = [pytest.mark.root, pytest.mark.e2e]
 
@@ -45,35 +42,13 @@ SLOW_FILES = 4  # 100 MiB files moved to the vault by each create of the slow sn
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory: pytest.TempPathFactory, python_image: str, code_image: str) -> Iterator[Service]:
     """`dsec up` with a reconciler that runs every 0.02 s and trusts nothing older than 0.05 s."""
-    tmp = tmp_path_factory.mktemp("dsec-tenancy")
-    port = free_port()
-    env = _env(tmp, f"dsec-e2e-{secrets.token_hex(4)}")
-    env.update(
-        DSEC_APISERVER_RECONCILE_INTERVAL_S="0.02",
-        DSEC_APISERVER_RESERVATION_GRACE_S=str(GRACE_S),
-        DSEC_APISERVER_METRICS_TOKEN=METRICS_TOKEN,
-    )
-    data = tmp / "data"
-    proc = start(["up", "--port", str(port), "--data-dir", str(data)], env, tmp / "up.log")
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url)
-    except TimeoutError:
-        proc.kill()
-        raise RuntimeError((tmp / "up.log").read_text()[-3000:]) from None
-    cfg = json.loads((tmp / "client.json").read_text())
-    s = Service(url, cfg["token"], data, {"up": proc}, env)
-    yield s
-    for name in list(s.procs):
-        s.stop(name)
-    from dsec.backends.container import mounts_under, unmount_all
-
-    run_dir = env["DSEC_EDGE_RUN_DIR"]
-    for m in sorted(mounts_under(Path(run_dir).parent), key=len, reverse=True):
-        if m == run_dir or m.startswith(f"{run_dir}/"):
-            unmount_all(Path(m))
-    shutil.rmtree(run_dir, ignore_errors=True)
-    assert proc.returncode in (0, -15), (tmp / "up.log").read_text()[-3000:]
+    extra = {
+        "DSEC_APISERVER_RECONCILE_INTERVAL_S": "0.02",
+        "DSEC_APISERVER_RESERVATION_GRACE_S": str(GRACE_S),
+        "DSEC_APISERVER_METRICS_TOKEN": METRICS_TOKEN,
+    }
+    with dsec_up(tmp_path_factory.mktemp("dsec-tenancy"), extra) as s:
+        yield s
 
 
 def http(svc: Service, token: str | None) -> httpx.Client:
