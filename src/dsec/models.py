@@ -93,6 +93,14 @@ class SandboxSpec(_Model):
         return check_env(v)
 
 
+class ForkLayer(_Model):
+    """The shared layer a fork copied the parent's writable layer into (the fork response
+    only): it lives on the edge until no sandbox stacks it any more."""
+
+    id: str
+    size_bytes: int
+
+
 class SandboxInfo(_Model):
     id: str
     state: SandboxState
@@ -107,6 +115,7 @@ class SandboxInfo(_Model):
         description="misbehaviour counters (GET only): oom_kills, pids_limit_hits, timeouts, "
         "output_truncated, disk_full, disk_used_bytes, disk_used_inodes, denied_connections",
     )
+    fork_layer: ForkLayer | None = Field(None, description="the layer a fork made (fork response only)")
 
 
 class Step(_Model):
@@ -253,6 +262,9 @@ class EdgeStatus(_Model):
     by_project: dict[str, int]
     layers: list[str]
     images: list[str]
+    fork_layers: list[str] = Field(
+        default_factory=list, description="ids of the fork layers alive (stacked by some sandbox)"
+    )
 
 
 class SnapshotInfo(_Model):

@@ -452,6 +452,10 @@ def _install_state_routes(app: FastAPI, st: ApiServerState, principal: _Principa
         scope = iam.visible_projects(p)
         source = await edge.get(sid, scope)
         keys = [f"pending-{secrets.token_hex(8)}" for _ in range(body.n)]
+        # The fork layer counts like a snapshot: a slot and the parent's writable layer as it
+        # is now, refused here before anything is copied; its real size once copied (below).
+        layer_key = f"pending-{secrets.token_hex(8)}"
+        iam.reserve_snapshot(layer_key, source.spec.project, _mib(source.telemetry.get("disk_used_bytes", 0)))
         reserved: list[str] = []
         try:
             for key in keys:
@@ -459,11 +463,14 @@ def _install_state_routes(app: FastAPI, st: ApiServerState, principal: _Principa
                 reserved.append(key)
             infos = await edge.fork(sid, body.n, scope)
         except BaseException:
+            iam.release_snapshot(layer_key)
             for key in reserved:
                 iam.release(key)
             raise
         for key, info in zip(keys, infos, strict=True):
             iam.rekey(key, info.id)
+        await _charge_fork_layer(iam, edge, scope, layer_key, infos)
+        for info in infos:
             st.events.publish(
                 "created",
                 id=info.id,
@@ -505,6 +512,33 @@ def _install_state_routes(app: FastAPI, st: ApiServerState, principal: _Principa
         if not deleted:
             raise errors.ImageNotFound(f"there is no snapshot {name!r}")
         return Response(status_code=204)
+
+
+def _mib(n_bytes: int) -> int:
+    return -(-n_bytes // (1 << 20))
+
+
+async def _charge_fork_layer(
+    iam: IAM, edge: EdgeAPI, scope: set[str] | None, pending: str, infos: list[SandboxInfo]
+) -> None:
+    """Move a fork's pending snapshot reservation to its layer (``fork:<layer id>``, released
+    by the reconciler once no edge reports the layer) at the size the edge copied; if that
+    is over the quota (the parent wrote more after it was measured), the children are stopped
+    (which frees the layer) and the fork is refused."""
+    layer = infos[0].fork_layer if infos else None
+    if layer is None:  # an edge from before fork layers were reported: nothing to vouch for it
+        iam.release_snapshot(pending)
+        return
+    key = f"fork:{layer.id}"
+    iam.rekey_snapshot(pending, key)
+    try:
+        iam.resize_snapshot(key, _mib(layer.size_bytes))
+    except errors.DsecError:
+        await asyncio.gather(*(edge.stop(i.id, scope) for i in infos), return_exceptions=True)
+        for i in infos:
+            iam.release(i.id)
+        iam.release_snapshot(key)
+        raise
 
 
 def _install_snapshot_route(app: FastAPI, st: ApiServerState, principal: _PrincipalFn) -> None:
@@ -979,3 +1013,21 @@ async def _reconcile_quota(st: ApiServerState, interval_s: float, grace_s: float
                 complete = False
         if complete:
             st.iam.reconcile(live, older_than_s=grace_s)
+        await _reconcile_fork_layers(st, grace_s)
+
+
+async def _reconcile_fork_layers(st: ApiServerState, grace_s: float) -> None:
+    """Release the snapshot reservations of fork layers no edge reports any more (their last
+    sandbox stopped). Only reservations older than the grace before the edges were asked are
+    candidates, so a fork finishing while they are asked is never taken for a leftover."""
+    asked = time.time()
+    live: set[str] = set()
+    for e in st.directory.all():
+        try:
+            live |= {f"fork:{x}" for x in (await e.status()).fork_layers}
+        except Exception:
+            return  # an edge that cannot answer may still hold its layers
+    try:
+        st.iam.reconcile_snapshots(live, older_than_s=grace_s + time.time() - asked, prefix="fork:")
+    except Exception:
+        log.exception("releasing the reservations of freed fork layers failed; retrying")

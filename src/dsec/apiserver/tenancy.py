@@ -185,6 +185,7 @@ def tenant_edge(status: EdgeStatus, vis: Visibility) -> dict[str, Any]:
         "by_image": {k: v for k, v in status.by_image.items() if vis.image(k)},
         "layers": [r for r in status.layers if vis.layer(r)],
         "images": [i for i in status.images if vis.image(i)],
+        "fork_layers": [],  # named after their source sandboxes, any project's
     }
 
 

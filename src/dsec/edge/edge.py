@@ -78,6 +78,7 @@ from dsec.models import (
     FileEdit,
     FileStat,
     FileWrite,
+    ForkLayer,
     SandboxInfo,
     SandboxSpec,
     SandboxState,
@@ -1750,6 +1751,9 @@ class Edge:
         loop = asyncio.get_running_loop()
         if not was_paused:
             await loop.run_in_executor(None, self.cgroups.freeze, sb.id)
+        # What the copy will hold, measured frozen (the upper is a tmpfs of its own): the
+        # apiserver charges the project's snapshot quota with it.
+        layer_bytes = sb.container.disk_usage()[0]
         copied: dict[str, float] = {}
 
         def copy_done(_: object) -> None:
@@ -1767,6 +1771,7 @@ class Edge:
                 await copy.wait()
                 for layer in parent_chain:
                     await copy_tree_under(self._copy_tool, Path(layer), tree)
+                layer_bytes = await loop.run_in_executor(None, disk_usage, tree)
             ready = asyncio.ensure_future(copy.wait())
             ready.add_done_callback(copy_done)
             labels = {**spec.labels, "dsec.fork-of": sandbox_id}
@@ -1796,6 +1801,7 @@ class Edge:
             )
         for i in infos:
             i.timings_ms["fork_copy"] = (copied.get("t", t0) - t0) * 1000
+            i.fork_layer = ForkLayer(id=shared.name, size_bytes=layer_bytes)
         await self.log_event(sandbox_id, "fork", {"op": "fork", "n": n}, {"ids": [i.id for i in infos]})
         return infos
 
@@ -1866,7 +1872,16 @@ class Edge:
             by_project=dict(Counter(s.project for s in specs)),
             layers=[str(layer.ref) for layer in self.layers.list_layers()],
             images=[i.name for i in self.layers.list_images()],
+            fork_layers=self._fork_layer_ids(),
         )
+
+    def _fork_layer_ids(self) -> builtins.list[str]:
+        """The fork layers on the run tmpfs (each charged to its project until it is gone)."""
+        root = self.settings.edge_run_dir / "forks"
+        try:
+            return sorted(d.name for d in root.iterdir())
+        except OSError:
+            return []
 
 
 def encode_content(data: bytes) -> tuple[str, str]:

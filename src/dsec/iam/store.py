@@ -949,8 +949,22 @@ class IAM:
         rows = self._read("SELECT key, project, size_mb FROM snapshot_reservations")
         return {r[0]: (r[1], r[2]) for r in rows}
 
-    def reconcile_snapshots(self, live_keys: set[str], older_than_s: float = 30.0) -> list[str]:
-        """Release snapshot reservations not in ``live_keys`` older than ``older_than_s``; return the keys."""
+    def rekey_snapshot(self, old_key: str, new_key: str) -> None:
+        """Move snapshot reservation ``old_key`` to ``new_key`` (same project and size, nothing
+        re-admitted); its age for :meth:`reconcile_snapshots` starts again."""
+        with self._write() as db:
+            cur = db.execute(
+                "UPDATE snapshot_reservations SET key = ?, created_at = ? WHERE key = ?",
+                (new_key, time.time(), old_key),
+            )
+            if cur.rowcount == 0:
+                raise NotFound(f"no snapshot reservation under key {old_key!r} to rename", key=old_key)
+
+    def reconcile_snapshots(
+        self, live_keys: set[str], older_than_s: float = 30.0, *, prefix: str = ""
+    ) -> list[str]:
+        """Release snapshot reservations whose key starts with ``prefix``, not in ``live_keys``
+        and older than ``older_than_s``; return the keys."""
         cutoff = time.time() - older_than_s
         released: list[str] = []
         with self._write() as db:
@@ -958,7 +972,7 @@ class IAM:
                 "SELECT key FROM snapshot_reservations WHERE created_at < ?", (cutoff,)
             ).fetchall()
             for (key,) in rows:
-                if key not in live_keys and self._release_snapshot(db, key):
+                if key.startswith(prefix) and key not in live_keys and self._release_snapshot(db, key):
                     released.append(key)
         return sorted(released)
 
