@@ -88,7 +88,10 @@ def test_a_fork_layer_holds_a_snapshot_slot_until_its_children_stop(
     r = _fork(c, sid, 2)
     assert r.status_code == 201, r.text
     kids = [k["id"] for k in r.json()["sandboxes"]]
-    assert [x for x in _fork_layers(svc) if x.startswith(f"{sid}-")]  # the admin sees the layer...
+    end = time.monotonic() + 10  # the admin sees the layer (the watcher's next status poll)...
+    while not [x for x in _fork_layers(svc) if x.startswith(f"{sid}-")]:
+        assert time.monotonic() < end, "no edge reports the fork layer"
+        time.sleep(0.1)
     assert all(e["fork_layers"] == [] for e in c.get("/v1/edges").json()["edges"])  # ...no tenant
     _refused(c.post(f"/v1/sandboxes/{sid}/snapshot", json={}), "max_snapshots")  # the layer holds it
     _refused(_fork(c, sid), "max_snapshots")
