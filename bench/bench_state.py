@@ -93,7 +93,7 @@ HOLD = (
 
 
 async def start_holder(edge: Edge, sid: str) -> None:
-    edge.write_file(sid, "/tmp/hold.py", HOLD.encode())
+    await edge.write_file(sid, "/tmp/hold.py", HOLD.encode())
     await edge.exec(sid, ExecRequest(cmd="nohup python3 /tmp/hold.py > /dev/null 2>&1 &"))
     while (await edge.exec(sid, ExecRequest(cmd="test -e /tmp/ready"))).exit_code != 0:
         await asyncio.sleep(0.005)
