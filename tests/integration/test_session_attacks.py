@@ -187,6 +187,116 @@ async def test_the_trusted_shell_cannot_be_replaced_or_read(edge):
     await edge.stop(sb.id)
 
 
+# The state dump runs in the run's own shell (its EXIT trap, no fork): what a run leaves behind
+# (options, variables bash reacts to, functions and aliases named like what the dump calls)
+# must not make it fail fatally, change a later run's status, or write into its output.
+TRAP_ATTACKS = [
+    "set -euo pipefail -o posix; POSIXLY_CORRECT=1",
+    "BASH_COMPAT=31; shopt -s failglob nullglob nocasematch extglob dotglob; GLOBIGNORE='*'",
+    "IFS=$'\\n{}=;'; FUNCNEST=1; TMOUT=1; declare -i OPTERR=0",
+    "for f in declare printf set shopt trap alias; do eval \"$f() { builtin exit 0; }\"; done; "
+    "export -f declare",
+    "shopt -s expand_aliases; alias declare='exit 0;' printf='exit 0;' set='exit 0;' shopt='exit 0;' "
+    "trap='exit 0;' __dsec_o='exit 0;'",
+    "set -u; unset BASH_ALIASES; readonly HOME",
+    "set -e; declare -r -a FUNCNAME; BASH_XTRACEFD=2",
+]
+
+
+@pytest.mark.parametrize("attack", TRAP_ATTACKS, ids=range(len(TRAP_ATTACKS)))
+async def test_nothing_carried_over_breaks_the_dump_in_the_shell(edge, attack):
+    sb = await edge.create(SandboxSpec(image="python"))
+    sid = await _bash(edge, sb)
+    await _run(edge, sb, sid, "X=kept; kept() { echo \"fn $X\"; }")
+    r = await _run(edge, sb, sid, attack)
+    assert "__dsec" not in r.output, r
+    await _assert_honest(edge, sb, sid)
+    r = await _run(edge, sb, sid, "builtin unset -f declare printf set shopt trap alias; kept")
+    assert r.output == "fn kept\n", r  # the state is still there
+    await edge.stop(sb.id)
+
+
+async def test_a_carried_trace_traces_the_code_only(edge):
+    # The dump used to be traced into every later run's output (and its whole text echoed
+    # under `set -v`).
+    sb = await edge.create(SandboxSpec(image="python"))
+    sid = await _bash(edge, sb)
+    await _run(edge, sb, sid, "set -x")
+    for code, rc in (("true", 0), ("false", 1), ("exit 3", 3)):
+        r = await _run(edge, sb, sid, code)
+        assert (r.output, r.exit_code) == (f"++ {code}\n", rc), r
+    await _run(edge, sb, sid, "BASH_XTRACEFD=1")
+    r = await _run(edge, sb, sid, "echo hi")
+    assert r.output == "++ echo hi\nhi\n", r
+    await edge.stop(sb.id)
+
+
+async def test_what_a_job_writes_into_an_ended_runs_dump_changes_nothing(edge):
+    # The dump pipe used to stay open until the next run, which then waited up to 2 s for
+    # the dump to end: a job writing into it after its run ended lost the run's state and
+    # stalled the next run (and a flood into it was buffered in the edge).
+    sb = await edge.create(SandboxSpec(image="python"))
+    sid = await _bash(edge, sb)
+    late = "(sleep 0.3; printf 'junk\\0' >&4) & (sleep 0.3; yes >&4) &"
+    r = await _run(edge, sb, sid, f"X=carried; {late} echo ok")
+    assert (r.output, r.exit_code) == ("ok\n", 0), r
+    await asyncio.sleep(0.6)
+    r = await _run(edge, sb, sid, "echo $X")
+    assert r.output == "carried\n" and r.duration < 1.0, r
+    await edge.stop(sb.id)
+
+
+# bash's own rendering of a state full of what its quoting has to deal with: after one and
+# after two carry-overs it is the same, byte for byte.
+ROUNDTRIP = r"""
+V=$(builtin printf "$(for i in $(seq 1 127); do printf '\\%03o' $i; done)")
+U='é ü 😀 "q" \\ $x `y` '"'s'"
+declare -i N=-41; declare -l LO=ABC; declare -u UP=abc; declare -x EX='e x'; declare -r RO=ro
+declare -a SP=([3]='three' [17]=$'\n' [200]=''); declare -ar RA=(1 2); declare -a EMPTY=()
+declare -A M=(['a b']=1 [']']=2 ['a]b']=3 ['"']=4 ["'"]=5 ['$(x)']=6 [$'\n']=7 ['*']=8 ['=']=9
+  ['[']=10 ['\']=11 [é]=12 [x]="$U")
+f.x:y@z+1-() { builtin echo "$1"; }; export -f f.x:y@z+1-
+tr() { :; }; declare -ft tr
+hd() { cat <<'EOF'
+} done
+g ()
+EOF
+}
+rd() { :; } >/dev/null 2>&1
+sub() ( echo sub )
+nest() { inner() { :; }; }
+shopt -s expand_aliases; alias q='echo "x" '\''y'\'' \' ll='ls -l'
+show() { declare -p V U N LO UP EX RO SP RA EMPTY M; declare -f; declare -F; alias -p; }
+"""
+
+
+async def test_bash_state_is_carried_as_bash_prints_it(edge):
+    sb = await edge.create(SandboxSpec(image="python"))
+    sid = await _bash(edge, sb)
+    r = await _run(edge, sb, sid, ROUNDTRIP + "show")
+    assert r.exit_code == 0 and "declare -A M=" in r.output and "hd ()" in r.output, r
+    for _ in range(2):
+        again = await _run(edge, sb, sid, "show")
+        assert again.output == r.output, again
+    await edge.stop(sb.id)
+
+
+async def test_functions_that_cannot_be_told_apart_keep_the_previous_state(edge):
+    # `declare -f` prints every function in one text. A here-document that holds the end of
+    # a definition and the start of another function's makes the split ambiguous: the dump
+    # is refused rather than cut at a guess (where a made-up definition would come from).
+    sb = await edge.create(SandboxSpec(image="python"))
+    sid = await _bash(edge, sb)
+    await _run(edge, sb, sid, "X=1; kept() { echo kept; }")
+    await _run(edge, sb, sid, "Y=2; h() { cat <<EOF\nkept () \n{ \n    echo lookalike\n}\nEOF\n}")
+    r = await _run(edge, sb, sid, "kept; h | head -1; echo $Y $X")
+    assert (r.output, r.exit_code) == ("kept\nkept () \n2 1\n", 0), r  # no line closes a definition
+    await _run(edge, sb, sid, "Z=3; a() { cat <<EOF\n}\nkept () \n{ \n    echo forged\n}\nEOF\n}")
+    r = await _run(edge, sb, sid, "kept; echo ${Z-unset} $Y; type -t a || echo no-a")
+    assert (r.output, r.exit_code) == ("kept\nunset 2\nno-a\n", 0), r
+    await edge.stop(sb.id)
+
+
 # --- python -------------------------------------------------------------------------------
 
 PY_ATTACKS = [

@@ -4,20 +4,28 @@ bash: every run is a process of its own, started through the shim like an exec (
 cgroup, own process group, fresh pipes), running the platform's static bash from the
 read-only /.dsec-tools mount. Its exit status is the shim's waitpid of that process, so
 nothing defined in the shell can change what is reported. The state carries over between
-runs as data only: the run's EXIT trap dumps it (in a subshell started in the background,
-so it cannot touch the shell's status) to a per-run pipe as NUL-separated records; the edge
-parses them with strict limits and builds the next run's start from them: cwd (the spawn's
-cwd), functions (env entries `BASH_FUNC_<name>%%`, bash's own one-definition importer),
-variables, aliases and options as assignments and builtin calls the edge quotes itself. A
-dump that is missing, late or malformed leaves the previous state. The code comes through a
-per-run pipe and is run by `eval` after the state is in place; stdout and stderr share one
-pipe (the output keeps its order), stdin is /dev/null. What a run's background jobs write
-after it ended goes to a closed pipe, never into a later run.
+runs as data only: the run's EXIT trap, in the shell itself (no fork), first turns off what
+could make a builtin's failure end the shell, then writes the state as bash prints it
+(`declare -p`, `declare -F`, `declare -f`, NUL-separated) to a per-run pipe; a trap that runs
+to its end leaves the shell's exit status as the code left it. The dump is complete when
+the shell has exited: the edge takes it then and closes the pipe, parses it with a strict
+tokenizer and limits (only when it differs from the last one) and builds the next run's
+start from it: cwd (the spawn's cwd), functions (env entries `BASH_FUNC_<name>%%`, bash's own
+one-definition importer), variables, aliases and options (only those that differ from a
+fresh shell's) as assignments and builtin calls the edge quotes itself. A dump that is
+missing, incomplete or malformed leaves the previous state. The code comes through a
+per-run sealed memfd and is run by `eval` after the state is in place; stdout and stderr
+share one pipe (the output keeps its order), stdin is /dev/null. What a run's background
+jobs write after it ended, to its output or its dump, goes to a closed pipe, never into a
+later run.
 
 Changed semantics against a long-lived shell: `jobs`, `%1` and `wait` do not reach jobs of
 an earlier run (they keep running); `exit N` ends only that run (its status is N); traps do
 not carry over; functions or aliases named `builtin` or `exec`, namerefs and variables the
-shell maintains itself are not carried over.
+shell maintains itself are not carried over; a run whose functions cannot be told apart in
+`declare -f` (a here-document holding a line that closes a definition followed by another
+function's header) keeps the previous state; with `set -v` carried over, the first line of
+the dump is echoed at the end of each run's output.
 
 python: one interpreter whose driver loop lives in a closure (nothing it uses per run is
 looked up in a namespace user code can reach by name; the user code gets its own `__main__`
@@ -41,6 +49,7 @@ import shutil
 import signal
 import socket
 import struct
+import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,7 +81,33 @@ def prepare_tools(tools_dir: Path) -> Path | None:
         os.chown(tmp, 0, 0)
         os.chmod(tmp, 0o711)
         os.replace(tmp, target)
+    _learn_defaults(target)
     return tools_dir
+
+
+# The options a fresh run's shell starts with (`set -o` names, `shopt` names), learnt from
+# the trusted bash itself: a run's start then sets only the options its state changes.
+# Unknown (None): every carried option is set.
+_defaults: tuple[frozenset[str], frozenset[str]] | None = None
+
+
+def _learn_defaults(bash: Path) -> None:
+    global _defaults
+    try:
+        show = 'builtin printf "%s\\n%s\\n" "$SHELLOPTS" "$BASHOPTS"'
+        r = subprocess.run(
+            [str(bash), "--noprofile", "--norc", "-c", show],
+            env={},
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=10,
+            check=True,
+        )
+        setopts, shopts = r.stdout.decode().split("\n")[:2]
+    except (OSError, subprocess.SubprocessError, UnicodeDecodeError, ValueError):
+        _defaults = None
+        return
+    _defaults = (frozenset(setopts.split(":")) - {""}, frozenset(shopts.split(":")) - {""})
 
 
 def ansi_c_quote(code: str) -> str:
@@ -89,43 +124,23 @@ _SAFE = frozenset(
 
 # --- bash: the run's start and the dump of its state ----------------------------------------
 
-# Runs in a background subshell of the EXIT trap: whatever happens in it (a failing command
-# under set -e, an unbound variable, a user function), the shell's own exit status is the
-# one its code left. Only builtins (`builtin` itself is never carried over as a function or
-# alias), output to the run's dump pipe (fd 4).
-_DUMP = r"""( __dsec_o=$SHELLOPTS __dsec_b=$BASHOPTS __dsec_i=${IFS+x}$IFS __dsec_d=$PWD
-builtin set +eEuxvTk +o pipefail -f
-exec 1>&4 2>/dev/null 4>&-
-IFS=$'\n'
-__dsec_v=$(builtin compgen -v; builtin printf '%s\n' --; builtin declare -F)
-builtin printf 'C\0%s\0O\0%s\0%s\0I\0%s\0' "$__dsec_d" "$__dsec_o" "$__dsec_b" "$__dsec_i"
-__dsec_x=
-for __dsec_n in $__dsec_v; do
-  if [[ -n $__dsec_x ]]; then
-    __dsec_f=${__dsec_n#declare -* }; __dsec_a=${__dsec_n#declare -}; __dsec_a=${__dsec_a%% *}
-    builtin printf 'F\0%s\0%s\0' "$__dsec_a" "$__dsec_f"
-    builtin declare -f -- "$__dsec_f"; builtin printf '\0'
-    continue
-  fi
-  case $__dsec_n in
-  --) __dsec_x=1; continue;;
-  __dsec_*|@SKIP@) continue;;
-  esac
-  __dsec_a=${!__dsec_n@a}
-  case $__dsec_a in
-  *n*) ;;
-  *[aA]*)
-    builtin declare -n __dsec_r=$__dsec_n
-    builtin printf 'A\0%s\0%s\0%s\0' "$__dsec_a" "$__dsec_n" "${#__dsec_r[@]}"
-    for __dsec_k in "${!__dsec_r[@]}"; do builtin printf '%s\0%s\0' "$__dsec_k" "${__dsec_r[$__dsec_k]}"; done
-    builtin unset -n __dsec_r;;
-  *) [[ -n ${!__dsec_n+x} ]] && builtin printf 'V\0%s\0%s\0%s\0' "$__dsec_a" "$__dsec_n" "${!__dsec_n}";;
-  esac
-done
-for __dsec_k in "${!BASH_ALIASES[@]}"; do
-  builtin printf 'L\0%s\0%s\0' "$__dsec_k" "${BASH_ALIASES[$__dsec_k]}"
-done
-builtin printf 'E\0' ) &"""
+# The run's EXIT trap, in the shell itself: no fork, only builtins (`builtin` itself is never
+# carried over as a function or alias). Line 1, alone on its line so that nothing after it is
+# parsed with the run's aliases, keeps the options the code left and turns off everything
+# that could make a builtin's failure end the shell (errexit, nounset, posix) or trace into
+# the output; it writes nowhere (a trace goes to /dev/null). A trap that runs to its end
+# leaves the shell's exit status as the code left it (bash restores it), and nothing the trap
+# runs can fail fatally once line 1 ran. Line 2 writes the state to the run's dump pipe (fd 4)
+# as bash prints it (`declare -p`, `declare -F`, `declare -f`), NUL-separated; the edge
+# parses that with a strict tokenizer.
+_DUMP = (
+    "{ __dsec_o=$SHELLOPTS __dsec_b=$BASHOPTS; builtin set +eEuvxTk +o pipefail +o posix; "
+    "builtin shopt -u expand_aliases; builtin trap - ERR DEBUG RETURN; } >/dev/null 2>&1\n"
+    "{ builtin printf 'C\\0%s\\0O\\0%s\\0%s\\0P\\0' \"$PWD\" \"$__dsec_o\" \"$__dsec_b\"; "
+    "builtin declare -p; builtin printf '\\0L\\0'; builtin declare -p BASH_ALIASES; "
+    "builtin printf '\\0F\\0'; builtin declare -F; builtin printf '\\0'; builtin declare -f; "
+    "builtin printf '\\0E\\0'; } 2>/dev/null >&4\n"
+)
 
 
 def _prelude(sid: str) -> str:
@@ -170,38 +185,44 @@ _SHOPTS = frozenset(
         "shift_verbose sourcepath varredir_close xpg_echo"
     ).split()
 )
+# Variables whose assignment changes options (dotglob, posix, the compat* options)
+_OPT_VARS = frozenset({"GLOBIGNORE", "POSIXLY_CORRECT", "POSIX_PEDANTIC", "BASH_COMPAT"})
 _VAR_ATTRS = frozenset("aAilurx")
 _VAR_ATTRS_T = _VAR_ATTRS | {"t"}
 _FN_ATTRS = frozenset("fxt")
-_DUMP_Q = ansi_c_quote(_DUMP.replace("@SKIP@", "|".join(sorted(_SKIP_VARS))))
+_DUMP_Q = ansi_c_quote(_DUMP)
 MAX_DUMP = 8 << 20
 MAX_VARS = 8192
 MAX_ELEMENTS = 200_000
 MAX_FUNCS = 2048
 MAX_FUNC_BYTES = 160 << 10  # functions travel in the spawn's environment (the shim's 256 KiB)
 MAX_ALIASES = 4096
-DUMP_WAIT = 2.0  # how long a run waits for the previous run's dump
+
+Value = str | list[tuple[str, str]]
 
 
 @dataclass
 class BashState:
     cwd: str
-    vars: list[tuple[str, str, str | list[tuple[str, str]]]] = field(default_factory=list)
-    funcs: list[tuple[str, str, str]] = field(default_factory=list)  # (attrs, name, "() {...}")
+    vars: list[tuple[str, str, Value]] = field(default_factory=list)
+    funcs: list[tuple[str, str, str]] = field(default_factory=list)  # (x/t attrs, name, "() {...}")
     aliases: list[tuple[str, str]] = field(default_factory=list)
     setopts: set[str] | None = None  # None: bash's defaults
     shopts: set[str] | None = None
     ifs: str | None = None  # None: bash's default
+    # The state part of the script and the environment, built once: a state is never changed
+    # after it is parsed (a run that changes it makes a new one).
+    _head: tuple[str, str] | None = field(default=None, repr=False, compare=False)
+    _env: dict[str, str] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def initial(cls, cwd: str, env: dict[str, str]) -> BashState:
-        vars_: list[tuple[str, str, str | list[tuple[str, str]]]] = [
+        vars_: list[tuple[str, str, Value]] = [
             ("x", k, v) for k, v in env.items() if _NAME.fullmatch(k) and k not in _SKIP_VARS
         ]
         return cls(cwd=cwd, vars=vars_)
 
-    def script(self, code: str) -> bytes:
-        """The run's script: the state as assignments and builtin calls, then the code."""
+    def _build_head(self) -> tuple[str, str]:
         q = ansi_c_quote
         out = []
         for attrs, name, value in self.vars:
@@ -221,122 +242,282 @@ class BashState:
         hidden = [q(name) for attrs, name, _ in self.funcs if "x" not in attrs]
         if hidden:
             out.append("builtin export -nf -- " + " ".join(hidden))
+        traced = [q(name) for attrs, name, _ in self.funcs if "t" in attrs]
+        if traced:
+            out.append("builtin declare -ft -- " + " ".join(traced))
+        # Only what differs from a fresh shell's options, unless a variable of the state
+        # changed options when it was assigned (then all of them).
+        base = _defaults if _defaults is not None and not _OPT_VARS & {n for _, n, _ in self.vars} else None
         if self.shopts is not None:
-            on = sorted(self.shopts & _SHOPTS)
-            off = sorted(_SHOPTS - self.shopts)
+            on = self.shopts & _SHOPTS
+            off = _SHOPTS - self.shopts
+            if base is not None:
+                on, off = on - base[1], off & base[1]
             if on:
-                out.append("builtin shopt -s " + " ".join(on))
-            out.append("builtin shopt -u " + " ".join(off))
+                out.append("builtin shopt -s " + " ".join(sorted(on)))
+            if off:
+                out.append("builtin shopt -u " + " ".join(sorted(off)))
         late = ""
         if self.setopts is not None:
-            opts = [("-o " if o in self.setopts else "+o ") + o for o in sorted(_SET_OPTS)]
-            out.append("builtin set " + " ".join(opts))
+            opts = [
+                ("-o " if o in self.setopts else "+o ") + o
+                for o in sorted(_SET_OPTS)
+                if base is None or (o in self.setopts) != (o in base[0])
+            ]
+            if opts:
+                out.append("builtin set " + " ".join(opts))
             late = "".join(f" builtin set -o {o};" for o in _LATE_OPTS if o in self.setopts)
-        out.append("__dsec_c=" + q(f"builtin unset -v __dsec_c;{late} {code}"))
-        return ("\n".join(out) + "\n").encode(errors="surrogateescape")
+        out.append("")
+        return "\n".join(out), late
+
+    def script(self, code: str) -> bytes:
+        """The run's script: the state as assignments and builtin calls, then the code."""
+        if self._head is None:
+            self._head = self._build_head()
+        head, late = self._head
+        tail = "__dsec_c=" + ansi_c_quote(f"builtin unset -v __dsec_c;{late} {code}") + "\n"
+        return (head + tail).encode(errors="surrogateescape")
 
     def env(self) -> dict[str, str]:
-        env = {"PWD": self.cwd}
-        for _, name, text in self.funcs:
-            env[f"BASH_FUNC_{name}%%"] = text
-        return env
+        if self._env is None:
+            env = {"PWD": self.cwd}
+            for _, name, text in self.funcs:
+                env[f"BASH_FUNC_{name}%%"] = text
+            self._env = env
+        return self._env
 
 
 class BadDump(Exception):
     pass
 
 
-def parse_dump(data: bytes) -> BashState | None:  # noqa: C901 - one branch per record
+# `declare -p` as bash 5.2 prints it: `declare -<attrs or -> NAME[=VALUE]`, one a line; a
+# value is "..." (\ before " \ $ `) or, with anything unprintable in it, $'...' (bash's
+# ansic_quote: \E \a \b \f \n \r \t \v \\ \' and three-digit octal); an array is
+# ([i]=v [j]=w), an associative one ([k]=v ["k 2"]=w ) (a key quoted like a value when it
+# needs it). Anything else is refused, never guessed at.
+_DECL = re.compile(rb"declare -([A-Za-z]{1,16}|-) ([A-Za-z_][A-Za-z0-9_]{0,255})")
+_DQ = re.compile(rb'"((?:[^"\\]|\\[\\"$`])*)"', re.S)
+_AQ = re.compile(rb"\$'((?:[^'\\]|\\(?:[abfnrtvE\\']|[0-7]{3}))*)'", re.S)
+_DQ_ESC = re.compile(rb"\\(.)", re.S)
+_AQ_ESC = re.compile(rb"\\([0-7]{3}|.)", re.S)
+_AQ_MAP = {
+    b"a": b"\a", b"b": b"\b", b"f": b"\f", b"n": b"\n", b"r": b"\r", b"t": b"\t", b"v": b"\v", b"E": b"\x1b"
+}
+_INDEX = re.compile(rb"\[([0-9]{1,20})\]=")
+_BARE_KEY = re.compile(rb"\[([^\]\n]+)\]=")
+_FN_LINE = re.compile(r"declare -(f[xt]{0,2}) ([^\n]+)")
+_FN_HEAD = re.compile(r"\n([^\n]*) \(\) \n\{ \n")
+
+
+def _aq_char(m: re.Match[bytes]) -> bytes:
+    c = m.group(1)
+    if len(c) == 3:
+        return bytes([int(c, 8) & 0xFF])
+    return _AQ_MAP.get(c, c)
+
+
+def _text(raw: bytes) -> str:
+    try:
+        return raw.decode()
+    except UnicodeDecodeError as e:
+        raise BadDump("not UTF-8") from e
+
+
+def _quoted(s: bytes, pos: int) -> tuple[str, int] | None:
+    m = _DQ.match(s, pos)
+    if m is not None:
+        return _text(_DQ_ESC.sub(rb"\1", m.group(1))), m.end()
+    m = _AQ.match(s, pos)
+    if m is not None:
+        return _text(_AQ_ESC.sub(_aq_char, m.group(1))), m.end()
+    return None
+
+
+def _items(s: bytes, pos: int, assoc: bool) -> tuple[list[tuple[str, str]], int]:
+    if s[pos : pos + 1] != b"(":
+        raise BadDump("array")
+    pos += 1
+    items: list[tuple[str, str]] = []
+    while s[pos : pos + 1] != b")":
+        if items and not assoc:
+            if s[pos : pos + 1] != b" ":
+                raise BadDump("array")
+            pos += 1
+        if assoc:
+            key = _quoted(s, pos + 1) if s[pos : pos + 1] == b"[" else None
+            if key is not None and s[key[1] : key[1] + 2] == b"]=":
+                k, pos = key[0], key[1] + 2
+            else:
+                m = _BARE_KEY.match(s, pos)
+                if m is None:
+                    raise BadDump("array key")
+                k, pos = _text(m.group(1)), m.end()
+        else:
+            m = _INDEX.match(s, pos)
+            if m is None:
+                raise BadDump("array index")
+            k, pos = m.group(1).decode(), m.end()
+        value = _quoted(s, pos)
+        if value is None:
+            raise BadDump("array value")
+        items.append((k, value[0]))
+        pos = value[1]
+        if assoc:
+            if s[pos : pos + 1] != b" ":
+                raise BadDump("array")
+            pos += 1
+        if len(items) > MAX_ELEMENTS:
+            raise BadDump("array too large")
+    return items, pos + 1
+
+
+def parse_declare(s: bytes) -> list[tuple[str, str, Value | None]]:
+    """(attrs, name, value) of each variable in `declare -p` output; None: no value."""
+    out: list[tuple[str, str, Value | None]] = []
+    pos, end = 0, len(s)
+    while pos < end:
+        m = _DECL.match(s, pos)
+        if m is None:
+            raise BadDump("not declare -p output")
+        attrs = "" if m.group(1) == b"-" else m.group(1).decode()
+        name = m.group(2).decode()
+        pos = m.end()
+        value: Value | None = None
+        if s[pos : pos + 1] == b"=":
+            if "a" in attrs or "A" in attrs:
+                value, pos = _items(s, pos + 1, "A" in attrs)
+            else:
+                v = _quoted(s, pos + 1)
+                if v is None:
+                    raise BadDump(f"variable {name!r}")
+                value, pos = v
+        if s[pos : pos + 1] != b"\n":
+            raise BadDump(f"variable {name!r}")
+        pos += 1
+        out.append((attrs, name, value))
+    return out
+
+
+def _variables(st: BashState, decls: list[tuple[str, str, Value | None]]) -> None:
+    seen: set[str] = set()
+    elements = 0
+    for attrs, name, value in decls:
+        if "n" in attrs or name in seen:  # a nameref is not carried; a local shadows its global
+            continue
+        seen.add(name)
+        if name == "IFS":
+            st.ifs = value if isinstance(value, str) else None
+            continue
+        if name in _SKIP_VARS or name.startswith("__dsec_"):
+            continue
+        if not set(attrs) <= _VAR_ATTRS_T or ("a" in attrs and "A" in attrs):
+            raise BadDump(f"variable {name!r}")
+        array = "a" in attrs or "A" in attrs
+        if value is None:
+            if not array:
+                continue  # declared without a value
+            value = []
+        if isinstance(value, str):
+            if array or ("i" in attrs and not _INT.fullmatch(value)):
+                raise BadDump(f"variable {name!r}")
+        else:
+            elements += len(value)
+            if not array or elements > MAX_ELEMENTS:
+                raise BadDump(f"array {name!r}")
+            if "i" in attrs and not all(_INT.fullmatch(v) for _, v in value):
+                raise BadDump(f"array {name!r}")
+        st.vars.append((attrs, name, value))
+        if len(st.vars) > MAX_VARS:
+            raise BadDump("too many variables")
+
+
+def _aliases(st: BashState, decls: list[tuple[str, str, Value | None]]) -> None:
+    if not decls:
+        return  # BASH_ALIASES was unset: no aliases
+    if len(decls) != 1 or decls[0][1] != "BASH_ALIASES" or "A" not in decls[0][0]:
+        raise BadDump("aliases")
+    items = decls[0][2]
+    for name, value in items if isinstance(items, list) else []:
+        if not _FUNC_NAME.fullmatch(name):
+            raise BadDump(f"alias {name!r}")
+        if name not in _NOT_CARRIED:
+            st.aliases.append((name, value))
+        if len(st.aliases) > MAX_ALIASES:
+            raise BadDump("too many aliases")
+
+
+def _ends(text: str, pos: int) -> bool:
+    """Whether the line before `pos` (a newline), or the one before that when it is an
+    attribute line (`declare -fx f`), closes a definition: it starts with `}`."""
+    i = text.rfind("\n", 0, pos)
+    line = text[i + 1 : pos]
+    if line.startswith("declare -f"):
+        line = text[text.rfind("\n", 0, i) + 1 : i]
+    return line.startswith("}")
+
+
+def _functions(st: BashState, listing: str, text: str) -> None:
+    """Split `declare -f` (every function, in `declare -F`'s order) into definitions. A
+    definition starts with `NAME () \\n{ \\n` at the start of a line after the line that ends
+    the one before (`}...`); a split that is not the only one possible (a body with such
+    lines naming another function, in a here-document) is refused."""
+    entries = []
+    for line in listing.split("\n")[:-1] if listing else []:
+        m = _FN_LINE.fullmatch(line)
+        if m is None or not _FUNC_NAME.fullmatch(m.group(2)):
+            raise BadDump(f"function {line[:64]!r}")
+        entries.append((m.group(1), m.group(2)))
+    if (listing and not listing.endswith("\n")) or len(entries) > MAX_FUNCS:
+        raise BadDump("functions")
+    if not entries:
+        if text:
+            raise BadDump("functions")
+        return
+    names = {n for _, n in entries}
+    heads = [
+        (m.start() + 1, m.group(1))
+        for m in _FN_HEAD.finditer(text)
+        if m.group(1) in names and _ends(text, m.start())
+    ]
+    first = f"{entries[0][1]} () \n{{ \n"
+    if [n for _, n in heads] != [n for _, n in entries[1:]] or not text.startswith(first):
+        raise BadDump("functions")
+    starts = [0] + [p for p, _ in heads]
+    func_bytes = 0
+    for i, (attrs, name) in enumerate(entries):
+        piece = text[starts[i] : starts[i + 1] if i + 1 < len(entries) else len(text)]
+        head = f"{name} () \n"
+        trailer = f"declare -{attrs} {name}\n" if attrs != "f" else ""
+        if not piece.startswith(head) or not piece.endswith(trailer or "\n"):
+            raise BadDump(f"function {name!r}")
+        if name in _NOT_CARRIED or name.startswith("__dsec_"):
+            continue
+        body = "() " + piece[len(head) : len(piece) - len(trailer)].rstrip("\n")
+        func_bytes += len(name) + len(body.encode()) + 16
+        st.funcs.append(("".join(a for a in "xt" if a in attrs), name, body))
+        if func_bytes > MAX_FUNC_BYTES:
+            raise BadDump("functions too large")
+
+
+def parse_dump(data: bytes) -> BashState | None:
     """The state in a run's dump; None if the dump is incomplete. Raises BadDump for
     anything that is not exactly what the dump writes, within the limits."""
     fields = data.split(b"\0")
-    if fields[-1] != b"":
+    if len(fields) < 14 or fields[-2:] != [b"E", b""]:
         return None
-    pos = 0
-
-    def take() -> str:
-        nonlocal pos
-        if pos >= len(fields) - 1:
-            raise IndexError
-        v = fields[pos]
-        pos += 1
-        try:
-            return v.decode()
-        except UnicodeDecodeError as e:
-            raise BadDump("not UTF-8") from e
-
-    st = BashState(cwd="/", setopts=set(), shopts=set())
-    func_bytes = 0
-    elements = 0
-    seen: set[str] = set()
-    try:
-        while True:
-            kind = take()
-            if kind == "E":
-                if pos != len(fields) - 1:
-                    raise BadDump("data after the end")
-                return st
-            if kind == "C":
-                st.cwd = take()
-                if not st.cwd.startswith("/") or len(st.cwd) > 4096:
-                    raise BadDump("cwd")
-            elif kind == "O":
-                st.setopts = {o for o in take().split(":") if o}
-                st.shopts = {o for o in take().split(":") if o}
-            elif kind == "I":
-                v = take()
-                st.ifs = v[1:] if v.startswith("x") else None
-            elif kind in ("V", "A"):
-                attrs, name = take(), take()
-                if not _NAME.fullmatch(name) or name.startswith("__dsec_") or not set(attrs) <= _VAR_ATTRS_T:
-                    raise BadDump(f"variable {name!r}")
-                if kind == "V":
-                    value: str | list[tuple[str, str]] = take()
-                    if "a" in attrs or "A" in attrs or ("i" in attrs and not _INT.fullmatch(str(value))):
-                        raise BadDump(f"variable {name!r}")
-                else:
-                    n = int(take())
-                    elements += n
-                    if n < 0 or elements > MAX_ELEMENTS or ("a" in attrs) == ("A" in attrs):
-                        raise BadDump(f"array {name!r}")
-                    items = [(take(), take()) for _ in range(n)]
-                    if "a" in attrs and not all(k.isdigit() and len(k) <= 20 for k, _ in items):
-                        raise BadDump(f"array {name!r}")
-                    if "i" in attrs and not all(_INT.fullmatch(v) for _, v in items):
-                        raise BadDump(f"array {name!r}")
-                    value = items
-                if name in _SKIP_VARS or name in seen:
-                    continue
-                seen.add(name)
-                st.vars.append((attrs, name, value))
-                if len(st.vars) > MAX_VARS:
-                    raise BadDump("too many variables")
-            elif kind == "F":
-                attrs, name, text = take(), take(), take()
-                head = f"{name} () \n"
-                if not (_FUNC_NAME.fullmatch(name) and text.startswith(head) and set(attrs) <= _FN_ATTRS):
-                    raise BadDump(f"function {name!r}")
-                if name in _NOT_CARRIED or name.startswith("__dsec_"):
-                    continue
-                body = "() " + text[len(head) :].rstrip("\n")
-                func_bytes += len(name) + len(body.encode()) + 16
-                st.funcs.append(("x" if "x" in attrs else "", name, body))
-                if len(st.funcs) > MAX_FUNCS or func_bytes > MAX_FUNC_BYTES:
-                    raise BadDump("functions too large")
-            elif kind == "L":
-                name, value = take(), take()
-                if not _FUNC_NAME.fullmatch(name):
-                    raise BadDump(f"alias {name!r}")
-                if name not in _NOT_CARRIED:
-                    st.aliases.append((name, value))
-                if len(st.aliases) > MAX_ALIASES:
-                    raise BadDump("too many aliases")
-            else:
-                raise BadDump(f"record {kind!r}")
-    except IndexError:
-        return None  # not complete (yet)
-    except ValueError as e:
-        raise BadDump(str(e)) from e
+    if len(fields) != 14 or [fields[i] for i in (0, 2, 5, 7, 9)] != [b"C", b"O", b"P", b"L", b"F"]:
+        raise BadDump("not a dump")
+    cwd = _text(fields[1])
+    if not cwd.startswith("/") or len(cwd) > 4096:
+        raise BadDump("cwd")
+    st = BashState(cwd=cwd)
+    st.setopts = {o for o in _text(fields[3]).split(":") if o}
+    st.shopts = {o for o in _text(fields[4]).split(":") if o}
+    _variables(st, parse_declare(fields[6]))
+    _aliases(st, parse_declare(fields[8]))
+    _functions(st, _text(fields[10]), _text(fields[11]))
+    return st
 
 
 # --- python: the driver --------------------------------------------------------------------
@@ -578,33 +759,24 @@ class BashSession(Session):
         self.state = BashState.initial(cwd, env)
         self.home_cwd = cwd
         self.groups: list[ExecGroup] = []  # runs' cgroups that may still hold background jobs
-        self.dump: PipeReader | None = None  # the last run's dump, until it is complete
-        self.dumped: asyncio.Future[None] | None = None
+        self.dump: bytes | None = None  # the last run's dump, parsed when the next run starts
+        self.dumped = b""  # the dump self.state was parsed from
         self._n = 0
 
-    async def _settle_dump(self) -> None:
-        """Take the previous run's dump as the state (or keep the state if it is bad)."""
-        reader, self.dump = self.dump, None
-        if reader is None:
+    def _take_dump(self) -> None:
+        """Take the previous run's dump as the state (or keep the state if it is bad). The
+        shell wrote it before it exited, so it is complete or never will be; a dump that is
+        the same as the last one is the same state (parsed once)."""
+        data, self.dump = self.dump, None
+        if data is None or data == self.dumped:
             return
         try:
-            deadline = time.monotonic() + DUMP_WAIT
-            while True:
-                try:
-                    st = parse_dump(bytes(reader.buf)) if not reader.truncated else None
-                except BadDump:
-                    return
-                if st is not None:
-                    self.state = st
-                    return
-                left = deadline - time.monotonic()
-                if reader.fd < 0 or reader.truncated or left <= 0:
-                    return
-                reader.changed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(reader.changed.wait(), left)
-        finally:
-            reader.close()
+            st = parse_dump(data)
+        except BadDump:
+            return
+        if st is not None:
+            self.state = st
+            self.dumped = data
 
     def _reap_groups(self) -> None:
         keep = []
@@ -656,7 +828,7 @@ class BashSession(Session):
         t0 = time.perf_counter()
         if "\0" in code:
             raise InvalidRequest("bash session input must not contain NUL bytes")
-        await self._settle_dump()
+        self._take_dump()
         self._reap_groups()
         proc, out, dump = await self._start(code)
         out.cap = cap
@@ -684,9 +856,12 @@ class BashSession(Session):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asyncio.shield(out.eof), 0.01)
             out.drain()
+            if status is not None:  # the shell wrote its dump before it exited
+                dump.drain()
+                self.dump = None if dump.truncated else bytes(dump.buf)
         finally:
             out.close()
-        self.dump = dump
+            dump.close()  # what a background job writes into it later goes nowhere
         output = bytes(out.buf)
         rc = exit_code(status) if status is not None else 137
         return SessionResult(
@@ -699,9 +874,7 @@ class BashSession(Session):
 
     def close(self, *, kill: bool = True) -> None:
         self.closed = True
-        if self.dump is not None:
-            self.dump.close()
-            self.dump = None
+        self.dump = None
         if kill:
             for g in self.groups:
                 with contextlib.suppress(OSError):
