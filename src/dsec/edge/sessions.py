@@ -197,6 +197,8 @@ MAX_ELEMENTS = 200_000
 MAX_FUNCS = 2048
 MAX_FUNC_BYTES = 160 << 10  # functions travel in the spawn's environment (the shim's 256 KiB)
 MAX_ALIASES = 4096
+DUMP_PIPE = 1 << 20  # the dump pipe's size: a dump up to this never waits for the edge
+DUMP_WATCH = 0.05  # a run still going after this long has its dump read as it comes
 
 Value = str | list[tuple[str, str]]
 
@@ -753,6 +755,35 @@ class Session:
         raise NotImplementedError
 
 
+class _Dump:
+    """A run's dump pipe, read once its shell has exited (one read, instead of a wakeup of
+    the edge for each builtin the dump runs) or, in a run still going after DUMP_WATCH
+    seconds, as it comes (a dump larger than the pipe holds would block the shell)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.reader: PipeReader | None = None
+        self.timer = asyncio.get_running_loop().call_later(DUMP_WATCH, self.watch)
+
+    def watch(self) -> PipeReader:
+        if self.reader is None:
+            self.reader = PipeReader(self.fd, MAX_DUMP)
+        return self.reader
+
+    def take(self) -> bytes | None:
+        reader = self.watch()
+        reader.drain()
+        return None if reader.truncated else bytes(reader.buf)
+
+    def close(self) -> None:
+        self.timer.cancel()
+        if self.reader is not None:
+            self.reader.close()
+        elif self.fd >= 0:
+            os.close(self.fd)
+        self.fd = -1
+
+
 class BashSession(Session):
     def __init__(self, sid: str, runner: Runner, cwd: str, env: dict[str, str]) -> None:
         super().__init__(sid, SessionKind.BASH, runner)
@@ -792,7 +823,7 @@ class BashSession(Session):
             g.kill()
             release_group(g)
 
-    async def _start(self, code: str) -> tuple[Spawned, PipeReader, PipeReader]:
+    async def _start(self, code: str) -> tuple[Spawned, PipeReader, _Dump]:
         script = self.state.script(code)
         env = self.state.env()
         argv = [TRUSTED_BASH, "--noprofile", "--norc", "-c", _prelude(self.id), "/bin/bash"]
@@ -800,6 +831,8 @@ class BashSession(Session):
             code_r = _script_fd(script)
             out_r, out_w = os.pipe2(os.O_CLOEXEC)
             dump_r, dump_w = os.pipe2(os.O_CLOEXEC)
+            with contextlib.suppress(OSError):  # room for the dump of a large state
+                fcntl.fcntl(dump_w, fcntl.F_SETPIPE_SZ, DUMP_PIPE)
             self._n += 1
             try:
                 proc = await self.runner.spawn(
@@ -822,7 +855,7 @@ class BashSession(Session):
         else:  # pragma: no cover - the loop always ends with "/"
             raise InternalError("no directory to start the session's shell in")
         self.groups.append(proc.group)
-        return proc, PipeReader(out_r, 0), PipeReader(dump_r, MAX_DUMP)
+        return proc, PipeReader(out_r, 0), _Dump(dump_r)
 
     async def _run(self, code: str, timeout: float, cap: int) -> SessionResult:
         t0 = time.perf_counter()
@@ -857,8 +890,7 @@ class BashSession(Session):
                     await asyncio.wait_for(asyncio.shield(out.eof), 0.01)
             out.drain()
             if status is not None:  # the shell wrote its dump before it exited
-                dump.drain()
-                self.dump = None if dump.truncated else bytes(dump.buf)
+                self.dump = dump.take()
         finally:
             out.close()
             dump.close()  # what a background job writes into it later goes nowhere
