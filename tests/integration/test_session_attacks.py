@@ -216,6 +216,17 @@ async def test_nothing_carried_over_breaks_the_dump_in_the_shell(edge, attack):
     await edge.stop(sb.id)
 
 
+async def test_the_dump_needs_no_descriptor_to_keep_the_status(edge):
+    # With no descriptor left for the dump's redirections, errexit (off only once they
+    # worked) used to end the shell in its EXIT trap with status 1.
+    sb = await edge.create(SandboxSpec(image="python"))
+    sid = await _bash(edge, sb)
+    for code, rc in (("set -e; ulimit -n 5; exit 5", 5), ("set -e; ulimit -n 5; true", 0)):
+        r = await _run(edge, sb, sid, code)
+        assert r.exit_code == rc, r
+    await edge.stop(sb.id)
+
+
 async def test_a_carried_trace_traces_the_code_only(edge):
     # The dump used to be traced into every later run's output (and its whole text echoed
     # under `set -v`).

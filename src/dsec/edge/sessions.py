@@ -133,9 +133,14 @@ _SAFE = frozenset(
 # runs can fail fatally once line 1 ran. Line 2 writes the state to the run's dump pipe (fd 4)
 # as bash prints it (`declare -p`, `declare -F`, `declare -f`), NUL-separated; the edge
 # parses that with a strict tokenizer.
+_QUIET = (
+    "__dsec_o=$SHELLOPTS __dsec_b=$BASHOPTS; builtin set +eEuvxTk +o pipefail +o posix; "
+    "builtin shopt -u expand_aliases; builtin trap - ERR DEBUG RETURN;"
+)
 _DUMP = (
-    "{ __dsec_o=$SHELLOPTS __dsec_b=$BASHOPTS; builtin set +eEuvxTk +o pipefail +o posix; "
-    "builtin shopt -u expand_aliases; builtin trap - ERR DEBUG RETURN; } >/dev/null 2>&1\n"
+    # ... and again without the redirection when it failed (no descriptor left, no /dev/null):
+    # a failure on the left of || does not end the shell under errexit
+    f"{{ {_QUIET} }} >/dev/null 2>&1 || {{ {_QUIET} }}\n"
     "{ builtin printf 'C\\0%s\\0O\\0%s\\0%s\\0P\\0' \"$PWD\" \"$__dsec_o\" \"$__dsec_b\"; "
     "builtin declare -p; builtin printf '\\0L\\0'; builtin declare -p BASH_ALIASES; "
     "builtin printf '\\0F\\0'; builtin declare -F; builtin printf '\\0'; builtin declare -f; "
