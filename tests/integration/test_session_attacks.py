@@ -218,10 +218,15 @@ async def test_nothing_carried_over_breaks_the_dump_in_the_shell(edge, attack):
 
 async def test_the_dump_needs_no_descriptor_to_keep_the_status(edge):
     # With no descriptor left for the dump's redirections, errexit (off only once they
-    # worked) used to end the shell in its EXIT trap with status 1.
+    # worked) used to end the shell in its EXIT trap with status 1; a dump pipe the code
+    # replaced by one without a reader killed it with SIGPIPE.
     sb = await edge.create(SandboxSpec(image="python"))
     sid = await _bash(edge, sb)
-    for code, rc in (("set -e; ulimit -n 5; exit 5", 5), ("set -e; ulimit -n 5; true", 0)):
+    for code, rc in (
+        ("set -e; ulimit -n 5; exit 5", 5),
+        ("set -e; ulimit -n 5; true", 0),
+        ("exec 4> >(:); sleep 0.2; exit 5", 5),  # the dump's pipe has no reader: SIGPIPE
+    ):
         r = await _run(edge, sb, sid, code)
         assert r.exit_code == rc, r
     await edge.stop(sb.id)

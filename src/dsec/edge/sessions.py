@@ -127,15 +127,15 @@ _SAFE = frozenset(
 # The run's EXIT trap, in the shell itself: no fork, only builtins (`builtin` itself is never
 # carried over as a function or alias). Line 1, alone on its line so that nothing after it is
 # parsed with the run's aliases, keeps the options the code left and turns off everything
-# that could make a builtin's failure end the shell (errexit, nounset, posix) or trace into
-# the output; it writes nowhere (a trace goes to /dev/null). A trap that runs to its end
+# that could make a builtin's failure end the shell (errexit, nounset, posix, SIGPIPE) or
+# trace into the output; it writes nowhere (a trace goes to /dev/null). A trap that runs to its end
 # leaves the shell's exit status as the code left it (bash restores it), and nothing the trap
 # runs can fail fatally once line 1 ran. Line 2 writes the state to the run's dump pipe (fd 4)
 # as bash prints it (`declare -p`, `declare -F`, `declare -f`), NUL-separated; the edge
 # parses that with a strict tokenizer.
 _QUIET = (
     "__dsec_o=$SHELLOPTS __dsec_b=$BASHOPTS; builtin set +eEuvxTk +o pipefail +o posix; "
-    "builtin shopt -u expand_aliases; builtin trap - ERR DEBUG RETURN;"
+    "builtin shopt -u expand_aliases; builtin trap - ERR DEBUG RETURN; builtin trap '' PIPE;"
 )
 _DUMP = (
     # ... and again without the redirection when it failed (no descriptor left, no /dev/null):
