@@ -378,3 +378,35 @@ async def test_a_vault_of_an_older_edge_is_converted(edge):
     r = await edge.verify(sb.id, ExecRequest(cmd="cat /etc/answer; python3 /grader/check.py"))
     assert (r.exit_code, r.stdout) == (1, "42\ngrading\n"), r
     await edge.stop(sb.id)
+
+
+async def test_a_grader_run_as_a_module_does_not_import_the_agents_files(edge) -> None:
+    """`python3 -m unittest` puts its cwd first on sys.path: with the agent's /work as the
+    trusted exec's cwd, a /work/unittest/__main__.py (or a unittest.py) replaced the standard
+    library's unittest and the failing tests passed. Found by a review of this session's fixes."""
+    sb = await edge.create(SandboxSpec(image="python", workdir="/work"))
+    try:
+        test = "import unittest\nclass T(unittest.TestCase):\n    def test_x(self):\n        self.fail('n')\n"
+        await edge.write_file(sb.id, "/grader/test_g.py", test.encode())
+        assert await edge.protect(sb.id, ["/grader"]) == ["/grader"]
+        forged = b"import sys\nprint('OK (forged)')\nsys.exit(0)\n"
+        await edge.write_file(sb.id, "/work/unittest/__main__.py", forged)
+        await edge.write_file(sb.id, "/work/unittest/__init__.py", b"")
+        await edge.write_file(sb.id, "/work/pytest.py", forged)
+        cmd = "python3 -m unittest discover -s /grader -p 'test_*.py'"
+        mine = await sh(edge, sb.id, cmd)  # the agent's own view: the forgery works there
+        assert mine.exit_code == 0 and "forged" in mine.stdout
+        await edge.write_file(sb.id, "/work/tests/test_w.py", test.encode())
+        work_cmd = "python3 -m unittest discover -s /work/tests -p 'test_*.py'"
+        for run in (
+            edge.verify(sb.id, ExecRequest(cmd=cmd)),
+            edge.exec(sb.id, ExecRequest(cmd=work_cmd, trusted=True)),  # no /grader outside verify
+        ):
+            r = await run
+            assert r.exit_code == 1, (r.stdout, r.stderr)
+            assert "forged" not in r.stdout + r.stderr
+            assert "FAILED" in r.stderr
+        r = await sh(edge, sb.id, "pwd", trusted=True)
+        assert r.stdout == "/\n"
+    finally:
+        await edge.stop(sb.id)

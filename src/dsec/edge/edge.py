@@ -886,7 +886,10 @@ class Edge:
             sb.root_fd,
             ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) else list(req.cmd),
             trusted.clean_env(req.env),
-            cwd=req.cwd or sb.record.spec.workdir,
+            # Not the workdir: `python3 -m X`, pytest's rootdir/conftest discovery and the like
+            # load modules from their cwd, which would be the agent's files. A caller who
+            # names a cwd in a task dir takes that on knowingly.
+            cwd=req.cwd or "/",
             stdin=stdin,
             timeout=req.timeout,
             cap=min(req.max_output_bytes, sb.record.spec.max_output_bytes) if cap is None else cap,
