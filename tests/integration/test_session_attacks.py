@@ -420,3 +420,36 @@ async def test_python_session_output_after_a_run_goes_nowhere(edge):
     r = await edge.session_run(sb.id, s, SessionRun(code=code))
     assert (r.output, r.stderr) == ("x\n", "mine\n"), r
     await edge.stop(sb.id)
+
+
+DEV_PLANTS = [
+    # /dev/fd replaced by a directory whose 3 is a script of the attacker's (the start used
+    # to read its script through `. /dev/fd/3`): found by a review of this session's fixes
+    "rm -f /dev/fd && mkdir /dev/fd && printf 'echo FORGED; builtin exit 0\\n' > /dev/fd/3",
+    "rm -f /dev/stdin && printf 'echo FORGED; builtin exit 0\\n' > /dev/stdin",
+    # /dev/fd as a link to a planted directory (/dev/null itself is a bind mount: EBUSY)
+    "mkdir -p /tmp/fd && printf 'echo FORGED; builtin exit 0\\n' > /tmp/fd/3 && rm -f /dev/fd"
+    " && ln -s /tmp/fd /dev/fd",
+    # /dev/null cannot be replaced (a bind mount of the host's, which root inside does not own)
+    "rm -f /dev/null || mv /dev/null /tmp/n || chmod 000 /dev/null || mkfifo /dev/null; true",
+]
+
+
+@pytest.mark.parametrize("plant", DEV_PLANTS, ids=["dev-fd-dir", "dev-stdin", "dev-fd-link", "dev-null"])
+async def test_what_the_sandbox_did_to_dev_changes_no_later_run(edge, plant):
+    """The start of a run and the dump of its state open no path inside the sandbox: its
+    root may replace anything under /dev."""
+    sb = await edge.create(SandboxSpec(image="python"))
+    try:
+        sid = await _bash(edge, sb)
+        r = await _run(edge, sb, sid, "X=kept; cd /tmp")
+        assert r.exit_code == 0, r
+        r = await _run(edge, sb, sid, plant)
+        assert r.exit_code == 0, r
+        await _assert_honest(edge, sb, sid)
+        r = await _run(edge, sb, sid, 'echo "$X $PWD"; cat; echo done')  # cat: stdin is /dev/null
+        assert (r.exit_code, r.output) == (0, "kept /tmp\ndone\n"), r
+        fresh = await _bash(edge, sb)  # a new session in the same sandbox too
+        await _assert_honest(edge, sb, fresh)
+    finally:
+        await edge.stop(sb.id)

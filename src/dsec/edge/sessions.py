@@ -128,34 +128,39 @@ _SAFE = frozenset(
 # carried over as a function or alias). Line 1, alone on its line so that nothing after it is
 # parsed with the run's aliases, keeps the options the code left and turns off everything
 # that could make a builtin's failure end the shell (errexit, nounset, posix, SIGPIPE) or
-# trace into the output; it writes nowhere (a trace goes to /dev/null). A trap that runs to its end
-# leaves the shell's exit status as the code left it (bash restores it), and nothing the trap
-# runs can fail fatally once line 1 ran. Line 2 writes the state to the run's dump pipe (fd 4)
-# as bash prints it (`declare -p`, `declare -F`, `declare -f`), NUL-separated; the edge
-# parses that with a strict tokenizer.
+# trace into the output; it writes nowhere (stdout and stderr closed: no path is opened). A
+# trap that runs to its end leaves the shell's exit status as the code left it (bash
+# restores it), and nothing the trap runs can fail fatally once line 1 ran. Line 2 writes
+# the state to the run's dump pipe (fd 4) as bash prints it (`declare -p`, `declare -F`,
+# `declare -f`), NUL-separated; the edge parses that with a strict tokenizer.
 _QUIET = (
     "__dsec_o=$SHELLOPTS __dsec_b=$BASHOPTS; builtin set +eEuvxTk +o pipefail +o posix; "
     "builtin shopt -u expand_aliases; builtin trap - ERR DEBUG RETURN; builtin trap '' PIPE;"
 )
 _DUMP = (
-    # ... and again without the redirection when it failed (no descriptor left, no /dev/null):
+    # ... and again without the redirection when it failed (no descriptor left):
     # a failure on the left of || does not end the shell under errexit
-    f"{{ {_QUIET} }} >/dev/null 2>&1 || {{ {_QUIET} }}\n"
+    f"{{ {_QUIET} }} >&- 2>&- || {{ {_QUIET} }}\n"
     "{ builtin printf 'C\\0%s\\0O\\0%s\\0%s\\0P\\0' \"$PWD\" \"$__dsec_o\" \"$__dsec_b\"; "
     "builtin declare -p; builtin printf '\\0L\\0'; builtin declare -p BASH_ALIASES; "
     "builtin printf '\\0F\\0'; builtin declare -F; builtin printf '\\0'; builtin declare -f; "
-    "builtin printf '\\0E\\0'; } 2>/dev/null >&4\n"
+    "builtin printf '\\0E\\0'; } 2>&- >&4\n"
 )
 
 
 def _prelude(sid: str) -> str:
     # fd 0: the run's script (state, then the code), 1: output, 2: the dump pipe. The script
-    # is read whole by `.` before any of it runs; the code runs through `eval` on line 1, so
-    # its line numbers are the caller's.
+    # is read whole from the descriptor (`read -d ''`) before any of it runs; the code runs
+    # through `eval` on line 1, so its line numbers are the caller's.
     return (
         f"builtin : dsec-session-{sid}; builtin trap -- {_DUMP_Q} EXIT; "
-        "exec 4>&2 2>&1 3<&0 0</dev/null; builtin . /dev/fd/3 || builtin exit 125; "
-        'exec 3<&-; builtin eval "$__dsec_c"'
+        # The script is read from the descriptor itself, never through a path such as
+        # /dev/fd/3: the sandbox's root can replace /dev/fd or /dev/stdin. /dev/null it cannot
+        # (a bind mount of the host's, root's: EBUSY, EPERM), and the code must not inherit
+        # the script's memfd (any dumpable child would let another process reopen it).
+        "exec 4>&2 2>&1 3<&0 0</dev/null; IFS= builtin read -r -d '' -u 3 __dsec_s; exec 3<&-; "
+        'builtin eval "$__dsec_s" || builtin exit 125; builtin unset -v __dsec_s; '
+        'builtin eval "$__dsec_c"'
     )
 
 
@@ -688,9 +693,9 @@ async def _feed(fd: int, data: bytes) -> None:
 
 
 def _script_fd(script: bytes) -> int:
-    """A sealed memfd holding a run's script: bash reads it with `.` through /dev/fd/3, which
-    reopens the file (a pipe made by the edge belongs to the host's root, which a sandbox
-    cannot open; a memfd is mode 0777 and reachable only through its descriptor)."""
+    """A sealed memfd holding a run's script: bash reads it from the descriptor itself (never
+    through a path such as /dev/fd/3, which the sandbox's root can replace), and closes it
+    before the code runs."""
     fd = os.memfd_create("dsec-session-run", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         view = memoryview(script)
