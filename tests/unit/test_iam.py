@@ -877,3 +877,16 @@ def test_refuses_a_newer_database(db_path: Path) -> None:
         db.close()
     with pytest.raises(errors.InvalidRequest, match="upgrade dsec"):
         IAM(db_path)
+
+
+def test_a_principal_name_cannot_look_like_a_principal_id(tmp_path) -> None:
+    """Principals are found by name or id (rotate, revoke): a name shaped like another's id
+    would let an admin's "revoke NAME" hit the wrong principal."""
+    iam = IAM(tmp_path / "iam.db")
+    iam.create_project("p")
+    victim, _ = iam.create_principal("victim", ["p"])
+    with pytest.raises(errors.InvalidRequest):
+        iam.create_principal(victim.id, ["p"])
+    with pytest.raises(errors.InvalidRequest):
+        iam.create_principal("pr_0123456789abcdef", ["p"])
+    iam.create_principal("pr_not_an_id", ["p"])  # other names starting with pr_ are fine

@@ -498,6 +498,12 @@ class IAM:
                 "starting with a letter or digit",
                 principal=name,
             )
+        if re.fullmatch(r"pr_[0-9a-f]{16}", name):
+            # principals are found by name or id: a name shaped like an id could stand for another
+            raise InvalidRequest(
+                f"invalid principal name {name!r}: names of the form pr_<16 hex digits> are principal ids",
+                principal=name,
+            )
         wanted = sorted(set(projects))
         if not wanted and not admin:
             raise InvalidRequest(
