@@ -218,7 +218,7 @@ async def run_process(
     timer = loop.call_later(timeout, settle)
     out = PipeReader(out_r, cap, settle, (lambda b: sink("stdout", b)) if sink else None)
     err = PipeReader(err_r, cap, settle, (lambda b: sink("stderr", b)) if sink else None)
-    feeder = asyncio.ensure_future(_feed(in_w, stdin or b"")) if in_w >= 0 else None
+    feeder = asyncio.ensure_future(feed_pipe(in_w, stdin or b"")) if in_w >= 0 else None
     timed_out = False
     status: int | None = None
     try:
@@ -259,8 +259,8 @@ async def run_process(
     )
 
 
-async def _feed(fd: int, data: bytes) -> None:
-    """Write `data` to the child's stdin, then close it (EOF)."""
+async def feed_pipe(fd: int, data: bytes) -> None:
+    """Write `data` to a pipe (a child's stdin) without blocking the loop, then close it (EOF)."""
     try:
         if data:
             os.set_blocking(fd, False)

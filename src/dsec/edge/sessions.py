@@ -54,8 +54,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsec.backends.container import Container, resolve_once
-from dsec.edge.process import PipeReader, Spawned, exit_code, release_group, spawn
+from dsec.backends.container import Container
+from dsec.edge.process import PipeReader, Spawned, exit_code, feed_pipe, release_group, spawn
 from dsec.errors import InternalError, InvalidRequest, SessionNotFound
 from dsec.isolation.cgroups import CgroupHost, ExecGroup
 from dsec.isolation.spec import TOOLS_DIR
@@ -670,28 +670,6 @@ class Runner:
         )
 
 
-async def _feed(fd: int, data: bytes) -> None:
-    """Write `data` to a pipe without blocking the loop, then close it."""
-    os.set_blocking(fd, False)
-    loop = asyncio.get_running_loop()
-    view = memoryview(data)
-    try:
-        while view:
-            try:
-                view = view[os.write(fd, view) :]
-            except BlockingIOError:
-                ready: asyncio.Future[None] = loop.create_future()
-                loop.add_writer(fd, resolve_once, ready)
-                try:
-                    await ready
-                finally:
-                    loop.remove_writer(fd)
-            except BrokenPipeError:
-                break
-    finally:
-        os.close(fd)
-
-
 def _script_fd(script: bytes) -> int:
     """A sealed memfd holding a run's script: bash reads it from the descriptor itself (never
     through a path such as /dev/fd/3, which the sandbox's root can replace), and closes it
@@ -957,7 +935,7 @@ class PythonSession(Session):
         finally:
             for fd in (code_r, reply_w, out_w):
                 os.close(fd)
-        feeder = asyncio.ensure_future(_feed(code_w, code.encode(errors="surrogateescape")))
+        feeder = asyncio.ensure_future(feed_pipe(code_w, code.encode(errors="surrogateescape")))
         # The driver caps each field at `cap` characters (at most 4 bytes each in UTF-8).
         limit = _REPLY_HEAD + 1 + 3 * (4 + 4 * max(cap, 1)) + 64
         reply = PipeReader(reply_r, limit)

@@ -38,7 +38,7 @@ from pathlib import Path, PurePosixPath
 from dsec import errors
 from dsec.backends.container import Container, spawn_quick, wait_quick
 from dsec.edge.files import MAX_ARCHIVE, MAX_ARCHIVE_ENTRIES, RESOLVE, RESOLVE_WALK, SandboxFiles
-from dsec.edge.process import PipeReader, RawResult, _feed, exit_code, release_group
+from dsec.edge.process import PipeReader, RawResult, exit_code, feed_pipe, release_group
 from dsec.isolation import linux
 from dsec.isolation.cgroups import CgroupHost, ExecGroup, keyed_value
 from dsec.isolation.spec import DEFAULT_PATH
@@ -592,7 +592,7 @@ async def _wait(
     exited.add_done_callback(settle)
     in_w, stdin = feed
     timer = loop.call_later(timeout, settle)
-    feeder = asyncio.ensure_future(_feed(in_w, stdin or b"")) if in_w >= 0 else None
+    feeder = asyncio.ensure_future(feed_pipe(in_w, stdin or b"")) if in_w >= 0 else None
     timed_out = False
     try:
         await settled
