@@ -278,7 +278,7 @@ async def test_protected_tests_inside_work_beat_a_planted_symlink(edge):
     ):
         await sh(edge, sb.id, f"rm -rf /work/tests; {attack}")
         r = await edge.verify(
-            sb.id, ExecRequest(cmd="python3 tests/check.py; echo rc=$?; cat tests/data/expected")
+            sb.id, ExecRequest(cmd="python3 /work/tests/check.py; echo rc=$?; cat /work/tests/data/expected")
         )
         assert r.stdout == "grading\nrc=1\n42\n", r
         assert (await sh(edge, sb.id, "ls /work/tests")).exit_code != 0  # gone again
