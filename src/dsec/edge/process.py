@@ -283,8 +283,8 @@ async def feed_pipe(fd: int, data: bytes) -> None:
         os.close(fd)
 
 
-def kill_except(group: ExecGroup, keep_pid: int) -> None:
-    """SIGKILL every process of a session's cgroup but its root (the shell)."""
+def kill_except(group: ExecGroup, keep_pid: int | None) -> None:
+    """SIGKILL every process of a cgroup but `keep_pid` (a session run's shell), if any."""
     for _ in range(50):
         victims = [p for p in group.procs() if p != keep_pid]
         if not victims:

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsec.backends.container import Container
-from dsec.edge.process import PipeReader, Spawned, exit_code, feed_pipe, release_group, spawn
+from dsec.edge.process import PipeReader, Spawned, exit_code, feed_pipe, kill_except, release_group, spawn
 from dsec.errors import InternalError, InvalidRequest, SessionNotFound
 from dsec.isolation.cgroups import CgroupHost, ExecGroup
 from dsec.isolation.spec import TOOLS_DIR
@@ -700,18 +700,6 @@ def _host_pid(group: ExecGroup, ns_pid: int) -> int | None:
     return None
 
 
-def _kill_others(group: ExecGroup, keep: int | None) -> None:
-    """SIGKILL every process of a run's cgroup but its shell."""
-    for _ in range(50):
-        victims = [p for p in group.procs() if p != keep]
-        if not victims:
-            return
-        for pid in victims:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.002)
-
-
 class Session:
     id: str
     kind: SessionKind
@@ -863,7 +851,7 @@ class BashSession(Session):
                 timed_out = True
                 # Kill what the code runs, give the shell a moment to save its state, then all.
                 keep = await loop.run_in_executor(None, _host_pid, proc.group, proc.pid)
-                await loop.run_in_executor(None, _kill_others, proc.group, keep)
+                await loop.run_in_executor(None, kill_except, proc.group, keep)
                 with contextlib.suppress(TimeoutError):
                     status = await asyncio.wait_for(asyncio.shield(proc.exited), 1.0)
                 if status is None:
