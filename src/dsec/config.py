@@ -37,7 +37,11 @@ class EdgeSettings(BaseSettings):
     layers_dir: Path | None = None
     runtime: str = "crun"
     criu_dir: Path = Path("/var/lib/dsec/criu")  # host-wide, unpacked by install.sh
+    # The layer store's canonical id range (container id N is stored as host id uid_offset + N);
+    # each sandbox runs as a range of its own above it (isolation/idranges.py), allocated
+    # host-wide through id_registry, shared by every edge of the host.
     uid_offset: int = 100000
+    id_registry: Path = Path("/run/dsec-ids")
     max_sandboxes: int = 4000
     capacity_cpu: float = _default_cpu_capacity()
     capacity_memory_mb: int = _default_memory_capacity_mb()

@@ -1,7 +1,8 @@
 """The platform's data at rest is root's alone: directories 0700, files 0600.
 
-Sandboxes run as host uids from ``uid_offset`` up (100000 for every sandbox); nothing a
-sandbox's id could reach on the host may be readable or writable by it: the IAM database,
+Each sandbox runs as a host id range of its own (isolation/idranges.py) and the layer store
+is owned by the canonical range ``uid_offset`` (100000); nothing a sandbox's id could reach
+on the host may be readable or writable by it: the IAM database,
 the trajectory logs, the edge's records (and their SQLite -wal/-shm sidecars, which SQLite
 creates with the database file's mode), lock files, tokens, checkpoints. The process umask
 is not changed (the edge creates files *inside* sandboxes with the modes callers ask for);

@@ -1,6 +1,7 @@
 """The platform's data at rest from a sandbox's mapped ids on the host.
 
-Every sandbox's root is host uid 100000 (``uid_offset``); a process that got out of its
+Every sandbox runs as a host id range of its own, and the layer store is owned by the
+canonical range (``uid_offset``, 100000) that no sandbox has; a process that got out of its
 sandbox, or any other host user, must read none of the platform's data files (IAM
 database, trajectory logs, edge records, their WAL/SHM sidecars, tokens), nor reach the
 layer store, the checkpoints or the fork layers. Tested from real processes with those
@@ -89,7 +90,8 @@ async def test_data_files_are_private_to_root(edge):
         # a layer tree file, owned by the sandbox ids (shifted): by path, out of reach
         layer = edge.layers.layer_path(edge.layers.get_image("python").layers[-1])
         targets.append(next(p for p in layer.rglob("*") if p.is_file() and not p.is_symlink()))
-        for uid in (s.uid_offset, s.uid_offset + 1000, 65534):
+        base = edge.sandboxes[sb.id].container.id_base  # the sandbox's own root
+        for uid in (base, base + 1000, s.uid_offset, s.uid_offset + 1000, 65534):
             seen = probe(targets, uid)
             reached = {p: what for p, what in seen.items() if what in ("listed", "read") or "+" in what}
             assert reached == {}, (uid, reached)

@@ -15,6 +15,7 @@ import pytest
 
 from dsec.config import EdgeSettings
 from dsec.edge import Edge
+from dsec.isolation.idranges import RANGE, IdRanges, range_of
 from dsec.models import ExecRequest, SandboxSpec
 
 pytestmark = [pytest.mark.root, pytest.mark.asyncio]
@@ -71,15 +72,28 @@ async def test_kill_edge_then_adopt(edge_dirs, python_image):
     ]
     assert run_mounts == [["dsec-run-dur", str(settings.edge_run_dir), "tmpfs"]]
 
+    # Each keeps its own id range while no edge runs (their inits hold it in the registry).
+    inits = {sid: int((settings.edge_run_dir / "sandboxes" / sid / "pid").read_text()) for sid in ids}
+    bases = {sid: range_of(pid) for sid, pid in inits.items()}
+    assert len(set(bases.values())) == 3
+    other = IdRanges(settings.id_registry, settings.uid_offset + RANGE)  # another edge of the host
+    grabbed = [other.claim() for _ in range(8)]
+    assert not {r.base for r in grabbed} & set(bases.values())
+    for r in grabbed:
+        r.release()
+
     # While no edge runs, one sandbox dies (its init is killed from the host).
     victim = ids[2]
-    pid = int((settings.edge_run_dir / "sandboxes" / victim / "pid").read_text())
+    pid = inits[victim]
     os.kill(pid, signal.SIGKILL)
 
     edge = Edge(settings)
     await edge.start()
     try:
         assert sorted(edge.sandboxes) == sorted(ids[:2])
+        for sid in ids[:2]:  # adopted with their ranges, claimed again by this edge
+            c = edge.sandboxes[sid].container
+            assert c.id_base == bases[sid] and c.id_range is not None
         for i, sid in enumerate(ids[:2]):
             r = await edge.exec(sid, ExecRequest(cmd="cat /work/mark; pgrep -c sleep"))
             assert r.stdout == f"{i}\n1\n"
@@ -88,6 +102,7 @@ async def test_kill_edge_then_adopt(edge_dirs, python_image):
         assert not any(p.name == victim for p in dsec_cgroups("dur-"))
         sb = await edge.create(SandboxSpec(image="python"))
         assert (await edge.exec(sb.id, ExecRequest(cmd="echo new"))).stdout == "new\n"
+        assert edge.sandboxes[sb.id].container.id_base not in {bases[i] for i in ids[:2]}
     finally:
         await edge.close()
     assert not dsec_mounts("dur-")

@@ -36,11 +36,12 @@ from typing import Any
 from dsec.errors import CapacityExhausted, InternalError, InvalidRequest
 from dsec.isolation import linux
 from dsec.isolation.cgroups import CgroupHost
+from dsec.isolation.idranges import IdRange, IdRanges, range_of
 from dsec.isolation.spec import ID_RANGE, Limits, build_config
 
 _HDR = struct.Struct("<IiiHHB")
 _REPLY = struct.Struct("<Ii")
-MAX_OVERLAY_OPTS = 4000
+MAX_LAYERS = 500  # overlayfs stacks at most 500 lowers
 
 
 class ShimChannel:
@@ -199,6 +200,8 @@ class Container:
     exited: asyncio.Future[None]
     timings_ms: dict[str, float] = field(default_factory=dict)
     upper_fd: int = -1  # O_PATH on the writable layer's tmpfs root (upper/ and work/)
+    id_base: int = 0  # the host uid (and gid) its root is: its own range (isolation/idranges.py)
+    id_range: IdRange | None = None  # this process's claim on that range
     exit_status: tuple[int, int] | None = None  # (si_code, si_status) of the init, once reaped
 
     def exit_reason(self) -> str:
@@ -257,6 +260,7 @@ class ContainerBackend:
         shim: Path,
         runtime: str,
         uid_offset: int,
+        id_ranges: IdRanges,
         cgroups: CgroupHost,
         tools_dir: Path | None = None,
     ) -> None:
@@ -265,7 +269,8 @@ class ContainerBackend:
         self.runtime_root = run_dir / "runtime"
         self.shim = shim
         self.runtime = shutil.which(runtime) or runtime
-        self.uid_offset = uid_offset
+        self.uid_offset = uid_offset  # the layer store's canonical range
+        self.id_ranges = id_ranges  # each sandbox's own range
         self.cgroups = cgroups
         self.tools_dir = tools_dir  # bound read-only at /.dsec-tools in every sandbox
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
@@ -283,8 +288,9 @@ class ContainerBackend:
     async def create(self, plan: ContainerPlan) -> Container:
         t0 = time.perf_counter()
         d = self.sandboxes_dir / plan.id
+        ids = self.id_ranges.claim()
         try:
-            mounts = self._prepare_rootfs(d, plan)
+            mounts = self._prepare_rootfs(d, plan, ids.base)
             t1 = time.perf_counter()
             pid = await self._start_runtime(d, plan, mounts)
             now = time.monotonic()
@@ -294,11 +300,14 @@ class ContainerBackend:
             t2 = time.perf_counter()
             self._learn_seccomp(plan.id)
             container = self._attach(plan.id, d, pid, None)
+            container.id_base, container.id_range = ids.base, ids
+            ids.bind(container.pid, container.start_time)
             await container.channel.ping()
             t3 = time.perf_counter()
         except BaseException:
             self._seccomp_learn.pop(plan.id, None)
             await self._teardown(plan.id, d)
+            ids.release()
             raise
         container.timings_ms = {
             "layer_preparation": (t1 - t0) * 1000,
@@ -307,29 +316,31 @@ class ContainerBackend:
         }
         return container
 
-    def _prepare_rootfs(self, d: Path, plan: ContainerPlan) -> list[str]:
+    def _prepare_rootfs(self, d: Path, plan: ContainerPlan, base: int) -> list[str]:
         """Write the bundle; return the mount arguments for `dsec-shim crun-wrap`, which
-        mounts the tmpfs upper and the overlay inside the runtime's own mount namespace."""
-        up, rootfs = d / "up", d / "rootfs"
+        mounts the tmpfs upper, the layers (idmapped from the store's canonical range to
+        the sandbox's own, `base`) and the overlay inside the runtime's own mount namespace."""
+        up, rootfs, lowers = d / "up", d / "rootfs", d / "lower"
         d.mkdir(mode=0o711)  # the userns root must traverse it to reach rootfs
         d.chmod(0o711)
         up.mkdir()
         rootfs.mkdir()
-        host_root = self.uid_offset
-        lower = ":".join(str(p) for p in plan.lowerdirs)
-        opts = f"lowerdir={lower},upperdir={up / 'upper'},workdir={up / 'work'}"
-        if len(opts) > MAX_OVERLAY_OPTS:
+        lowers.mkdir(mode=0o700)
+        if len(plan.lowerdirs) > MAX_LAYERS:
             raise InvalidRequest(
-                f"image has too many layers ({len(plan.lowerdirs)}) to stack; merge some layers"
+                f"image has too many layers ({len(plan.lowerdirs)}, at most {MAX_LAYERS}) to stack; "
+                "merge some layers"
             )
-        tmpfs = f"size={plan.disk_mb}m,nr_inodes={plan.disk_inodes},mode=0755,uid={host_root},gid={host_root}"
-        mounts = [str(up), tmpfs, str(rootfs), opts, str(host_root)]
+        tmpfs = f"size={plan.disk_mb}m,nr_inodes={plan.disk_inodes},mode=0755,uid={base},gid={base}"
+        idmap = f"{self.uid_offset}:{base}:{ID_RANGE}" if base != self.uid_offset else "-"
+        mounts = [str(up), tmpfs, str(rootfs), str(base), idmap, str(lowers), str(len(plan.lowerdirs))]
+        mounts += [str(p) for p in plan.lowerdirs]
         config = build_config(
             hostname=plan.id,
             args=["/.dsec/shim", "init"],
             cgroups_path=self.cgroups.sandbox_path(plan.id),
             limits=plan.limits,
-            uid_offset=self.uid_offset,
+            uid_offset=base,
             id_range=ID_RANGE,
             env=plan.env,
             tools_dir=str(self.tools_dir) if self.tools_dir else None,
@@ -441,6 +452,8 @@ class ContainerBackend:
             container = self._attach(sandbox_id, d, pid, start_time)
         except (ProcessLookupError, OSError):
             return None
+        container.id_base = range_of(pid) or self.uid_offset
+        container.id_range = self.id_ranges.adopt(container.id_base, pid, start_time)
         try:
             await container.channel.ping(timeout=2.0)
         except (TimeoutError, InternalError, OSError):
@@ -462,7 +475,12 @@ class ContainerBackend:
             container.upper_fd = -1
         # With PID 1 gone and reaped, the pid namespace is empty: the runtime has
         # nothing left to stop, and removing its state ourselves saves a process.
-        await self._teardown(container.id, container.dir, use_runtime=not container.exited.done())
+        gone = container.exited.done()
+        await self._teardown(container.id, container.dir, use_runtime=not gone)
+        if container.id_range is not None:
+            # An init that would not die keeps its range (its record names it) until it does.
+            container.id_range.release(keep_holder=not gone)
+            container.id_range = None
 
     async def _teardown(self, sandbox_id: str, d: Path, *, use_runtime: bool = True) -> None:
         """Remove every host resource of a sandbox; safe to call on partial state."""

@@ -65,8 +65,9 @@ from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest, Jupy
 from dsec.isolation import linux
 from dsec.isolation.cgroups import PID_RESERVE, CgroupHost
 from dsec.isolation.denials import DeniedSyscalls, audit_session
+from dsec.isolation.idranges import IdRanges
 from dsec.isolation.netpolicy import NetHost, NetworkPolicy
-from dsec.isolation.spec import DEFAULT_PATH, Limits
+from dsec.isolation.spec import DEFAULT_PATH, ID_RANGE, Limits
 from dsec.layers import LayerStore, import_dir_layer
 from dsec.layers.store import Image
 from dsec.models import (
@@ -223,6 +224,7 @@ class Edge:
             shim=shim,
             runtime=s.runtime,
             uid_offset=s.uid_offset,
+            id_ranges=IdRanges(s.id_registry, s.uid_offset + ID_RANGE),
             cgroups=self.cgroups,
             tools_dir=prepare_tools(s.edge_run_dir / "tools"),
         )
@@ -456,15 +458,16 @@ class Edge:
     def _open_sandbox(self, record: Record, container: Container) -> Sandbox:
         root_fd = os.open(container.rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
+            base = container.id_base  # the sandbox's own host id range
             files = SandboxFiles(
                 root_fd,
-                self.settings.uid_offset,
-                self.settings.uid_offset,
-                self.settings.uid_offset,
+                base,
+                base,
+                base,
                 container.channel,  # charged writes: copied by a child of the sandbox's init
             )
             uid, gid, home = self._resolve_user(files, record.spec.user)
-            files.uid, files.gid = uid + self.settings.uid_offset, gid + self.settings.uid_offset
+            files.uid, files.gid = uid + base, gid + base
         except BaseException:
             os.close(root_fd)
             raise
@@ -874,6 +877,7 @@ class Edge:
             scratch=self.settings.edge_run_dir / "trusted",
             seccomp=bpf,
             uid_offset=self.settings.uid_offset,
+            id_base=sb.container.id_base,
             tmp_mb=sb.record.spec.disk_mb,
         )
         if stdin is None and req.stdin is not None:
@@ -1474,7 +1478,7 @@ class Edge:
         os.chmod(dest.parent, 0o700)  # root's only: no sandbox id reaches another checkpoint
 
         async def copy_files() -> None:
-            await copy_tree(self._copy_tool, sb.container.upper, dest / "fs")
+            await copy_tree(self._copy_tool, sb.container.upper, dest / "fs", self._to_store(sb))
             for layer in _chain(sb.record.extra_lower):  # a fork's or a restored sandbox's layers
                 await copy_tree_under(self._copy_tool, Path(layer), dest / "fs")
 
@@ -1583,6 +1587,10 @@ class Edge:
         os.chmod(root, 0o700)  # root's only: the layers hold sandbox-owned (maybe setuid) files
         return root
 
+    def _to_store(self, sb: Sandbox) -> tuple[int, int]:
+        """The owner shift from the sandbox's own id range to the layer store's canonical one."""
+        return sb.container.id_base, self.settings.uid_offset
+
     async def _frozen_copy(self, sb: Sandbox, dst: Path) -> None:
         """Copy the writable layer while the sandbox is frozen (a consistent point in time)."""
         was_paused = sb.record.state is SandboxState.PAUSED
@@ -1590,7 +1598,7 @@ class Edge:
         if not was_paused:
             await loop.run_in_executor(None, self.cgroups.freeze, sb.id)
         try:
-            await copy_tree(self._copy_tool, sb.container.upper, dst)
+            await copy_tree(self._copy_tool, sb.container.upper, dst, self._to_store(sb))
         finally:
             if not was_paused:
                 self.cgroups.thaw(sb.id)
@@ -1768,7 +1776,13 @@ class Edge:
         copy = None
         ready: asyncio.Future[None] | None = None
         try:
-            copy = start_copy(self._copy_tool, sb.container.upper, tree, what="copying the writable layer")
+            copy = start_copy(
+                self._copy_tool,
+                sb.container.upper,
+                tree,
+                shift=self._to_store(sb),
+                what="copying the writable layer",
+            )
             await copy.dirs()
             if flatten:  # merge the parent's chain in before any child starts
                 await copy.wait()

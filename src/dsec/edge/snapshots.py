@@ -20,6 +20,7 @@ from pathlib import Path, PurePosixPath
 
 from dsec import errors
 from dsec.backends.container import spawn_quick, wait_quick
+from dsec.isolation.spec import ID_RANGE
 
 
 class TreeCopy:
@@ -73,14 +74,27 @@ class TreeCopy:
             self._err = -1
 
 
-def start_copy(tool: Path, src: Path, dst: Path, *, merge: bool = False, what: str = "copying") -> TreeCopy:
+def start_copy(
+    tool: Path,
+    src: Path,
+    dst: Path,
+    *,
+    merge: bool = False,
+    shift: tuple[int, int] | None = None,
+    what: str = "copying",
+) -> TreeCopy:
     """Start copying the tree under `src` into `dst`. With `merge`, entries `dst` already has
-    win (and its opaque directories hide what `src` has below them)."""
+    win (and its opaque directories hide what `src` has below them). With `shift` (from,
+    to), owners move from one 65536-id range to another: a sandbox's writable layer, owned
+    by the sandbox's own range, lands in the store's canonical one."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     err = os.memfd_create("dsec-copy-err", os.MFD_CLOEXEC)
     signal_r, signal_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
     threads = str(max(2, min(8, os.cpu_count() or 2)))
-    argv = [str(tool), "-j", threads, "-s", str(signal_w), *(["-n"] if merge else []), str(src), str(dst)]
+    argv = [str(tool), "-j", threads, "-s", str(signal_w), *(["-n"] if merge else [])]
+    if shift is not None and shift[0] != shift[1]:
+        argv += ["-u", f"{shift[0]}:{shift[1]}:{ID_RANGE}"]
+    argv += [str(src), str(dst)]
     try:
         with open(os.devnull, "wb") as devnull:
             pid, pidfd = spawn_quick(argv, devnull.fileno(), err, (signal_w,))
@@ -93,9 +107,9 @@ def start_copy(tool: Path, src: Path, dst: Path, *, merge: bool = False, what: s
     return TreeCopy(pid, pidfd, signal_r, err, what)
 
 
-async def copy_tree(tool: Path, src: Path, dst: Path) -> None:
-    """Copy a writable layer exactly (see TreeCopy)."""
-    copy = start_copy(tool, src, dst, what="copying the writable layer")
+async def copy_tree(tool: Path, src: Path, dst: Path, shift: tuple[int, int] | None = None) -> None:
+    """Copy a writable layer exactly (see TreeCopy), owners shifted by `shift` (see start_copy)."""
+    copy = start_copy(tool, src, dst, shift=shift, what="copying the writable layer")
     try:
         await copy.wait()
     finally:

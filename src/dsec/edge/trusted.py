@@ -407,7 +407,8 @@ class TrustedSpec:
     protected: Sequence[Protected]
     scratch: Path
     seccomp: Path | None
-    uid_offset: int
+    uid_offset: int  # the layer store's canonical range (layers' owners, and the trusted id's)
+    id_base: int  # the sandbox's own range
     tmp_mb: int
 
 
@@ -473,7 +474,8 @@ def _helper_args(
         args += ["--protect", p.kind, p.link if p.kind == "l" else str(p.src), p.path]
     if spec.seccomp is not None:
         args += ["--seccomp", str(launch.give(os.open(spec.seccomp, os.O_RDONLY | os.O_CLOEXEC)))]
-    args += ["--ids", str(spec.uid_offset), str(trusted_host_id(spec.uid_offset)), str(TRUSTED_UID)]
+    args += ["--ids", str(spec.id_base), str(trusted_host_id(spec.uid_offset)), str(TRUSTED_UID)]
+    args += ["--layer-ids", str(spec.uid_offset)]
     args += ["--tmp-mb", str(spec.tmp_mb)]
     return args
 

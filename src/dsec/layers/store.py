@@ -9,8 +9,9 @@ On disk, under ``root``::
     cache/<key>.json                     build cache: recipe digest -> layer ref
 
 Trees are stored with ownership *shifted* by ``uid_offset`` (container uid N is host uid
-``uid_offset + N``), so a user-namespaced container sees them owned by its own ids. The
-content digest of a layer is independent of that shift: it hashes the container-side ids.
+``uid_offset + N``), the canonical range, which no sandbox runs as: each sandbox sees them
+through idmapped mounts as owned by its own range (isolation/idranges.py). The content
+digest of a layer is independent of that shift: it hashes the container-side ids.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 from importlib import resources
@@ -20,8 +21,16 @@ from dsec.errors import InternalError
 _FLAGS = {"dsec-shim": [], "dsec-copy": ["-pthread"], "dsec-trusted": []}
 
 
+_INCLUDE = re.compile(rb'^#include "(dsec-[a-z]+\.h)"$', re.M)
+
+
 def _source(name: str) -> bytes:
-    return resources.files("dsec.native").joinpath(f"{name}.c").read_bytes()
+    """The helper's C source with the package's own headers inlined (one file to build,
+    and the digest covers the headers too)."""
+    here = resources.files("dsec.native")
+    return _INCLUDE.sub(
+        lambda m: here.joinpath(m.group(1).decode()).read_bytes(), here.joinpath(f"{name}.c").read_bytes()
+    )
 
 
 def digest(name: str) -> str:

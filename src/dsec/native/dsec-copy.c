@@ -1,7 +1,7 @@
 /*
  * dsec-copy: copy a writable layer exactly, fast, on the host.
  *
- *   dsec-copy [-j THREADS] [-n] [-s FD] SRC DST
+ *   dsec-copy [-j THREADS] [-n] [-s FD] [-u FROM:TO:COUNT] SRC DST
  *
  * Copies the tree under SRC into DST (created if missing): regular files
  * (sparse files stay sparse), directories, symlinks, device nodes (overlayfs
@@ -11,7 +11,10 @@
  * DST are kept (used to merge a lower layer under an upper copy). With -s FD,
  * one byte is written to FD (then closed) as soon as every directory exists in
  * DST, before file contents are copied: a fork starts its children then (see
- * edge.fork for why that is safe).
+ * edge.fork for why that is safe). With -u, owners are shifted: ids FROM..FROM+COUNT-1
+ * become TO..TO+COUNT-1 (a sandbox's writable layer, owned by its own host id range,
+ * copied into the layer store's canonical range); an id outside it becomes TO+65534
+ * (nobody): a layer never keeps a host id it was not meant to have.
  *
  * Why not `cp -a`: forks copy the writable layer of a frozen sandbox on the
  * critical path. cp copies one file at a time with ~15 system calls each; this
@@ -68,6 +71,7 @@ static size_t n_entries, cap_entries;
 static struct work *works;
 static size_t n_works, cap_works;
 static int src_fd, dst_fd, no_clobber;
+static long shift_from = -1, shift_to, shift_count; /* -u */
 static atomic_size_t next_work;
 static atomic_int failed;
 
@@ -101,6 +105,12 @@ static int add_entry(const char *path, const struct stat *st) {
     struct entry *e = &entries[n_entries];
     e->path = strdup(path);
     e->st = *st;
+    if (shift_from >= 0) {
+        uid_t u = st->st_uid;
+        gid_t g = st->st_gid;
+        e->st.st_uid = (uid_t)(u >= shift_from && u < shift_from + shift_count ? u - shift_from + shift_to : shift_to + 65534);
+        e->st.st_gid = (gid_t)(g >= shift_from && g < shift_from + shift_count ? g - shift_from + shift_to : shift_to + 65534);
+    }
     e->link_to = -1;
     e->skip = 0;
     return (int)n_entries++;
@@ -192,6 +202,11 @@ static int walk(const char *rel) {
         if (S_ISDIR(st.st_mode)) {
             int i = add_entry(path, &st);
             if (!skip && mkdirat(dst_fd, path, 0700) < 0 && errno != EEXIST) fail("mkdir", path);
+            /* Owned as in the end right away: a fork's children are started once every
+             * directory exists, and an idmapped mount of this tree lets even root through a
+             * 0700 directory only when its owner is an id of the mount's range. */
+            if (!skip && fchownat(dst_fd, path, entries[i].st.st_uid, entries[i].st.st_gid, AT_SYMLINK_NOFOLLOW) < 0)
+                fail("chown", path);
             entries[i].skip = skip; /* an existing directory: merge into it, keep its metadata */
             if (!(skip && is_opaque(path))) walk(entries[i].path); /* an opaque one hides what is below */
             continue;
@@ -420,11 +435,16 @@ static void finish(void) {
 
 int main(int argc, char **argv) {
     int threads = 2, opt, signal_fd = -1;
-    while ((opt = getopt(argc, argv, "j:ns:")) != -1) {
+    while ((opt = getopt(argc, argv, "j:ns:u:")) != -1) {
         if (opt == 'j') threads = atoi(optarg);
         else if (opt == 'n') no_clobber = 1;
         else if (opt == 's') signal_fd = atoi(optarg);
-        else goto usage;
+        else if (opt == 'u') {
+            if (sscanf(optarg, "%ld:%ld:%ld", &shift_from, &shift_to, &shift_count) != 3 || shift_from < 0 ||
+                shift_to < 0 || shift_count < 65535 || shift_from + shift_count > 4294967295L ||
+                shift_to + shift_count > 4294967295L)
+                goto usage;
+        } else goto usage;
     }
     if (argc - optind != 2 || threads < 1 || threads > 64) goto usage;
     src_fd = open(argv[optind], O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -448,6 +468,7 @@ int main(int argc, char **argv) {
     }
     int root_i = add_entry(".", &root);
     entries[root_i].skip = no_clobber; /* merging under an existing root keeps its metadata */
+    if (!no_clobber && fchown(dst_fd, entries[root_i].st.st_uid, entries[root_i].st.st_gid) < 0) fail("chown", ".");
     umask(0);
     walk(".");
     qsort(works, n_works, sizeof *works, by_size_desc);
@@ -466,6 +487,6 @@ int main(int argc, char **argv) {
     finish();
     return atomic_load(&failed) ? 1 : 0;
 usage:
-    fprintf(stderr, "usage: dsec-copy [-j THREADS] [-n] [-s FD] SRC DST\n");
+    fprintf(stderr, "usage: dsec-copy [-j THREADS] [-n] [-s FD] [-u FROM:TO:COUNT (COUNT >= 65535)] SRC DST\n");
     return 2;
 }

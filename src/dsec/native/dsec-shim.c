@@ -2,11 +2,13 @@
  * dsec-shim: the in-sandbox init and the crun launcher, one static binary.
  *
  *   dsec-shim init           PID 1 of a sandbox (started by the OCI runtime).
- *   dsec-shim crun-wrap A B HYBRID UP TMPFS_OPTS ROOTFS OVL_OPTS OWNER -- RUNTIME ARGS...
+ *   dsec-shim crun-wrap A B HYBRID UP TMPFS_OPTS ROOTFS OWNER IDMAP LOWERS N SRC... -- RUNTIME ARGS...
  *                            launch the runtime with fds A,B moved to 3,4, in a
  *                            private mount namespace holding the sandbox's
- *                            tmpfs upper and overlay root (and, on hybrid
- *                            cgroup hosts, hiding the v2 mount crun rejects).
+ *                            tmpfs upper, its N layers (idmapped read-only
+ *                            clones on LOWERS/<i>, see dsec-idmap.h) and the
+ *                            overlay root (and, on hybrid cgroup hosts, hiding
+ *                            the v2 mount crun rejects).
  *
  * Why an init of our own: the edge needs a fast, unforgeable control path into
  * the sandbox. The shim talks to the edge over an anonymous SOCK_SEQPACKET
@@ -57,6 +59,8 @@
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include "dsec-idmap.h"
 
 #define CTL_FD 3
 #define MAX_MSG 262144
@@ -343,10 +347,16 @@ static int run_init(void) {
  * our own, then exec the runtime in it: the container's namespace is cloned from
  * this one, so the sandbox's mounts never appear in the host's mount table (which
  * would make every later create copy and scan one more pair of mounts, and could
- * leak). They go away with the container's mount namespace. */
-static int mount_rootfs(const char *up, const char *tmpfs_opts, const char *rootfs, const char *ovl_opts,
-                        uid_t owner) {
+ * leak). They go away with the container's mount namespace.
+ *
+ * Each lower is a read-only clone of its layer directory mounted on LOWERS/<i>,
+ * idmapped (IDMAP "FROM:TO:COUNT": the store's canonical range FROM.. shown as the
+ * sandbox's own range TO..) so that no host id the sandbox maps owns a file of
+ * the layer store; the overlay stacks those clones. */
+static int mount_rootfs(const char *up, const char *tmpfs_opts, const char *rootfs, uid_t owner,
+                        const char *idmap, const char *lowers, int nlower, char **srcs) {
     char path[4096];
+    static char opts[65536];
     if (mount("dsec-upper", up, "tmpfs", MS_NOSUID | MS_NODEV, tmpfs_opts) < 0) {
         perror("dsec-shim: mount upper tmpfs");
         return -1;
@@ -359,7 +369,43 @@ static int mount_rootfs(const char *up, const char *tmpfs_opts, const char *root
             return -1;
         }
     }
-    if (mount("dsec-rootfs", rootfs, "overlay", 0, ovl_opts) < 0) {
+    int userns = -1;
+    if (strcmp(idmap, "-") != 0) {
+        long from, to, count;
+        if (sscanf(idmap, "%ld:%ld:%ld", &from, &to, &count) != 3 || from < 0 || to < 0 || count <= 0) {
+            fprintf(stderr, "dsec-shim: bad idmap %s\n", idmap);
+            return -1;
+        }
+        userns = idmap_userns(from, to, count);
+        if (userns < 0) {
+            perror("dsec-shim: idmap user namespace");
+            return -1;
+        }
+    }
+    size_t off = (size_t)snprintf(opts, sizeof opts, "lowerdir=");
+    for (int i = 0; i < nlower; i++) {
+        snprintf(path, sizeof path, "%s/%d", lowers, i);
+        if (mkdir(path, 0700) < 0 && errno != EEXIST) {
+            perror("dsec-shim: lower mount point");
+            return -1;
+        }
+        if (idmap_bind(srcs[i], path, userns) < 0) {
+            fprintf(stderr, "dsec-shim: mount layer %s: %s\n", srcs[i], strerror(errno));
+            return -1;
+        }
+        off += (size_t)snprintf(opts + off, sizeof opts - off, "%s%s", i ? ":" : "", path);
+        if (off >= sizeof opts) {
+            fprintf(stderr, "dsec-shim: too many layers\n");
+            return -1;
+        }
+    }
+    if (userns >= 0) close(userns);
+    off += (size_t)snprintf(opts + off, sizeof opts - off, ",upperdir=%s/upper,workdir=%s/work", up, up);
+    if (off >= sizeof opts) {
+        fprintf(stderr, "dsec-shim: too many layers\n");
+        return -1;
+    }
+    if (mount("dsec-rootfs", rootfs, "overlay", 0, opts) < 0) {
         perror("dsec-shim: mount overlay");
         return -1;
     }
@@ -367,11 +413,15 @@ static int mount_rootfs(const char *up, const char *tmpfs_opts, const char *root
 }
 
 static int run_crun_wrap(int argc, char **argv) {
-    /* argv: crun-wrap FD_A FD_B HYBRID UP TMPFS_OPTS ROOTFS OVL_OPTS OWNER -- runtime args... */
-    if (argc < 12 || strcmp(argv[10], "--") != 0) {
-        fprintf(stderr, "usage: dsec-shim crun-wrap FD_A FD_B HYBRID UP TMPFS_OPTS ROOTFS OVL_OPTS OWNER -- RUNTIME ARGS...\n");
+    /* argv: crun-wrap FD_A FD_B HYBRID UP TMPFS_OPTS ROOTFS OWNER IDMAP LOWERS N SRC*N -- runtime args... */
+    int nlower = argc > 11 ? atoi(argv[11]) : -1;
+    int dashes = 12 + nlower;
+    if (nlower < 0 || nlower > 500 || argc < dashes + 2 || strcmp(argv[dashes], "--") != 0) {
+        fprintf(stderr, "usage: dsec-shim crun-wrap FD_A FD_B HYBRID UP TMPFS_OPTS ROOTFS OWNER IDMAP LOWERS N "
+                        "SRC... -- RUNTIME ARGS...\n");
         return 2;
     }
+    char **runtime = argv + dashes + 1;
     int a = atoi(argv[2]), b = atoi(argv[3]);
     int hybrid = atoi(argv[4]);
     if (a >= 0 && b >= 0) {
@@ -389,7 +439,8 @@ static int run_crun_wrap(int argc, char **argv) {
         return 1;
     }
     if (argv[5][0]) {
-        if (mount_rootfs(argv[5], argv[6], argv[7], argv[8], (uid_t)atoi(argv[9])) < 0) return 1;
+        if (mount_rootfs(argv[5], argv[6], argv[7], (uid_t)atoi(argv[8]), argv[9], argv[10], nlower, argv + 12) < 0)
+            return 1;
         /* Hand the writable layer's root to the init as fd 5: the edge takes a copy
          * (pidfd_getfd) for snapshots and forks; nothing inside can reach it. */
         int up = open(argv[5], O_PATH | O_DIRECTORY);
@@ -403,7 +454,7 @@ static int run_crun_wrap(int argc, char **argv) {
      * edge can attribute a refused system call even after its process is gone. */
     int lu = open("/proc/self/loginuid", O_WRONLY | O_CLOEXEC);
     if (lu >= 0) {
-        if (write(lu, argv[9], strlen(argv[9])) < 0) { /* audit off: denials go uncounted */ }
+        if (write(lu, argv[8], strlen(argv[8])) < 0) { /* audit off: denials go uncounted */ }
         close(lu);
     }
     /* crun (like runc) guards against CVE-2019-5736 by copying its own binary and
@@ -412,10 +463,10 @@ static int run_crun_wrap(int argc, char **argv) {
      * read-only bind of the runtime onto itself, in this private mount namespace,
      * gives the same protection (nothing can open the binary for writing) for the
      * price of two mount calls. */
-    if (mount(argv[11], argv[11], NULL, MS_BIND, NULL) == 0 &&
-        mount(NULL, argv[11], NULL, MS_REMOUNT | MS_BIND | MS_RDONLY, NULL) == 0)
+    if (mount(runtime[0], runtime[0], NULL, MS_BIND, NULL) == 0 &&
+        mount(NULL, runtime[0], NULL, MS_REMOUNT | MS_BIND | MS_RDONLY, NULL) == 0)
         setenv("_LIBCONTAINER_CLONED_BINARY", "1", 1);
-    execv(argv[11], argv + 11);
+    execv(runtime[0], runtime);
     perror("dsec-shim: exec runtime");
     return 127;
 }

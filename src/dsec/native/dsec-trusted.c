@@ -17,6 +17,9 @@
  *   --seccomp FD          the sandbox's compiled seccomp program (sock_filter[])
  *   --ids OFFSET HOST UID the sandbox's id offset, the host id of the command,
  *                         and the id it has inside
+ *   --layer-ids BASE      the host id the layers' root files have (the store's
+ *                         canonical range): the layers are idmapped from it to
+ *                         OFFSET, so they show the owners the sandbox sees
  *   --cwd DIR  --env K=V (repeat)  --tmp-mb N
  *
  * Two processes. This one (P) stays in the host's pid, user and mount namespaces,
@@ -71,6 +74,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "dsec-idmap.h"
+
 #define MAX_ITEMS 64
 #define MAX_LOWER 128
 #define MAX_ENV 70000
@@ -94,7 +99,8 @@ static const char *tasks[MAX_ITEMS];
 static int n_tasks;
 static struct protect protects[MAX_ITEMS];
 static int n_protects;
-static long id_offset = -1, host_id = -1, inside_id = -1;
+static long id_offset = -1, host_id = -1, inside_id = -1, layer_ids = -1;
+static int layer_userns = -1; /* the idmap of the layers (dsec-idmap.h), made before the fork */
 static const char *cwd = "/";
 static char *envs[MAX_ENV + 1];
 static int n_envs;
@@ -314,9 +320,14 @@ static void child(int ready_w, int go_r) {
     }
     size_t off = (size_t)snprintf(opts, sizeof opts, "lowerdir=");
     for (int i = 0; i < n_lowers; i++) {
-        off += (size_t)snprintf(opts + off, sizeof opts - off, "%s%s", i ? ":" : "", lowers[i]);
+        /* Each layer a read-only clone, idmapped to the sandbox's range when it has its own. */
+        snprintf(path, sizeof path, "%s/l%d", scratch, i);
+        if (mkdir(path, 0700) < 0) die("mkdir", path);
+        if (idmap_bind(lowers[i], path, layer_userns) < 0) die("mount layer", lowers[i]);
+        off += (size_t)snprintf(opts + off, sizeof opts - off, "%s%s", i ? ":" : "", path);
         if (off >= sizeof opts) { errno = E2BIG; die("overlay options", NULL); }
     }
+    if (layer_userns >= 0) close(layer_userns);
     off += (size_t)snprintf(opts + off, sizeof opts - off, ",upperdir=%s/u,workdir=%s/w", scratch, scratch);
     if (off >= sizeof opts) { errno = E2BIG; die("overlay options", NULL); }
     snprintf(path, sizeof path, "%s/r", scratch);
@@ -527,6 +538,7 @@ static void parse(int argc, char **argv) {
             inside_id = num(argv[i + 3]);
             i += 3;
         }
+        else if (strcmp(a, "--layer-ids") == 0) { NEED(1); layer_ids = num(argv[++i]); }
         else if (strcmp(a, "--cwd") == 0) { NEED(1); cwd = argv[++i]; }
         else if (strcmp(a, "--env") == 0) {
             NEED(1);
@@ -560,6 +572,10 @@ int main(int argc, char **argv) {
         snprintf(map + n, sizeof map - n, "%ld %ld %ld\n", inside_id + 1, id_offset + inside_id + 1, 65535 - inside_id);
     }
     if (inside_id == 0) snprintf(map, sizeof map, "0 %ld 1\n1 %ld 65535\n", host_id, id_offset + 1);
+    /* Here, before joining the sandbox's pid namespace: the short-lived process that
+     * carries the idmap's user namespace is never visible inside. */
+    if (layer_ids >= 0 && layer_ids != id_offset && (layer_userns = idmap_userns(layer_ids, id_offset, 65536)) < 0)
+        die("idmap user namespace", NULL);
     if (setns(ns_fd[1], CLONE_NEWPID) < 0) die("setns", "pid");
     close(ns_fd[1]);
     int ready[2], go[2];
