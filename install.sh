@@ -65,6 +65,7 @@ case "$cmd" in
   test)
     "$VENV/bin/ruff" check src tests bench
     "$VENV/bin/mypy"
+    "$VENV/bin/lint-imports" --no-cache
     exec "$VENV/bin/pytest" "$@" ;;
   bench)
     # The benchmarks measure against `podman run --rm` of the same rootfs in the same run.

@@ -13,9 +13,9 @@ import uvicorn
 from fastapi import FastAPI
 
 from dsec.apiserver.app import create_api_app
-from dsec.apiserver.edges import LocalEdge
 from dsec.config import EdgeSettings
 from dsec.edge import Edge
+from dsec.edge.local import LocalEdge
 from dsec.edge.server import create_edge_app
 from dsec.iam import IAM
 from dsec.privatefs import seal_data_dir

@@ -393,7 +393,7 @@ async def api(cedge, tmp_path):
     import httpx
 
     from dsec.apiserver.app import create_api_app
-    from dsec.apiserver.edges import LocalEdge
+    from dsec.edge.local import LocalEdge
     from dsec.iam import IAM, Quota
 
     iam = IAM(tmp_path / "iam.db")

@@ -7,8 +7,7 @@ import time
 
 import pytest
 
-from dsec.edge.pools import PoolSpec
-from dsec.models import ExecRequest, SandboxSpec
+from dsec.models import ExecRequest, PoolSpec, SandboxSpec
 
 pytestmark = [pytest.mark.root, pytest.mark.asyncio]
 

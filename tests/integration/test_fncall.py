@@ -8,7 +8,7 @@ import base64
 import pytest
 
 from dsec import errors
-from dsec.fncall.models import FnCallRequest, JupyterRequest
+from dsec.models import FnCallRequest, JupyterRequest
 
 pytestmark = [pytest.mark.root, pytest.mark.asyncio]
 

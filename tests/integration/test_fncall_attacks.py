@@ -19,7 +19,7 @@ import time
 import pytest
 
 from dsec.compat.sandboxfusion import jupyter_response, run_code_response
-from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest
+from dsec.models import FnCallRequest, FnCallResult, JupyterRequest
 
 pytestmark = [pytest.mark.root, pytest.mark.asyncio]
 

@@ -159,9 +159,9 @@ async def test_snapshot_moves_to_an_edge_without_it(edge, edge_dirs, tmp_path):
     """A snapshot made on one edge restores on another whose layer store lacks it: the
     missing layer travels as an archive and must hash to its digest."""
     from dsec.apiserver.app import _transfer_image
-    from dsec.apiserver.edges import LocalEdge
     from dsec.config import EdgeSettings
     from dsec.edge import Edge
+    from dsec.edge.local import LocalEdge
 
     sb = await edge.create(SandboxSpec(image="python", project="default"))
     await sh(

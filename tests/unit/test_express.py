@@ -13,17 +13,19 @@ import pytest
 
 from dsec import errors
 from dsec.apiserver.app import create_api_app
-from dsec.apiserver.routes import Express, Gate
-from dsec.fncall.models import FnCallRequest, FnCallResult, Stage
+from dsec.http.routes import Express, Gate
 from dsec.iam import IAM
 from dsec.models import (
     EdgeStatus,
     ExecResult,
     FileWrite,
+    FnCallRequest,
+    FnCallResult,
     SandboxInfo,
     SandboxSpec,
     SandboxState,
     SessionResult,
+    Stage,
 )
 
 

@@ -19,7 +19,7 @@ import pytest_asyncio
 from fastapi import FastAPI
 
 from dsec.apiserver.app import create_api_app
-from dsec.apiserver.routes import MAX_ARCHIVE, SMALL_BODY, check_json_text
+from dsec.http.routes import MAX_ARCHIVE, SMALL_BODY, check_json_text
 from dsec.iam import IAM
 
 from .test_express import RecordingEdge

@@ -8,9 +8,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from dsec import errors
-from dsec.apiserver.routes import install_error_handlers
 from dsec.compat.sandboxfusion import sandboxfusion_router
-from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult, Stage
+from dsec.http.routes import install_error_handlers
+from dsec.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult, Stage
 
 
 def app(*, auth: bool, run_result: FnCallResult | Exception) -> TestClient:

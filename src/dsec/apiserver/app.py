@@ -25,20 +25,11 @@ from typing import Any
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, Field
 from starlette.background import BackgroundTask
 
 from dsec import __version__, errors
-from dsec.apiserver.edges import EdgeAPI, HttpEdge, edge_of
+from dsec.apiserver.edges import HttpEdge
 from dsec.apiserver.placement import EdgeDirectory, EdgeView
-from dsec.apiserver.routes import (
-    Express,
-    Gate,
-    Target,
-    install_error_handlers,
-    model_response,
-    sandbox_router,
-)
 from dsec.apiserver.tenancy import (
     ApiServerSettings,
     TenantMetrics,
@@ -50,16 +41,36 @@ from dsec.apiserver.tenancy import (
 )
 from dsec.compat.sandboxfusion import sandboxfusion_router
 from dsec.compat.swerex import swerex_router
-from dsec.edge.pools import PoolInfo, PoolSpec
-from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult
+from dsec.edgeapi import EdgeAPI, edge_of
 from dsec.fncall.tenancy import caller_project
-from dsec.iam import IAM, Principal, Quota
+from dsec.http.routes import (
+    Express,
+    Gate,
+    Target,
+    install_error_handlers,
+    model_response,
+    sandbox_router,
+)
+from dsec.iam import IAM, Principal
 from dsec.models import (
+    BatchCreate,
+    BatchStop,
+    BuildRequest,
     Checkpoint,
     CheckpointRequest,
     EdgeStatus,
     ExecResult,
+    FnCallRequest,
+    FnCallResult,
     ForkRequest,
+    JupyterRequest,
+    JupyterResult,
+    PoolInfo,
+    PoolSpec,
+    PrewarmRequest,
+    PrincipalCreate,
+    ProjectCreate,
+    RegisterEdge,
     RestoreRequest,
     SandboxInfo,
     SandboxSpec,
@@ -71,41 +82,6 @@ _PrincipalFn = Callable[[Request], Principal]
 log = logging.getLogger("dsec.apiserver")
 
 LATENCY_BUCKETS = (0.001, 0.002, 0.004, 0.008, 0.015, 0.03, 0.06, 0.125, 0.25, 0.5, 1, 2, 5, 10)
-
-
-class BatchCreate(BaseModel):
-    count: int = Field(ge=1, le=1024)
-    spec: SandboxSpec
-
-
-class BatchStop(BaseModel):
-    ids: list[str] = Field(max_length=4096)
-
-
-class RegisterEdge(BaseModel):
-    name: str
-    url: str
-
-
-class PrewarmRequest(BaseModel):
-    spec: SandboxSpec
-    count: int = Field(ge=0, le=10000)
-
-
-class BuildRequest(BaseModel):
-    recipe: str
-
-
-class ProjectCreate(BaseModel):
-    name: str
-    parent: str | None = None
-    quota: Quota = Field(default_factory=Quota)
-
-
-class PrincipalCreate(BaseModel):
-    name: str
-    projects: list[str] = Field(default_factory=list)
-    admin: bool = False
 
 
 class Metrics:

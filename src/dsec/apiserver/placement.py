@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from dsec import errors
-from dsec.apiserver.edges import EdgeAPI, edge_of
+from dsec.edgeapi import EdgeAPI, edge_of
 from dsec.models import EdgeStatus, SandboxSpec
 
 log = logging.getLogger("dsec.apiserver.placement")

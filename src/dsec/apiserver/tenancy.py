@@ -26,7 +26,7 @@ from prometheus_client.metrics_core import Metric
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from dsec import errors
-from dsec.apiserver.routes import Guard, bearer
+from dsec.http.routes import Guard, bearer
 from dsec.iam import IAM
 from dsec.models import EdgeStatus
 

@@ -24,9 +24,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dsec import errors
-from dsec.apiserver.routes import Express
-from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult, Stage
 from dsec.fncall.tenancy import ANONYMOUS
+from dsec.http.routes import Express
+from dsec.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult, Stage
 
 log = logging.getLogger("dsec.compat.sandboxfusion")
 

@@ -50,7 +50,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 
 from dsec import errors
-from dsec.apiserver.edges import EdgeAPI
+from dsec.edgeapi import EdgeAPI
 from dsec.iam import Principal
 from dsec.models import (
     ExecRequest,

@@ -48,7 +48,8 @@ from dsec.config import EdgeSettings
 from dsec.edge import checkpoint as ckpt
 from dsec.edge import trusted
 from dsec.edge.files import MAX_ARCHIVE_ENTRIES, SandboxFiles, off_loop
-from dsec.edge.pools import POOL_PROJECT, PoolInfo, PoolSpec, WarmPools
+from dsec.edge.fncall import FnCallPool, WorkerHost
+from dsec.edge.pools import WarmPools
 from dsec.edge.process import RawResult, run_process
 from dsec.edge.sessions import Runner, Session, open_session, prepare_tools
 from dsec.edge.snapshots import (
@@ -61,16 +62,16 @@ from dsec.edge.snapshots import (
     strip_setid,
 )
 from dsec.edge.store import EdgeStore, Record
-from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult
 from dsec.isolation import linux
 from dsec.isolation.cgroups import PID_RESERVE, CgroupHost
 from dsec.isolation.denials import DeniedSyscalls, audit_session
 from dsec.isolation.idranges import IdRanges
-from dsec.isolation.netpolicy import NetHost, NetworkPolicy
+from dsec.isolation.netpolicy import NetHost
 from dsec.isolation.spec import DEFAULT_PATH, ID_RANGE, Limits
 from dsec.layers import LayerStore, import_dir_layer
 from dsec.layers.store import Image
 from dsec.models import (
+    POOL_PROJECT,
     Checkpoint,
     CheckpointTree,
     EdgeStatus,
@@ -79,7 +80,14 @@ from dsec.models import (
     FileEdit,
     FileStat,
     FileWrite,
+    FnCallRequest,
+    FnCallResult,
     ForkLayer,
+    JupyterRequest,
+    JupyterResult,
+    NetworkPolicy,
+    PoolInfo,
+    PoolSpec,
     SandboxInfo,
     SandboxSpec,
     SandboxState,
@@ -160,9 +168,16 @@ class Edge:
         # Stops started from exit callbacks; held so they are not garbage-collected mid-run.
         self._dirty_active: dict[str, float] = {}
         self.pools = WarmPools(self._create_for_pool, self.stop)
-        from dsec.fncall.pool import FnCallPool
-
-        self.fncall = FnCallPool(self, workers_per_image=settings.fncall_workers)
+        self.fncall = FnCallPool(
+            WorkerHost(
+                create=self.create,
+                stop=lambda sid: self.stop(sid, wait=False),
+                container=lambda sid: self.sandboxes[sid].container,
+                cgroups=self.cgroups,
+                check_image=lambda image: self.layers.get_image(image),
+            ),
+            workers_per_image=settings.fncall_workers,
+        )
         # Exec cgroups outlive an edge process when background jobs stay in them:
         # names carry this process's epoch so a restarted edge never collides.
         self._epoch = secrets.token_hex(3)

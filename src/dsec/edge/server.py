@@ -21,12 +21,13 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import FileResponse
-from pydantic import BaseModel, Field
 from starlette.background import BackgroundTask
 
 from dsec import __version__, errors
-from dsec.apiserver.edges import LocalEdge
-from dsec.apiserver.routes import (
+from dsec.config import EdgeSettings
+from dsec.edge.edge import Edge
+from dsec.edge.local import LocalEdge
+from dsec.http.routes import (
     Express,
     Gate,
     Target,
@@ -35,22 +36,21 @@ from dsec.apiserver.routes import (
     model_response,
     sandbox_router,
 )
-from dsec.config import EdgeSettings
-from dsec.edge.edge import Edge
-from dsec.edge.pools import PoolInfo, PoolSpec
-from dsec.fncall.models import FnCallRequest, JupyterRequest
-from dsec.models import EdgeStatus, ForkRequest, RestoreRequest, SandboxInfo, SandboxSpec
+from dsec.models import (
+    BuildRequest,
+    EdgeStatus,
+    FnCallRequest,
+    ForkRequest,
+    JupyterRequest,
+    PoolInfo,
+    PoolPrewarm,
+    PoolSpec,
+    RestoreRequest,
+    SandboxInfo,
+    SandboxSpec,
+)
 
 log = logging.getLogger("dsec.edge.server")
-
-
-class PrewarmRequest(BaseModel):
-    spec: PoolSpec
-    count: int = Field(ge=0, le=10000)
-
-
-class BuildRequest(BaseModel):
-    recipe: str
 
 
 def _projects(request: Request) -> set[str] | None:
@@ -232,7 +232,7 @@ def _install_pool_image_routes(app: FastAPI, local: LocalEdge) -> None:
         return await local.configure_pool(spec)
 
     @app.post("/v1/pools/prewarm", response_model=PoolInfo)
-    async def prewarm(body: PrewarmRequest) -> PoolInfo:
+    async def prewarm(body: PoolPrewarm) -> PoolInfo:
         return await local.prewarm(body.spec, body.count)
 
     @app.post("/v1/sandboxes/{sid}/fork", status_code=201)

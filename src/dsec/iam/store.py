@@ -54,9 +54,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from dsec.errors import AuthError, Conflict, Forbidden, InvalidRequest, NotFound, QuotaExceeded
+from dsec.models.iam import Principal, Project, Quota, Usage
 from dsec.privatefs import private_file
 
 __all__ = ["IAM", "Principal", "Project", "Quota", "Usage"]
@@ -156,45 +155,6 @@ WITH RECURSIVE sub(name) AS (
 )
 SELECT name FROM sub
 """
-
-
-class Quota(BaseModel):
-    """Limits of a project's whole subtree.
-
-    ``None`` means unlimited at this level (an ancestor's bound still applies).
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_sandboxes: int | None = Field(default=None, ge=0)
-    max_cpu: float | None = Field(default=None, ge=0)
-    max_memory_mb: int | None = Field(default=None, ge=0)
-    max_snapshots: int | None = Field(default=None, ge=0)
-    #: Total size of the subtree's snapshots in MiB, each snapshot rounded up to a whole MiB.
-    max_snapshot_mb: int | None = Field(default=None, ge=0)
-
-
-class Project(BaseModel):
-    name: str
-    parent: str | None
-    quota: Quota
-    created_at: float
-
-
-class Principal(BaseModel):
-    id: str
-    name: str
-    admin: bool
-    projects: list[str]
-    created_at: float
-
-
-class Usage(BaseModel):
-    sandboxes: int
-    cpu: float
-    memory_mb: int
-    snapshots: int = 0
-    snapshot_mb: int = 0
 
 
 _DIMENSIONS: tuple[tuple[str, str], ...] = (

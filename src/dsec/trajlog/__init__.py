@@ -3,6 +3,7 @@
 See :mod:`dsec.trajlog.log` for the numbering, crash-detection and loss-bound guarantees.
 """
 
-from dsec.trajlog.log import Entry, StepTag, TrajectoryLog, action_hash, canonical_json
+from dsec.models import Entry
+from dsec.trajlog.log import StepTag, TrajectoryLog, action_hash, canonical_json
 
 __all__ = ["Entry", "StepTag", "TrajectoryLog", "action_hash", "canonical_json"]

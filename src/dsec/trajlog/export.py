@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from dsec.trajlog.log import TrajectoryLog
+
+class TrajectoryLog(Protocol):
+    """What an export reads from the log (dsec.trajlog.log.TrajectoryLog)."""
+
+    def iter_rows(self, sandbox_id: str) -> Iterator[list[tuple[Any, ...]]]: ...
 
 FIELDS = (
     "sandbox_id", "seq", "kind", "action", "observation", "timings",

@@ -61,9 +61,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
-
 from dsec import errors
+from dsec.models.trajectory import Entry
 from dsec.privatefs import open_private, private_file
 
 GAP = "gap"
@@ -121,19 +120,6 @@ class StepTag:
     trajectory: str
     index: int
     scope: str = ""
-
-
-class Entry(BaseModel):
-    sandbox_id: str
-    seq: int
-    kind: str  # "exec" | "session" | "file" | ... | "gap"
-    action: dict[str, Any]
-    observation: dict[str, Any] | None
-    timings: dict[str, float]
-    trajectory: str | None = None
-    step: int | None = None
-    action_hash: str | None = None
-    recorded_at: float
 
 
 def canonical_json(value: Any) -> str:

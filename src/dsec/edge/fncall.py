@@ -32,18 +32,36 @@ import os
 import secrets
 import socket
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dsec import errors
+from dsec.backends.container import Container
 from dsec.edge.process import PipeReader, Spawned, spawn
-from dsec.fncall.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult, Stage
-from dsec.isolation.cgroups import ExecGroup
+from dsec.isolation.cgroups import CgroupHost, ExecGroup
+from dsec.models import (
+    FnCallRequest,
+    FnCallResult,
+    JupyterRequest,
+    JupyterResult,
+    SandboxInfo,
+    SandboxSpec,
+    Stage,
+)
 
-if TYPE_CHECKING:
-    from dsec.edge.edge import Edge
+
+@dataclass(frozen=True)
+class WorkerHost:
+    """What the pool needs of its edge, and nothing more: make and stop worker sandboxes,
+    reach a worker's container, the host's cgroups, and whether an image exists."""
+
+    create: Callable[[SandboxSpec], Awaitable[SandboxInfo]]
+    stop: Callable[[str], Awaitable[object]]  # without waiting for the teardown
+    container: Callable[[str], Container]
+    cgroups: CgroupHost
+    check_image: Callable[[str], object]  # raises ImageNotFound
 
 log = logging.getLogger("dsec.fncall")
 FNCALL_PROJECT = "_fncall"
@@ -201,8 +219,8 @@ class _Image:
 
 
 class FnCallPool:
-    def __init__(self, edge: Edge, *, workers_per_image: int = 4) -> None:
-        self.edge = edge
+    def __init__(self, host: WorkerHost, *, workers_per_image: int = 4) -> None:
+        self.host = host
         self.size = workers_per_image
         self.images: dict[str, _Image] = {}
         self._starting: dict[str, asyncio.Task[None]] = {}
@@ -385,25 +403,23 @@ class FnCallPool:
     def _stop_later(self, w: Worker) -> None:
         async def stop() -> None:
             with contextlib.suppress(errors.DsecError):
-                await self.edge.stop(w.sandbox_id, wait=False)
+                await self.host.stop(w.sandbox_id)
 
         self._background(stop())
 
     async def _new_worker(self, image: str) -> Worker:
-        from dsec.models import SandboxSpec
-
         spec = SandboxSpec(
             image=image, cpu=2, memory_mb=2048, pids=2048, disk_mb=2048, project=FNCALL_PROJECT
         )
-        info = await self.edge.create(spec)
+        info = await self.host.create(spec)
         try:
             return await self._start_runner(info.id)
         except BaseException:
-            await self.edge.stop(info.id, wait=False)
+            await self.host.stop(info.id)
             raise
 
     async def _start_runner(self, sandbox_id: str) -> Worker:
-        sb = self.edge.sandboxes[sandbox_id]
+        container = self.host.container(sandbox_id)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         theirs_fd = theirs.detach()
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -415,8 +431,8 @@ class FnCallPool:
         }
         try:
             proc = await spawn(
-                sb.container,
-                self.edge.cgroups,
+                container,
+                self.host.cgroups,
                 f"dsec-fncall-{sandbox_id[-6:]}",
                 ["python3", "-u", "-c", runner_source()],
                 env,
@@ -429,7 +445,7 @@ class FnCallPool:
             ours.close()
             os.close(err_r)
             raise
-        w = Worker(sandbox_id, sb.container.id, proc, ours, PipeReader(err_r, 64 * 1024))
+        w = Worker(sandbox_id, container.id, proc, ours, PipeReader(err_r, 64 * 1024))
         if not await w.wait_ready(30.0):
             w.close()
             raise errors.InternalError(
@@ -441,7 +457,7 @@ class FnCallPool:
 
     def _open_call_group(self, w: Worker) -> ExecGroup | None:
         try:
-            return self.edge.cgroups.open_exec_group(w.container_id, f"fncall-call-{next(self._seq)}")
+            return self.host.cgroups.open_exec_group(w.container_id, f"fncall-call-{next(self._seq)}")
         except OSError as e:
             log.warning("fncall worker %s: cannot create a call's cgroup: %s", w.sandbox_id, e)
             return None
@@ -477,7 +493,7 @@ class FnCallPool:
     async def _call(
         self, image: str, project: str, payload: dict[str, Any], timeout: float
     ) -> tuple[dict[str, Any], str]:
-        self.edge.layers.get_image(image)  # ImageNotFound before waiting for workers
+        self.host.check_image(image)  # ImageNotFound before waiting for workers
         await asyncio.shield(self.start(image))
         for _ in range(3):  # a worker found broken is replaced and the call goes to another
             w = await self._acquire(image, project)

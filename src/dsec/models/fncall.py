@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-MiB = 1024 * 1024
+from dsec.models.sandbox import MiB
 
 
 def _file_names(v: list[str]) -> list[str]:

@@ -1,4 +1,4 @@
-"""Wire models shared by the edge, the apiserver and the SDK."""
+"""Sandboxes, execs, sessions, files, snapshots and checkpoints on the wire."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from dsec.isolation.netpolicy import NetRule, NetworkPolicy
-
-__all__ = ["NetRule", "NetworkPolicy"]  # re-exported: part of the wire format
+from dsec.models.network import NetworkPolicy
 
 MiB = 1024 * 1024
 ShortStr = Annotated[str, Field(max_length=256)]

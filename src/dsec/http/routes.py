@@ -24,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dsec import errors
-from dsec.apiserver.edges import EdgeAPI, Projects
+from dsec.edgeapi import EdgeAPI, Projects
 from dsec.models import (
     Checkpoint,
     CheckpointRequest,

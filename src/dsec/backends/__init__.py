@@ -1,0 +1,1 @@
+"""Sandbox backends: how a sandbox is made, reached and torn down on this node."""

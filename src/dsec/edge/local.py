@@ -1,0 +1,268 @@
+"""An edge in the apiserver's own process (`dsec up`): the edge contract over `Edge`."""
+
+
+import asyncio
+import builtins
+import hashlib
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from dsec.edge import Edge
+from dsec.edge.edge import encode_content
+from dsec.edge.files import off_loop
+from dsec.edgeapi import EdgeAPI, Projects, decode_write
+from dsec.models import (
+    Checkpoint,
+    CheckpointRequest,
+    EdgeStatus,
+    ExecRequest,
+    ExecResult,
+    FileContent,
+    FileEdit,
+    FileStat,
+    FileWrite,
+    FnCallRequest,
+    FnCallResult,
+    JupyterRequest,
+    JupyterResult,
+    NetworkPolicy,
+    PoolInfo,
+    PoolSpec,
+    RestoreRequest,
+    SandboxInfo,
+    SandboxSpec,
+    SessionCreate,
+    SessionInfo,
+    SessionResult,
+    SessionRun,
+    SnapshotInfo,
+    SnapshotRequest,
+)
+
+
+class LocalEdge(EdgeAPI):
+    """An edge in this process."""
+
+    def __init__(self, edge: Edge, url: str | None = None) -> None:
+        self.edge = edge
+        self.name = edge.name
+        self.url = url
+
+    def _check(self, sid: str, projects: Projects) -> None:
+        self.edge.check_access(sid, projects)
+
+    async def create(self, spec: SandboxSpec) -> SandboxInfo:
+        return await self.edge.create(spec)
+
+    async def get(self, sid: str, projects: Projects) -> SandboxInfo:
+        self._check(sid, projects)
+        return await self.edge.sandbox_status(sid)
+
+    async def list(
+        self, labels: dict[str, str], project: str | None, projects: Projects
+    ) -> list[SandboxInfo]:
+        return [i for i in self.edge.list(labels, project) if projects is None or i.spec.project in projects]
+
+    async def stop(self, sid: str, projects: Projects) -> None:
+        self._check(sid, projects)
+        await self.edge.stop(sid, wait=False)  # gone at once; teardown continues in the background
+
+    async def exec(self, sid: str, req: ExecRequest, projects: Projects) -> ExecResult:
+        self._check(sid, projects)
+        return await self.edge.exec(sid, req)
+
+    async def exec_stream(
+        self, sid: str, req: ExecRequest, projects: Projects
+    ) -> AsyncIterator[tuple[str, Any]]:
+        self._check(sid, projects)
+        async for kind, item in self.edge.exec_stream(sid, req):
+            yield kind, (item.decode(errors="replace") if isinstance(item, bytes) else item)
+
+    async def session_create(self, sid: str, req: SessionCreate, projects: Projects) -> SessionInfo:
+        self._check(sid, projects)
+        return await self.edge.session_create(sid, req)
+
+    async def session_list(self, sid: str, projects: Projects) -> builtins.list[SessionInfo]:
+        self._check(sid, projects)
+        return self.edge.session_list(sid)
+
+    async def session_run(self, sid: str, ses: str, req: SessionRun, projects: Projects) -> SessionResult:
+        self._check(sid, projects)
+        return await self.edge.session_run(sid, ses, req)
+
+    async def session_close(self, sid: str, ses: str, projects: Projects) -> None:
+        self._check(sid, projects)
+        await self.edge.session_close(sid, ses)
+
+    async def read_file(self, sid: str, path: str, projects: Projects) -> FileContent:
+        self._check(sid, projects)
+        data = await self.edge.read_file(sid, path)
+        content, encoding = encode_content(data)
+        return FileContent(path=path, content=content, encoding=encoding, size=len(data))  # type: ignore[arg-type]
+
+    async def write_file(self, sid: str, req: FileWrite, projects: Projects) -> None:
+        self._check(sid, projects)
+        await self.edge.write_logged(sid, req, decode_write(req))
+
+    async def edit_file(self, sid: str, req: FileEdit, projects: Projects) -> int:
+        self._check(sid, projects)
+        return await self.edge.edit_logged(sid, req)
+
+    async def stat_file(self, sid: str, path: str, projects: Projects) -> FileStat:
+        self._check(sid, projects)
+        return self.edge.stat_file(sid, path)
+
+    async def list_dir(self, sid: str, path: str, projects: Projects) -> builtins.list[FileStat]:
+        self._check(sid, projects)
+        return await self.edge.list_dir(sid, path)
+
+    async def delete_file(self, sid: str, path: str, recursive: bool, projects: Projects) -> None:
+        self._check(sid, projects)
+        await self.edge.delete_file(sid, path, recursive)
+        await self.edge.log_event(sid, "file", {"op": "delete", "path": path, "recursive": recursive}, {})
+
+    async def upload_tar(self, sid: str, path: str, data: bytes, projects: Projects) -> None:
+        self._check(sid, projects)
+        await self.edge.upload_tar(sid, path, data)
+        digest = hashlib.sha256(data).hexdigest()
+        await self.edge.log_event(
+            sid, "file", {"op": "upload", "path": path, "sha256": digest, "size": len(data)}, {}
+        )
+
+    async def download_tar(self, sid: str, path: str, projects: Projects) -> AsyncIterator[bytes]:
+        self._check(sid, projects)
+        spool = await self.edge.archive(sid, path)
+        try:
+            while chunk := await off_loop(lambda: spool.read(1 << 20)):
+                yield chunk
+        finally:
+            spool.close()
+
+    async def status(self) -> EdgeStatus:
+        return self.edge.status().model_copy(update={"url": self.url})
+
+    async def configure_pool(self, spec: PoolSpec) -> PoolInfo:
+        return self.edge.configure_pool(spec)
+
+    async def prewarm(self, spec: PoolSpec, count: int) -> PoolInfo:
+        return self.edge.prewarm(spec, count)
+
+    async def pools(self) -> builtins.list[PoolInfo]:
+        return self.edge.pools.list()
+
+    async def pause(self, sid: str, projects: Projects) -> SandboxInfo:
+        self._check(sid, projects)
+        return await self.edge.pause(sid)
+
+    async def resume(self, sid: str, projects: Projects) -> SandboxInfo:
+        self._check(sid, projects)
+        return await self.edge.resume(sid)
+
+    async def pause_project(self, project: str) -> builtins.list[str]:
+        return await self.edge.pause_project(project)
+
+    async def snapshot(self, sid: str, req: SnapshotRequest, projects: Projects) -> SnapshotInfo:
+        self._check(sid, projects)
+        return await self.edge.snapshot(sid, req.scrub)
+
+    async def fork(self, sid: str, n: int, projects: Projects) -> builtins.list[SandboxInfo]:
+        self._check(sid, projects)
+        return await self.edge.fork(sid, n)
+
+    async def checkpoint(self, sid: str, req: CheckpointRequest, projects: Projects) -> Checkpoint:
+        self._check(sid, projects)
+        return await self.edge.checkpoint(sid, leave_running=req.leave_running)
+
+    async def checkpoints(self, projects: Projects) -> builtins.list[Checkpoint]:
+        return self.edge.list_checkpoints(projects)
+
+    async def restore(self, cid: str, req: RestoreRequest, projects: Projects) -> SandboxInfo:
+        return await self.edge.restore(cid, sandbox_id=req.sandbox_id, labels=req.labels, projects=projects)
+
+    async def delete_checkpoint(self, cid: str, projects: Projects) -> None:
+        self.edge.delete_checkpoint(cid, projects)
+
+    async def snapshots(self, projects: Projects = None) -> builtins.list[dict[str, Any]]:
+        return self.edge.list_snapshots(projects)
+
+    async def protect(self, sid: str, paths: builtins.list[str], projects: Projects) -> builtins.list[str]:
+        self._check(sid, projects)
+        return await self.edge.protect(sid, paths)
+
+    async def verify(self, sid: str, req: ExecRequest, projects: Projects) -> ExecResult:
+        self._check(sid, projects)
+        return await self.edge.verify(sid, req)
+
+    async def set_network(self, sid: str, policy: NetworkPolicy | None, projects: Projects) -> dict[str, Any]:
+        self._check(sid, projects)
+        return await self.edge.set_network(sid, policy)
+
+    async def network(self, sid: str, projects: Projects) -> dict[str, Any]:
+        self._check(sid, projects)
+        return await self.edge.network(sid)
+
+    async def delete_snapshot(self, name: str, projects: Projects = None) -> None:
+        self.edge.delete_snapshot(name, projects)
+
+    async def image_manifest(self, name: str) -> dict[str, Any]:
+        return self.edge.image_manifest(name)
+
+    async def missing_layers(self, manifest: dict[str, Any]) -> builtins.list[str]:
+        return self.edge.missing_layers(manifest)
+
+    async def fetch_layer(self, ref: str, dest: Path) -> None:
+        await self.edge.export_layer(ref, dest)
+
+    async def push_layer(self, ref: str, digest: str, archive: Path) -> None:
+        await self.edge.import_layer(ref, digest, archive)
+
+    async def put_image(self, manifest: dict[str, Any]) -> None:
+        self.edge.put_image(manifest)
+
+    async def trajectory(
+        self, sid: str, after_seq: int, limit: int | None, projects: Projects
+    ) -> dict[str, Any]:
+        self._check(sid, projects)
+        return await self.edge.trajectory(sid, after_seq=after_seq, limit=limit)
+
+    async def trajectory_export(self, sid: str, fmt: str, projects: Projects) -> bytes:
+        self._check(sid, projects)
+        return await self.edge.trajectory_export(sid, fmt)
+
+    async def fncall_run(self, req: FnCallRequest) -> FnCallResult:
+        return await self.edge.fncall_run(req)
+
+    async def fncall_jupyter(self, req: JupyterRequest) -> JupyterResult:
+        return await self.edge.fncall_jupyter(req)
+
+    async def images(self) -> builtins.list[dict[str, Any]]:
+        return [_image_dict(i) for i in self.edge.layers.list_images()]
+
+    async def layers(self) -> builtins.list[dict[str, Any]]:
+        return [layer.model_dump(mode="json") for layer in self.edge.layers.list_layers()]
+
+    async def build_image(self, recipe: str) -> dict[str, Any]:
+        from dsec.layers import build_recipe_image, load_recipe
+
+        load_recipe(recipe)  # unknown recipe -> ImageNotFound before any work
+        image = await asyncio.get_running_loop().run_in_executor(
+            None, build_recipe_image, self.edge.layers, recipe
+        )
+        return _image_dict(image)
+
+    async def import_image(self, name: str, data: bytes) -> dict[str, Any]:
+        from dsec.layers import import_oci_archive
+
+        def run() -> Any:
+            with tempfile.NamedTemporaryFile(prefix="dsec-import-", suffix=".tar") as f:
+                f.write(data)
+                f.flush()
+                return import_oci_archive(self.edge.layers, name, Path(f.name))
+
+        return _image_dict(await asyncio.get_running_loop().run_in_executor(None, run))
+
+
+def _image_dict(image: Any) -> dict[str, Any]:
+    return {"name": image.name, "layers": [str(r) for r in image.layers], "created_at": image.created_at}

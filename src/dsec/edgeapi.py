@@ -1,0 +1,186 @@
+"""The edge contract: what the apiserver asks of an edge, whatever runs it.
+
+`dsec.edge.local.LocalEdge` calls an edge in the same process (what `dsec up` runs: no
+second network hop); `dsec.apiserver.edges.HttpEdge` calls a remote `dsec edge` over its
+HTTP API with the cluster token. Both scope every per-sandbox call to the caller's visible
+projects (`projects`, None = all), so the apiserver needs no per-sandbox state: the edge
+knows each sandbox's project. This module imports only the wire models.
+"""
+
+
+import base64
+import builtins
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from dsec import errors
+from dsec.models import (
+    Checkpoint,
+    CheckpointRequest,
+    EdgeStatus,
+    ExecRequest,
+    ExecResult,
+    FileContent,
+    FileEdit,
+    FileStat,
+    FileWrite,
+    FnCallRequest,
+    FnCallResult,
+    JupyterRequest,
+    JupyterResult,
+    NetworkPolicy,
+    PoolInfo,
+    PoolSpec,
+    RestoreRequest,
+    SandboxInfo,
+    SandboxSpec,
+    SessionCreate,
+    SessionInfo,
+    SessionResult,
+    SessionRun,
+    SnapshotInfo,
+    SnapshotRequest,
+)
+
+Projects = set[str] | None
+
+
+def edge_of(sandbox_id: str) -> str:
+    """The owning edge's name, encoded in the id (`<edge>-<random>`)."""
+    name, sep, rest = sandbox_id.partition("-")
+    if not sep or not name or not rest:
+        raise errors.SandboxNotFound(f"{sandbox_id!r} is not a sandbox id (expected <edge>-<random>)")
+    return name
+
+
+class EdgeAPI(ABC):
+    name: str
+    url: str | None = None
+
+    @abstractmethod
+    async def create(self, spec: SandboxSpec) -> SandboxInfo: ...
+    @abstractmethod
+    async def get(self, sid: str, projects: Projects) -> SandboxInfo: ...
+    @abstractmethod
+    async def list(
+        self, labels: dict[str, str], project: str | None, projects: Projects
+    ) -> list[SandboxInfo]: ...
+    @abstractmethod
+    async def stop(self, sid: str, projects: Projects) -> None: ...
+    @abstractmethod
+    async def exec(self, sid: str, req: ExecRequest, projects: Projects) -> ExecResult: ...
+    @abstractmethod
+    def exec_stream(
+        self, sid: str, req: ExecRequest, projects: Projects
+    ) -> AsyncIterator[tuple[str, Any]]: ...
+    @abstractmethod
+    async def session_create(self, sid: str, req: SessionCreate, projects: Projects) -> SessionInfo: ...
+    @abstractmethod
+    async def session_list(self, sid: str, projects: Projects) -> builtins.list[SessionInfo]: ...
+    @abstractmethod
+    async def session_run(self, sid: str, ses: str, req: SessionRun, projects: Projects) -> SessionResult: ...
+    @abstractmethod
+    async def session_close(self, sid: str, ses: str, projects: Projects) -> None: ...
+    @abstractmethod
+    async def read_file(self, sid: str, path: str, projects: Projects) -> FileContent: ...
+    @abstractmethod
+    async def write_file(self, sid: str, req: FileWrite, projects: Projects) -> None: ...
+    @abstractmethod
+    async def edit_file(self, sid: str, req: FileEdit, projects: Projects) -> int: ...
+    @abstractmethod
+    async def stat_file(self, sid: str, path: str, projects: Projects) -> FileStat: ...
+    @abstractmethod
+    async def list_dir(self, sid: str, path: str, projects: Projects) -> builtins.list[FileStat]: ...
+    @abstractmethod
+    async def delete_file(self, sid: str, path: str, recursive: bool, projects: Projects) -> None: ...
+    @abstractmethod
+    async def upload_tar(self, sid: str, path: str, data: bytes, projects: Projects) -> None: ...
+    @abstractmethod
+    def download_tar(self, sid: str, path: str, projects: Projects) -> AsyncIterator[bytes]: ...
+    # download_tar: the tar's bytes in chunks; the first chunk comes once the archive was built
+    # (or refused), so a caller that takes it first can still answer an error.
+    @abstractmethod
+    async def status(self) -> EdgeStatus: ...
+    @abstractmethod
+    async def configure_pool(self, spec: PoolSpec) -> PoolInfo: ...
+    @abstractmethod
+    async def prewarm(self, spec: PoolSpec, count: int) -> PoolInfo: ...
+    @abstractmethod
+    async def pools(self) -> builtins.list[PoolInfo]: ...
+    @abstractmethod
+    async def pause(self, sid: str, projects: Projects) -> SandboxInfo: ...
+    @abstractmethod
+    async def resume(self, sid: str, projects: Projects) -> SandboxInfo: ...
+    @abstractmethod
+    async def pause_project(self, project: str) -> builtins.list[str]: ...
+    @abstractmethod
+    async def snapshot(self, sid: str, req: SnapshotRequest, projects: Projects) -> SnapshotInfo: ...
+    @abstractmethod
+    async def fork(self, sid: str, n: int, projects: Projects) -> builtins.list[SandboxInfo]: ...
+    @abstractmethod
+    async def checkpoint(self, sid: str, req: CheckpointRequest, projects: Projects) -> Checkpoint: ...
+    @abstractmethod
+    async def checkpoints(self, projects: Projects) -> builtins.list[Checkpoint]: ...
+    @abstractmethod
+    async def restore(self, cid: str, req: RestoreRequest, projects: Projects) -> SandboxInfo: ...
+    @abstractmethod
+    async def delete_checkpoint(self, cid: str, projects: Projects) -> None: ...
+    @abstractmethod
+    async def protect(
+        self, sid: str, paths: builtins.list[str], projects: Projects
+    ) -> builtins.list[str]: ...
+    @abstractmethod
+    async def verify(self, sid: str, req: ExecRequest, projects: Projects) -> ExecResult: ...
+    @abstractmethod
+    async def set_network(
+        self, sid: str, policy: NetworkPolicy | None, projects: Projects
+    ) -> dict[str, Any]: ...
+    @abstractmethod
+    async def network(self, sid: str, projects: Projects) -> dict[str, Any]: ...
+    @abstractmethod
+    async def snapshots(self, projects: Projects = None) -> builtins.list[dict[str, Any]]: ...
+    @abstractmethod
+    async def image_manifest(self, name: str) -> dict[str, Any]: ...
+    @abstractmethod
+    async def missing_layers(self, manifest: dict[str, Any]) -> builtins.list[str]: ...
+    @abstractmethod
+    async def fetch_layer(self, ref: str, dest: Path) -> None: ...
+    @abstractmethod
+    async def push_layer(self, ref: str, digest: str, archive: Path) -> None: ...
+    @abstractmethod
+    async def put_image(self, manifest: dict[str, Any]) -> None: ...
+    @abstractmethod
+    async def delete_snapshot(self, name: str, projects: Projects = None) -> None: ...
+    @abstractmethod
+    async def trajectory(
+        self, sid: str, after_seq: int, limit: int | None, projects: Projects
+    ) -> dict[str, Any]: ...
+    @abstractmethod
+    async def trajectory_export(self, sid: str, fmt: str, projects: Projects) -> bytes: ...
+    @abstractmethod
+    async def fncall_run(self, req: FnCallRequest) -> FnCallResult: ...
+    @abstractmethod
+    async def fncall_jupyter(self, req: JupyterRequest) -> JupyterResult: ...
+
+    @abstractmethod
+    async def images(self) -> builtins.list[dict[str, Any]]: ...
+    @abstractmethod
+    async def layers(self) -> builtins.list[dict[str, Any]]: ...
+    @abstractmethod
+    async def build_image(self, recipe: str) -> dict[str, Any]: ...
+    @abstractmethod
+    async def import_image(self, name: str, data: bytes) -> dict[str, Any]: ...
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+def decode_write(req: FileWrite) -> bytes:
+    if req.encoding == "base64":
+        try:
+            return base64.b64decode(req.content, validate=True)
+        except ValueError as e:
+            raise errors.InvalidRequest("content is not valid base64; send encoding='utf-8' for text") from e
+    return req.content.encode()
