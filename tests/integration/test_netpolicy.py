@@ -26,14 +26,12 @@ import pytest
 from dsec import errors
 from dsec.isolation.netpolicy import (
     NetHost,
-    NetRule,
-    NetworkPolicy,
     host_addresses,
     parse_query,
     reply_without_answer,
     socket_in_netns,
 )
-from dsec.models import ExecRequest, SandboxSpec
+from dsec.models import ExecRequest, NetRule, NetworkPolicy, SandboxSpec
 
 pytestmark = [pytest.mark.root, pytest.mark.asyncio]
 

@@ -23,12 +23,10 @@ from dsec import errors
 from dsec.isolation.netpolicy import (
     NetHost,
     NetLimits,
-    NetRule,
-    NetworkPolicy,
     host_addresses,
     socket_in_netns,
 )
-from dsec.models import ExecRequest, SandboxSpec
+from dsec.models import ExecRequest, NetRule, NetworkPolicy, SandboxSpec
 
 from . import test_netpolicy as base
 from .test_netpolicy import Server, _leftovers, attach, connect, ok, sandbox, sh
