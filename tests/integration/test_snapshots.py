@@ -119,7 +119,7 @@ async def test_fork_of_fork_stacks_layers_keeps_deletions_and_opaque_dirs(edge):
 
 
 async def test_long_fork_chains_are_flattened(edge, monkeypatch):
-    import dsec.edge.edge as edge_mod
+    import dsec.edge.state as edge_mod  # where fork() reads it
 
     monkeypatch.setattr(edge_mod, "MAX_FORK_CHAIN", 1)
     sb = await edge.create(SandboxSpec(image="python"))

@@ -1,0 +1,421 @@
+"""Execs (plain, streamed, trusted), sessions, and the trajectory log of a sandbox's steps:
+every operation an agent takes, recorded with its observation, replayed by step tag.
+
+A part of `Edge` (edge.py): what it uses of the rest of the edge is declared at the top of
+`EdgeExec`."""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import hashlib
+import logging
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dsec import errors
+from dsec.backends.container import (
+    ContainerBackend,
+)
+from dsec.config import EdgeSettings
+from dsec.edge import trusted
+from dsec.edge.files import SandboxFiles
+from dsec.edge.process import RawResult, run_process
+from dsec.edge.sandbox import Sandbox
+from dsec.edge.sessions import Runner, Session, open_session
+from dsec.isolation.cgroups import CgroupHost
+from dsec.isolation.spec import DEFAULT_PATH
+from dsec.layers import LayerStore
+from dsec.layers.store import Image
+from dsec.models import (
+    ExecRequest,
+    ExecResult,
+    FileEdit,
+    FileWrite,
+    SessionCreate,
+    SessionInfo,
+    SessionResult,
+    SessionRun,
+    Step,
+)
+from dsec.native import ensure_trusted
+from dsec.trajlog import StepTag, TrajectoryLog, action_hash
+
+log = logging.getLogger("dsec.edge")
+
+
+class EdgeExec:
+    """exec, sessions and step logging (see the module)."""
+
+    # What this part uses of the edge (set by Edge).
+    settings: EdgeSettings
+    cgroups: CgroupHost
+    layers: LayerStore
+    sandboxes: dict[str, Sandbox]
+    backend: ContainerBackend | None
+    trajlog: TrajectoryLog
+    _trusted_tool: Path | None
+    _inflight: dict[tuple[str, str, int], asyncio.Future[None]]
+    _epoch: str
+    _dirty_active: dict[str, float]
+
+    if TYPE_CHECKING:
+
+        async def _denied_connections(self, sb: Sandbox) -> int: ...
+
+        def _get(self, sandbox_id: str) -> Sandbox: ...
+
+        def _image(self, name: str) -> Image: ...
+
+        def _lookup(self, sandbox_id: str) -> Sandbox: ...
+
+        def _misbehaviour(self, sb: Sandbox, res: RawResult, denied_before: int = 0) -> dict[str, int]: ...
+
+        @staticmethod
+        def _resolve_user(files: SandboxFiles, user: str) -> tuple[int, int, str]: ...
+
+    # --- exec ----------------------------------------------------------------------
+
+    def _group_name(self, sb: Sandbox) -> str:
+        return f"dsec-x{self._epoch}-{next(sb.counter)}"
+
+    def _env(self, sb: Sandbox, extra: dict[str, str]) -> dict[str, str]:
+        return {
+            "PATH": DEFAULT_PATH,
+            "HOME": sb.home,
+            "LANG": "C.UTF-8",
+            "HOSTNAME": sb.id,
+            **sb.record.spec.env,
+            **extra,
+        }
+
+    def _user(self, sb: Sandbox, user: str | None) -> tuple[int, int]:
+        if user is None:
+            return sb.uid, sb.gid
+        uid, gid, _ = self._resolve_user(sb.files, user)
+        return uid, gid
+
+    def _run(
+        self,
+        sb: Sandbox,
+        req: ExecRequest,
+        *,
+        stdin: bytes | None = None,
+        cap: int | None = None,
+        sink: Callable[[str, bytes], None] | None = None,
+    ) -> Coroutine[Any, Any, RawResult]:
+        """The one path every process started on request takes (exec, streams, archives)."""
+        if req.trusted or req.task_dirs is not None:
+            return self._run_trusted(sb, req, stdin=stdin, cap=cap, sink=sink)
+        argv = ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) else list(req.cmd)
+        uid, gid = self._user(sb, req.user)
+        if stdin is None and req.stdin is not None:
+            stdin = req.stdin.encode()
+        return run_process(
+            sb.container,
+            self.cgroups,
+            self._group_name(sb),
+            argv,
+            self._env(sb, req.env),
+            cwd=req.cwd or sb.record.spec.workdir,
+            uid=uid,
+            gid=gid,
+            stdin=stdin,
+            timeout=req.timeout,
+            cap=min(req.max_output_bytes, sb.record.spec.max_output_bytes) if cap is None else cap,
+            sink=sink,
+        )
+
+    async def _run_trusted(
+        self,
+        sb: Sandbox,
+        req: ExecRequest,
+        *,
+        protected: builtins.list[trusted.Protected] | None = None,
+        stdin: bytes | None = None,
+        cap: int | None = None,
+        sink: Callable[[str, bytes], None] | None = None,
+    ) -> RawResult:
+        """Run `req` with the image's own toolchain (see dsec.edge.trusted)."""
+        dirs = self._trusted_checks(sb, req)
+        if self._trusted_tool is None:
+            tool = await asyncio.get_running_loop().run_in_executor(
+                None, ensure_trusted, self.settings.data_dir / "bin"
+            )
+            self.settings.edge_run_dir.joinpath("trusted").mkdir(mode=0o700, exist_ok=True)
+            self._trusted_tool = tool
+        assert self.backend is not None
+        bpf = self.backend.runtime_root / sb.id / "seccomp.bpf"
+        if not bpf.exists():
+            raise errors.InternalError(f"sandbox {sb.id} has no compiled seccomp program for a trusted exec")
+        spec = trusted.TrustedSpec(
+            tool=self._trusted_tool,
+            lowers=trusted.trusted_lowers(self.layers, self._image(sb.record.spec.image)),
+            task_dirs=dirs,
+            protected=protected or [],
+            scratch=self.settings.edge_run_dir / "trusted",
+            seccomp=bpf,
+            uid_offset=self.settings.uid_offset,
+            id_base=sb.container.id_base,
+            tmp_mb=sb.record.spec.disk_mb,
+        )
+        if stdin is None and req.stdin is not None:
+            stdin = req.stdin.encode()
+        return await trusted.run_trusted(
+            spec,
+            sb.container,
+            self.cgroups,
+            self._group_name(sb),
+            sb.root_fd,
+            ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) else list(req.cmd),
+            trusted.clean_env(req.env),
+            # Not the workdir: `python3 -m X`, pytest's rootdir/conftest discovery and the like
+            # load modules from their cwd, which would be the agent's files. A caller who
+            # names a cwd in a task dir takes that on knowingly.
+            cwd=req.cwd or "/",
+            stdin=stdin,
+            timeout=req.timeout,
+            cap=min(req.max_output_bytes, sb.record.spec.max_output_bytes) if cap is None else cap,
+            sink=sink,
+        )
+
+    @staticmethod
+    def _trusted_checks(sb: Sandbox, req: ExecRequest) -> builtins.list[str]:
+        """400s for what a trusted exec cannot do; its task directories."""
+        if not req.trusted:
+            raise errors.InvalidRequest("task_dirs applies to trusted execs only: pass trusted=true")
+        if req.user is not None:
+            raise errors.InvalidRequest(
+                f"a trusted exec runs as the platform's own uid {trusted.TRUSTED_UID}, never as a "
+                "sandbox user: drop `user`"
+            )
+        return trusted.task_dirs(req.task_dirs, sb.record.spec.workdir)
+
+    async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        sb = self._get(sandbox_id)
+        action = {"op": "exec", **req.model_dump(include={"cmd", "stdin", "env", "cwd", "user"})}
+        if req.trusted:  # another action than the same command untrusted (a replay must not mix them)
+            action.update(trusted=True, task_dirs=req.task_dirs)
+
+        async def run() -> dict[str, Any]:
+            denied_before = sb.stats["denied_syscalls"]
+            raw = await self._run(sb, req)
+            result = raw.to_exec_result()
+            result.misbehaviour = self._misbehaviour(sb, raw, denied_before)
+            if (raw.exit_code != 0 or raw.timed_out) and sb.record.spec.network is not None:
+                refused = await self._denied_connections(sb)
+                if refused:
+                    result.misbehaviour["denied_connections"] = refused
+            return result.model_dump()
+
+        obs, seq, replayed = await self._logged(sb, "exec", action, req.step, run)
+        return ExecResult.model_validate({**obs, "seq": seq, "replayed": replayed})
+
+    async def exec_stream(
+        self, sandbox_id: str, req: ExecRequest
+    ) -> AsyncIterator[tuple[str, bytes | ExecResult]]:
+        """Like exec, yielding ("stdout" | "stderr", chunk) as output arrives, then ("result", ExecResult)."""
+        sb = self._get(sandbox_id)
+        queue: asyncio.Queue[tuple[str, bytes | ExecResult]] = asyncio.Queue()
+        task = asyncio.create_task(
+            self._run(sb, req, sink=lambda kind, chunk: queue.put_nowait((kind, chunk)))
+        )
+        task.add_done_callback(
+            lambda t: (
+                queue.put_nowait(("result", t.result().to_exec_result()))
+                if not t.cancelled() and t.exception() is None
+                else queue.put_nowait(("error", b""))
+            )
+        )
+        with self._active(sb):
+            try:
+                while True:
+                    kind, item = await queue.get()
+                    if kind == "error":
+                        task.result()  # re-raise the failure
+                    yield kind, item
+                    if kind == "result":
+                        return
+            finally:
+                if not task.done():
+                    task.cancel()
+
+    # --- sessions ------------------------------------------------------------------
+
+    async def session_create(self, sandbox_id: str, req: SessionCreate) -> SessionInfo:
+        sb = self._get(sandbox_id)
+        if len(sb.sessions) >= 64:
+            raise errors.QuotaExceeded("a sandbox holds at most 64 sessions; close one first")
+        uid, gid = self._user(sb, req.user)
+        sid = f"s{self._epoch}{next(sb.counter)}"
+        session = await open_session(
+            sid,
+            req.kind,
+            Runner(sb.container, self.cgroups, uid, gid),
+            self._env(sb, req.env),
+            req.cwd or sb.record.spec.workdir,
+        )
+        if len(sb.sessions) >= 64 or self.sandboxes.get(sb.id) is not sb:  # changed meanwhile
+            session.close()
+            self._get(sandbox_id)  # gone: not found
+            raise errors.QuotaExceeded("a sandbox holds at most 64 sessions; close one first")
+        sb.sessions[sid] = session
+        return SessionInfo(id=sid, kind=req.kind, created_at=session.created_at)
+
+    def _session(self, sb: Sandbox, session_id: str) -> Session:
+        s = sb.sessions.get(session_id)
+        if s is None:
+            raise errors.SessionNotFound(
+                f"session {session_id} does not exist in sandbox {sb.id}; create one first"
+            )
+        return s
+
+    async def session_run(self, sandbox_id: str, session_id: str, req: SessionRun) -> SessionResult:
+        sb = self._get(sandbox_id)
+        s = self._session(sb, session_id)
+        # The session id is left out of the action: after a client restart the same step
+        # may come through a new session of the same kind.
+        action = {"op": "session", "kind": s.kind.value, "code": req.code}
+
+        async def run() -> dict[str, Any]:
+            try:
+                cap = min(req.max_output_bytes, sb.record.spec.max_output_bytes)
+                return (await s.run(req.code, req.timeout, cap)).model_dump()
+            except errors.SessionNotFound:
+                sb.sessions.pop(session_id, None)
+                s.close()
+                raise
+
+        obs, seq, replayed = await self._logged(sb, "session", action, req.step, run)
+        return SessionResult.model_validate({**obs, "seq": seq, "replayed": replayed})
+
+    # --- the trajectory log ------------------------------------------------------------
+
+    async def _logged(
+        self,
+        sb: Sandbox,
+        kind: str,
+        action: dict[str, Any],
+        step: Step | None,
+        run: Callable[[], Awaitable[dict[str, Any]]],
+    ) -> tuple[dict[str, Any], int | None, bool]:
+        """Run an operation once and log it; a tagged step already logged is replayed.
+
+        Returns (observation, seq, replayed). The same tag arriving twice at once runs once:
+        the second caller waits for the first.
+
+        Step tags are scoped to the sandbox's project: a tag is found, replayed and refused
+        only among what that project logged (a replay in a new sandbox of the same project
+        works; another tenant's identical tag is another step, and a divergence shows only
+        the caller's own project's action).
+        """
+        tag = StepTag(step.trajectory, step.index, sb.record.spec.project) if step else None
+        key = (tag.scope, tag.trajectory, tag.index) if tag else None
+        if tag is not None and key is not None:
+            pending = self._inflight.get(key)
+            if pending is not None:
+                await asyncio.shield(pending)
+            entry = self.trajlog.find_step(tag.trajectory, tag.index, tag.scope, sb.id)
+            if entry is not None:
+                if entry.action_hash != action_hash(action):
+                    raise errors.TrajectoryDivergence(
+                        f"step {tag.index} of trajectory {tag.trajectory!r} was logged with a different "
+                        f"{entry.kind} action; resume from the logged steps or start a new trajectory id",
+                        trajectory=tag.trajectory,
+                        index=tag.index,
+                        logged=entry.action,
+                    )
+                return dict(entry.observation or {}), entry.seq, True
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if key is not None:
+            self._inflight[key] = done
+        try:
+            t0 = time.perf_counter()
+            with self._active(sb):
+                obs = await run()
+            timings = {"duration_ms": (time.perf_counter() - t0) * 1000}
+            seq = await self.trajlog.record(sb.id, kind, action, obs, timings, tag)
+            return obs, seq, False
+        finally:
+            if key is not None:
+                self._inflight.pop(key, None)
+            done.set_result(None)
+
+    @contextlib.contextmanager
+    def _active(self, sb: Sandbox) -> Iterator[None]:
+        """An operation in flight on `sb`: the idle reaper leaves it alone until it ends, and
+        its end counts as activity (a long exec must not be reaped the moment it returns)."""
+        sb.busy += 1
+        try:
+            yield
+        finally:
+            sb.busy -= 1
+            now = time.time()
+            sb.record.last_active = now
+            self._dirty_active[sb.id] = now
+
+    async def write_logged(self, sandbox_id: str, req: FileWrite, data: bytes) -> None:
+        sb = self._get(sandbox_id)
+        digest = hashlib.sha256(data).hexdigest()
+        action = {"op": "write", "path": req.path, "sha256": digest, "size": len(data), "mode": req.mode}
+
+        async def run() -> dict[str, Any]:
+            await sb.files.write_charged(req.path, data, req.mode)
+            return {}
+
+        await self._logged(sb, "file", action, req.step, run)
+
+    async def edit_logged(self, sandbox_id: str, req: FileEdit) -> int:
+        sb = self._get(sandbox_id)
+        action = {"op": "edit", "path": req.path, "old": req.old, "new": req.new}
+
+        async def run() -> dict[str, Any]:
+            return {"size": await sb.files.edit(req.path, req.old, req.new)}
+
+        obs, _, _ = await self._logged(sb, "file", action, req.step, run)
+        return int(obs["size"])
+
+    async def log_event(
+        self, sandbox_id: str, kind: str, action: dict[str, Any], obs: dict[str, Any]
+    ) -> None:
+        """Log an operation that is not a step (delete, upload, snapshot, fork, pause...)."""
+        await self.trajlog.record(sandbox_id, kind, action, obs, {})
+
+    async def trajectory(
+        self, sandbox_id: str, *, after_seq: int = 0, limit: int | None = None
+    ) -> dict[str, Any]:
+        """The logged operations in seq order (flushed first), gaps included, and the counts."""
+        self._lookup(sandbox_id)
+        await self.trajlog.flush()
+        entries = self.trajlog.read(sandbox_id, after_seq=after_seq, limit=limit)
+        return {
+            "entries": [e.model_dump(mode="json") for e in entries],
+            "stats": self.trajlog.stats(sandbox_id),
+        }
+
+    async def trajectory_export(self, sandbox_id: str, fmt: str) -> bytes:
+        self._lookup(sandbox_id)
+        if fmt not in ("jsonl", "parquet"):
+            raise errors.InvalidRequest(f"unknown export format {fmt!r}: use jsonl or parquet")
+        await self.trajlog.flush()
+        with tempfile.TemporaryDirectory(prefix="dsec-export-") as tmp:
+            path = Path(tmp) / f"trajectory.{fmt}"
+            if fmt == "jsonl":
+                self.trajlog.export_jsonl(sandbox_id, path)
+            else:
+                self.trajlog.export_parquet(sandbox_id, path)
+            return path.read_bytes()
+
+    def session_list(self, sandbox_id: str) -> builtins.list[SessionInfo]:
+        sb = self._get(sandbox_id)
+        return [SessionInfo(id=s.id, kind=s.kind, created_at=s.created_at) for s in sb.sessions.values()]
+
+    async def session_close(self, sandbox_id: str, session_id: str) -> None:
+        sb = self._get(sandbox_id)
+        s = self._session(sb, session_id)
+        sb.sessions.pop(session_id, None)
+        await asyncio.get_running_loop().run_in_executor(None, s.close)

@@ -1,0 +1,122 @@
+"""File operations on a sandbox through the edge: reads, writes, edits, listings, deletes,
+tar uploads and archives, each logged as a step (the work itself is dsec.edge.files).
+
+A part of `Edge` (edge.py): what it uses of the rest of the edge is declared at the top of
+`EdgeFiles`."""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import io
+import logging
+import tarfile
+from collections.abc import Callable, Coroutine, Iterator
+from typing import IO, TYPE_CHECKING, Any
+
+from dsec import errors
+from dsec.edge.files import MAX_ARCHIVE_ENTRIES, SandboxFiles, off_loop
+from dsec.edge.process import RawResult
+from dsec.edge.sandbox import Sandbox
+from dsec.models import (
+    ExecRequest,
+    FileStat,
+)
+
+log = logging.getLogger("dsec.edge")
+
+
+class EdgeFiles:
+    """The file API of the edge (see the module)."""
+
+    # What this part uses of the edge (set by Edge).
+
+    if TYPE_CHECKING:
+
+        @contextlib.contextmanager
+        def _active(self, sb: Sandbox) -> Iterator[None]: ...
+
+        def _get(self, sandbox_id: str) -> Sandbox: ...
+
+        def _run(
+            self,
+            sb: Sandbox,
+            req: ExecRequest,
+            *,
+            stdin: bytes | None = None,
+            cap: int | None = None,
+            sink: Callable[[str, bytes], None] | None = None,
+        ) -> Coroutine[Any, Any, RawResult]: ...
+
+    # --- files ---------------------------------------------------------------------
+
+    # Every file operation counts as activity while it runs (see _active); those that may take
+    # long (reads, listings, deletes, archives) run in the file pool, off the event loop.
+
+    async def read_file(self, sandbox_id: str, path: str) -> bytes:
+        sb = self._get(sandbox_id)
+        with self._active(sb):
+            return await sb.files.run(lambda f: f.read(path))
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
+        sb = self._get(sandbox_id)
+        with self._active(sb):
+            await sb.files.write_charged(path, data, mode)
+
+    async def edit_file(self, sandbox_id: str, path: str, old: str, new: str) -> int:
+        sb = self._get(sandbox_id)
+        with self._active(sb):
+            return await sb.files.edit(path, old, new)
+
+    def stat_file(self, sandbox_id: str, path: str) -> FileStat:
+        return self._get(sandbox_id).files.stat(path)
+
+    async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileStat]:
+        sb = self._get(sandbox_id)
+        with self._active(sb):
+            return await sb.files.run(lambda f: f.list(path))
+
+    async def delete_file(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+        sb = self._get(sandbox_id)
+        with self._active(sb):
+            await sb.files.run(lambda f: f.delete(path, recursive))
+
+    async def upload_tar(self, sandbox_id: str, path: str, data: bytes) -> None:
+        """Unpack a tar into `path` with the sandbox's own tar, under its own isolation (so
+        charged to it); the archive is checked off the event loop first."""
+        sb = self._get(sandbox_id)
+
+        def check(f: SandboxFiles) -> None:
+            try:
+                with tarfile.open(fileobj=io.BytesIO(data)) as tf:
+                    for n, _ in enumerate(tf, 1):
+                        if n > MAX_ARCHIVE_ENTRIES:
+                            raise errors.PayloadTooLarge(
+                                f"the archive holds more than {MAX_ARCHIVE_ENTRIES} entries; split the upload"
+                            )
+            except (tarfile.TarError, EOFError) as e:
+                raise errors.InvalidRequest(f"upload is not a readable tar archive: {e}") from e
+            f._mkdirs(path)
+
+        with self._active(sb):
+            await sb.files.run(check)
+            tar = ExecRequest(
+                cmd=["tar", "-x", "-C", path, "-f", "-"], cwd="/", timeout=600, max_output_bytes=65536
+            )
+            res = await self._run(sb, tar, stdin=data)
+        if res.exit_code != 0:
+            msg = res.stderr.decode(errors="replace").strip()[-500:]
+            raise errors.InvalidRequest(f"unpacking the tar into {path} failed: {msg}")
+
+    async def archive(self, sandbox_id: str, path: str) -> IO[bytes]:
+        """A tar of `path` in an unlinked spool file (rewound; the caller closes it), built on
+        the host from the sandbox's files without following links or leaving its root mount,
+        capped at MAX_ARCHIVE bytes of file data (a sparse or huge file: a clear 413)."""
+        sb = self._get(sandbox_id)
+        with self._active(sb):
+            return await sb.files.run(lambda f: f.archive(path))
+
+    async def download_tar(self, sandbox_id: str, path: str) -> bytes:
+        spool = await self.archive(sandbox_id, path)
+        with spool:
+            return await off_loop(spool.read)

@@ -1,0 +1,506 @@
+"""The state of a sandbox beyond its processes: snapshots, forks, memory checkpoints, and
+moving images between edges (a snapshot restored where it was not made).
+
+A part of `Edge` (edge.py): what it uses of the rest of the edge is declared at the top of
+`EdgeState`, and nothing else is reached."""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import logging
+import os
+import re
+import secrets
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dsec import errors
+from dsec.backends.container import (
+    run_process_quick,
+    spawn_quick,
+    unmount_all,
+    wait_quick,
+)
+from dsec.config import EdgeSettings
+from dsec.edge import checkpoint as ckpt
+from dsec.edge.sandbox import MAX_FORK_CHAIN, Sandbox, _chain
+from dsec.edge.snapshots import (
+    check_fork_room,
+    copy_tree,
+    copy_tree_under,
+    disk_usage,
+    scrub,
+    start_copy,
+    strip_setid,
+)
+from dsec.isolation.cgroups import CgroupHost
+from dsec.layers import LayerStore
+from dsec.layers.store import Image
+from dsec.models import (
+    Checkpoint,
+    CheckpointTree,
+    ForkLayer,
+    SandboxInfo,
+    SandboxSpec,
+    SandboxState,
+    SnapshotInfo,
+)
+
+log = logging.getLogger("dsec.edge")
+
+
+class EdgeState:
+    """Snapshot, fork, checkpoint and restore, image transfer (see the module)."""
+
+    # What this part uses of the edge (set by Edge).
+    name: str
+    settings: EdgeSettings
+    layers: LayerStore
+    cgroups: CgroupHost
+    sandboxes: dict[str, Sandbox]
+    _copy_tool: Path
+
+    if TYPE_CHECKING:
+
+        def _get(self, sandbox_id: str) -> Sandbox: ...
+
+        def _image(self, name: str) -> Image: ...
+
+        def _admit(self, spec: SandboxSpec) -> None: ...
+
+        def _group_name(self, sb: Sandbox) -> str: ...
+
+        def check_access(self, sandbox_id: str, projects: set[str] | None) -> None: ...
+
+        async def stop(self, sandbox_id: str, *, wait: bool = True) -> None: ...
+
+        async def log_event(
+            self, sandbox_id: str, kind: str, action: dict[str, Any], obs: dict[str, Any]
+        ) -> None: ...
+
+        async def _create(
+            self,
+            spec: SandboxSpec,
+            sandbox_id: str | None,
+            t0: float,
+            *,
+            extra_lower: str | None = None,
+            layers_ready: asyncio.Future[None] | None = None,
+            image: Image | None = None,
+        ) -> SandboxInfo: ...
+
+    # --- memory checkpoints -----------------------------------------------------------
+
+    def _checkpoints_dir(self) -> Path:
+        return self.settings.data_dir / "checkpoints"
+
+    def _checkpoint_dir(self, checkpoint_id: str) -> Path:
+        if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*-ckpt-[0-9a-f]{12}", checkpoint_id):
+            raise errors.CheckpointNotFound(
+                f"{checkpoint_id!r} is not a checkpoint id (like edge-ckpt-0123...)"
+            )
+        d = self._checkpoints_dir() / checkpoint_id
+        if not (d / "checkpoint.json").is_file():
+            raise errors.CheckpointNotFound(f"there is no checkpoint {checkpoint_id} on edge {self.name}")
+        return d
+
+    def _checkpoint_model(self, d: Path) -> Checkpoint:
+        info = ckpt.CheckpointInfo.load(d)
+        spec = SandboxSpec.model_validate_json((d / "spec.json").read_text())
+        return Checkpoint(
+            id=d.name,
+            sandbox=info.sandbox,
+            project=spec.project,
+            image=spec.image,
+            cpu=spec.cpu,
+            memory_mb=spec.memory_mb,
+            trees=[CheckpointTree(root=t.root, pids=t.pids, cmdline=t.cmdline) for t in info.trees],
+            size_bytes=info.size_bytes,
+            leave_running=info.leave_running,
+            created_at=info.created_at,
+            timings_ms=info.timings_ms,
+        )
+
+    async def checkpoint(self, sandbox_id: str, *, leave_running: bool = True) -> Checkpoint:
+        """Checkpoint the sandbox's processes (CRIU) together with a copy of its files, taken
+        while they are stopped, so that memory and files match. Only processes that run on
+        their own can be checkpointed (not a running exec or a session: their pipes end in
+        this edge); anything else fails with a coded reason that says what to do instead."""
+        sb = self._get(sandbox_id)  # resumes a paused sandbox: CRIU cannot seize frozen tasks
+        criu = ckpt.find_criu(self.settings.criu_root)
+        cid = f"{self.name}-ckpt-{secrets.token_hex(6)}"
+        dest = self._checkpoints_dir() / cid
+        dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(dest.parent, 0o700)  # root's only: no sandbox id reaches another checkpoint
+
+        async def copy_files() -> None:
+            await copy_tree(self._copy_tool, sb.container.upper, dest / "fs", self._to_store(sb))
+            for layer in _chain(sb.record.extra_lower):  # a fork's or a restored sandbox's layers
+                await copy_tree_under(self._copy_tool, Path(layer), dest / "fs")
+
+        t0 = time.perf_counter()
+        info = await ckpt.dump(
+            sb.container,
+            dest,
+            criu=criu,
+            uid_offset=self.settings.uid_offset,
+            leave_running=leave_running,
+            while_stopped=copy_files,
+        )
+        (dest / "spec.json").write_text(sb.record.spec.model_dump_json())
+        # Its size is what it keeps on the host: the images and the copy of the files (the
+        # project's snapshot quota is charged with it).
+        info.size_bytes += await asyncio.get_running_loop().run_in_executor(None, disk_usage, dest / "fs")
+        info.timings_ms["total"] = (time.perf_counter() - t0) * 1000
+        info.save()
+        result = self._checkpoint_model(dest)
+        await self.log_event(
+            sandbox_id,
+            "checkpoint",
+            {"op": "checkpoint", "leave_running": leave_running},
+            {"id": cid, "trees": [t.root for t in result.trees]},
+        )
+        return result
+
+    async def restore(
+        self,
+        checkpoint_id: str,
+        *,
+        sandbox_id: str | None = None,
+        labels: dict[str, str] | None = None,
+        projects: set[str] | None = None,
+    ) -> SandboxInfo:
+        """Restore a checkpoint's processes: into a new sandbox stacking the checkpoint's files
+        (the default; the checkpoint's spec), or into a running sandbox, whose processes are
+        replaced (its files stay as they are: the processes' open files must still match)."""
+        d = self._checkpoint_dir(checkpoint_id)
+        spec = SandboxSpec.model_validate_json((d / "spec.json").read_text())
+        if projects is not None and spec.project not in projects:
+            raise errors.CheckpointNotFound(f"there is no checkpoint {checkpoint_id} in your projects")
+        criu = ckpt.find_criu(self.settings.criu_root)
+        t0 = time.perf_counter()
+        if sandbox_id is not None:
+            self.check_access(sandbox_id, projects)
+            sb = self._get(sandbox_id)
+            for s in list(sb.sessions.values()):
+                with contextlib.suppress(Exception):
+                    s.close(kill=False)
+            sb.sessions.clear()
+            await ckpt.kill_user_processes(self.cgroups, sb.id)
+            roots = await ckpt.restore(
+                sb.container, d, criu=criu, cgroups=self.cgroups, group_name=self._group_name(sb)
+            )
+            info = sb.info(self.name)
+        else:
+            if labels:
+                spec = spec.model_copy(update={"labels": {**spec.labels, **labels}})
+            spec = spec.model_copy(update={"labels": {**spec.labels, "dsec.restored-from": checkpoint_id}})
+            # The checkpoint's files are stacked as they are (read-only, shared by every restore).
+            info = await self._create(spec, None, t0, extra_lower=str(d / "fs"))
+            sb = self.sandboxes[info.id]
+            try:
+                roots = await ckpt.restore(
+                    sb.container, d, criu=criu, cgroups=self.cgroups, group_name=self._group_name(sb)
+                )
+            except BaseException:
+                await self.stop(info.id)
+                raise
+            info = sb.info(self.name)
+        info.timings_ms["restore"] = (time.perf_counter() - t0) * 1000
+        await self.log_event(
+            sb.id, "restore", {"op": "restore", "checkpoint": checkpoint_id}, {"roots": roots}
+        )
+        return info
+
+    def list_checkpoints(self, projects: set[str] | None = None) -> builtins.list[Checkpoint]:
+        out = []
+        with contextlib.suppress(FileNotFoundError):
+            for d in sorted(self._checkpoints_dir().iterdir()):
+                with contextlib.suppress(errors.DsecError, OSError, ValueError):
+                    c = self._checkpoint_model(d)
+                    if projects is None or c.project in projects:
+                        out.append(c)
+        return out
+
+    def delete_checkpoint(self, checkpoint_id: str, projects: set[str] | None = None) -> None:
+        d = self._checkpoint_dir(checkpoint_id)
+        if projects is not None and self._checkpoint_model(d).project not in projects:
+            raise errors.CheckpointNotFound(f"there is no checkpoint {checkpoint_id} in your projects")
+        users = [sb.id for sb in self.sandboxes.values() if str(d / "fs") in _chain(sb.record.extra_lower)]
+        if users:
+            raise errors.Conflict(
+                f"checkpoint {checkpoint_id} holds the files of live sandboxes ({', '.join(users[:5])}); "
+                "stop them first"
+            )
+        shutil.rmtree(d)
+
+    # --- snapshots and forks ----------------------------------------------------------
+
+    def _forks_root(self) -> Path:
+        """Fork layers live in the edge's run dir, a tmpfs (see _ensure_run_tmpfs)."""
+        root = self.settings.edge_run_dir / "forks"
+        root.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(root, 0o700)  # root's only: the layers hold sandbox-owned (maybe setuid) files
+        return root
+
+    def _to_store(self, sb: Sandbox) -> tuple[int, int]:
+        """The owner shift from the sandbox's own id range to the layer store's canonical one."""
+        return sb.container.id_base, self.settings.uid_offset
+
+    async def _frozen_copy(self, sb: Sandbox, dst: Path) -> None:
+        """Copy the writable layer while the sandbox is frozen (a consistent point in time)."""
+        was_paused = sb.record.state is SandboxState.PAUSED
+        loop = asyncio.get_running_loop()
+        if not was_paused:
+            await loop.run_in_executor(None, self.cgroups.freeze, sb.id)
+        try:
+            await copy_tree(self._copy_tool, sb.container.upper, dst, self._to_store(sb))
+        finally:
+            if not was_paused:
+                self.cgroups.thaw(sb.id)
+
+    async def snapshot(self, sandbox_id: str, scrub_paths: builtins.list[str] | None = None) -> SnapshotInfo:
+        sb = self._get(sandbox_id)
+        if sb.record.extra_lower:
+            raise errors.UnsupportedOperation(
+                f"sandbox {sandbox_id} is a fork; snapshot the sandbox it was forked from, or fork a snapshot"
+            )
+        base = self._image(sb.record.spec.image)
+        n = next(sb.counter)
+        version = f"{int(time.time())}-{n}"
+        loop = asyncio.get_running_loop()
+        with self.layers.staging() as stage:
+            await self._frozen_copy(sb, stage)
+            lower = [self.layers.layer_path(r) for r in reversed(base.layers)]  # as the sandbox sees them
+
+            def clean() -> builtins.list[str]:
+                done = scrub(stage, scrub_paths or [], self.settings.uid_offset, lower)
+                strip_setid(stage)  # no setuid file of a sandbox's in the layer store
+                return done
+
+            scrubbed = await loop.run_in_executor(None, clean)
+            layer = await loop.run_in_executor(
+                None,
+                lambda: self.layers.commit_layer(
+                    stage,
+                    f"snap-{sandbox_id}",
+                    version,
+                    {"type": "snapshot", "sandbox": sandbox_id, "scrubbed": scrubbed},
+                    shift=False,
+                ),
+            )
+        name = f"snap-{sandbox_id}-{version}"
+        image = Image(
+            name=name,
+            layers=[*base.layers, layer.ref],
+            source={
+                "type": "snapshot",
+                "sandbox": sandbox_id,
+                "project": sb.record.spec.project,
+                "base": base.name,
+                "scrubbed": scrubbed,
+            },
+        )
+        self.layers.put_image(image)
+        await self.log_event(sandbox_id, "snapshot", {"op": "snapshot", "scrub": scrubbed}, {"id": name})
+        return SnapshotInfo(
+            id=name,
+            sandbox=sandbox_id,
+            layer=str(layer.ref),
+            size_bytes=layer.size_bytes,
+            files=layer.files,
+            scrubbed=scrubbed,
+            created_at=layer.created_at,
+        )
+
+    def list_snapshots(self, projects: set[str] | None = None) -> builtins.list[dict[str, Any]]:
+        return [
+            i.model_dump(mode="json")
+            for i in self.layers.list_images()
+            if i.source.get("type") == "snapshot"
+            and (projects is None or i.source.get("project") in projects)
+        ]
+
+    def delete_snapshot(self, name: str, projects: set[str] | None = None) -> None:
+        image = self._image(name)
+        if image.source.get("type") != "snapshot":
+            raise errors.InvalidRequest(f"{name} is not a snapshot")
+        if projects is not None and image.source.get("project") not in projects:
+            raise errors.ImageNotFound(f"there is no snapshot {name!r} in your projects")
+        if any(sb.record.spec.image == name for sb in self.sandboxes.values()):
+            raise errors.Conflict(f"snapshot {name} is in use by live sandboxes; stop them first")
+        self.layers.delete_image(name)
+        with contextlib.suppress(errors.DsecError):
+            self.layers.delete_layer(image.layers[-1])
+
+    # --- moving images between edges (a snapshot restored where it was not made) ---------
+
+    def image_manifest(self, name: str) -> dict[str, Any]:
+        """An image and the digests of its layers, for another edge to pull it."""
+        image = self._image(name)
+        return {
+            "image": image.model_dump(mode="json"),
+            "digests": {str(r): self.layers.get_layer(r).digest for r in image.layers},
+        }
+
+    def missing_layers(self, manifest: dict[str, Any]) -> builtins.list[str]:
+        return [ref for ref in manifest["digests"] if not self.layers.has_layer(ref)]
+
+    async def export_layer(self, ref: str, dest: Path) -> None:
+        """Write layer `ref` as a tar archive (owners as stored, xattrs, whiteouts, holes)."""
+        tree = self.layers.layer_path(ref)
+        if not tree.is_dir():
+            raise errors.LayerNotFound(f"edge {self.name} has no layer {ref}")
+        with open(dest, "wb") as out:
+            argv = ["tar", "--xattrs", "--xattrs-include=*", "--numeric-owner", "--sparse", "-C", str(tree)]
+            rc = await run_process_quick([*argv, "-cf", "-", "."], out.fileno())
+        if rc != 0:
+            raise errors.InternalError(f"archiving layer {ref} failed (tar exit {rc})")
+
+    async def import_layer(self, ref: str, digest: str, archive: Path) -> None:
+        """Add a layer pulled from another edge; its content must hash to `digest`."""
+        name, _, version = ref.partition("@")
+        if self.layers.has_layer(ref):
+            return
+        with self.layers.staging() as stage, open(archive, "rb") as src, open(os.devnull, "wb") as devnull:
+            argv = ["tar", "--xattrs", "--xattrs-include=*", "--numeric-owner", "-xpf", "-", "-C", str(stage)]
+            pid, pidfd = spawn_quick(argv, devnull.fileno(), devnull.fileno(), stdin_fd=src.fileno())
+            if await wait_quick(pid, pidfd) != 0:
+                raise errors.InvalidRequest(f"the archive of layer {ref} does not unpack")
+            layer = await asyncio.get_running_loop().run_in_executor(
+                None,
+                lambda: self.layers.commit_layer(
+                    stage, name, version, {"type": "pulled", "ref": ref}, shift=False
+                ),
+            )
+        if layer.digest != digest:
+            self.layers.delete_layer(ref)
+            raise errors.InvalidRequest(
+                f"layer {ref} arrived corrupted (digest {layer.digest}, expected {digest})"
+            )
+
+    def put_image(self, manifest: dict[str, Any]) -> None:
+        image = Image.model_validate(manifest["image"])
+        missing = self.missing_layers(manifest)
+        if missing:
+            raise errors.LayerNotFound(f"cannot register image {image.name}: layers {missing} are missing")
+        self.layers.put_image(image)
+
+    async def fork(self, sandbox_id: str, n: int) -> builtins.list[SandboxInfo]:
+        """`n` new sandboxes from this one's current files, copy-on-write, independent afterwards.
+
+        The parent is frozen while its writable layer is copied (a consistent point in time)
+        into a shared layer that every child stacks read-only under its own empty writable
+        layer, on top of the parent's own fork layers (a fork of a fork copies only what the
+        parent wrote since its fork; chains longer than MAX_FORK_CHAIN are flattened).
+
+        The children's runtimes start while the file contents are still being copied: the copy
+        creates every directory first, and only then are the children started. Neither the
+        runtime nor the shim looks up any path of these layers but directories (mount points,
+        /.dsec) before `layers_ready`, and the edge reads nothing in a child (its user database,
+        its workdir) before the copy is complete, so no overlayfs lookup can see a half-copied
+        layer. Overlapping the two roughly halves a fork (both are CPU-bound).
+        """
+        if not 1 <= n <= 256:
+            raise errors.InvalidRequest(f"fork count must be between 1 and 256, got {n}")
+        sb = self._get(sandbox_id)
+        spec = sb.record.spec
+        for _ in range(n):
+            self._admit(spec)
+        check_fork_room(self._forks_root(), sandbox_id, sb.container.upper)  # before the copy
+        t0 = time.perf_counter()
+        shared = self._forks_root() / f"{sandbox_id}-{secrets.token_hex(4)}"
+        tree = shared / "tree"
+        parent_chain = _chain(sb.record.extra_lower)
+        flatten = len(parent_chain) >= MAX_FORK_CHAIN
+        chain = ":".join([str(tree), *([] if flatten else parent_chain)])
+        was_paused = sb.record.state is SandboxState.PAUSED
+        loop = asyncio.get_running_loop()
+        if not was_paused:
+            await loop.run_in_executor(None, self.cgroups.freeze, sb.id)
+        # What the copy will hold, measured frozen (the upper is a tmpfs of its own): the
+        # apiserver charges the project's snapshot quota with it.
+        layer_bytes = sb.container.disk_usage()[0]
+        copied: dict[str, float] = {}
+
+        def copy_done(_: object) -> None:
+            copied["t"] = time.perf_counter()
+            if not was_paused:
+                with contextlib.suppress(OSError):
+                    self.cgroups.thaw(sb.id)
+
+        copy = None
+        ready: asyncio.Future[None] | None = None
+        try:
+            copy = start_copy(
+                self._copy_tool,
+                sb.container.upper,
+                tree,
+                shift=self._to_store(sb),
+                what="copying the writable layer",
+            )
+            await copy.dirs()
+            if flatten:  # merge the parent's chain in before any child starts
+                await copy.wait()
+                for layer in parent_chain:
+                    await copy_tree_under(self._copy_tool, Path(layer), tree)
+                layer_bytes = await loop.run_in_executor(None, disk_usage, tree)
+            ready = asyncio.ensure_future(copy.wait())
+            ready.add_done_callback(copy_done)
+            labels = {**spec.labels, "dsec.fork-of": sandbox_id}
+            child = spec.model_copy(update={"labels": labels})
+            results = await asyncio.gather(
+                *(self._create(child, None, t0, extra_lower=chain, layers_ready=ready) for _ in range(n)),
+                return_exceptions=True,
+            )
+            await ready
+        except BaseException:
+            if ready is not None and not ready.done():
+                ready.cancel()
+            elif ready is None:
+                copy_done(None)
+            self._release_fork_layers(chain)
+            raise
+        finally:
+            if copy is not None:
+                copy.close()
+        infos = [r for r in results if isinstance(r, SandboxInfo)]
+        failed = [r for r in results if not isinstance(r, SandboxInfo)]
+        if failed:
+            await asyncio.gather(*(self.stop(i.id) for i in infos), return_exceptions=True)
+            self._release_fork_layers(chain)
+            raise (
+                failed[0] if isinstance(failed[0], errors.DsecError) else errors.InternalError(str(failed[0]))
+            )
+        for i in infos:
+            i.timings_ms["fork_copy"] = (copied.get("t", t0) - t0) * 1000
+            i.fork_layer = ForkLayer(id=shared.name, size_bytes=layer_bytes)
+        await self.log_event(sandbox_id, "fork", {"op": "fork", "n": n}, {"ids": [i.id for i in infos]})
+        return infos
+
+    def _unmount_forks_if_unused(self) -> None:
+        """Remove fork layers no live sandbox stacks (and the separate tmpfs older edges
+        mounted for them, once empty)."""
+        root = self.settings.edge_run_dir / "forks"
+        if not root.is_dir():
+            return
+        used = {str(Path(p).parent) for sb in self.sandboxes.values() for p in _chain(sb.record.extra_lower)}
+        for d in root.iterdir():
+            if str(d) not in used:
+                shutil.rmtree(d, ignore_errors=True)
+        if not any(root.iterdir()):
+            unmount_all(root)
+            with contextlib.suppress(OSError):
+                root.rmdir()
+
+    def _release_fork_layers(self, chain: str | None) -> None:
+        """Remove the fork layers of a chain that no live sandbox stacks any more."""
+        used = {p for sb in self.sandboxes.values() for p in _chain(sb.record.extra_lower)}
+        forks = self.settings.edge_run_dir / "forks"
+        for path in _chain(chain):  # a checkpoint's files (also stacked) belong to the checkpoint
+            if path not in used and Path(path).parent.parent == forks:
+                shutil.rmtree(Path(path).parent, ignore_errors=True)
