@@ -15,12 +15,14 @@ from the code with :func:`error_from_wire`.
      │    ├── SessionNotFound
      │    ├── ImageNotFound
      │    ├── LayerNotFound
+     │    ├── CheckpointNotFound
      │    └── FileNotFound (also FileNotFoundError)
      ├── Conflict (409)
      │    ├── EditMismatch          old string not found exactly once
      │    ├── SandboxNotRunning
      │    ├── TrajectoryDivergence  a tagged step differs from the logged one
      │    └── FileExists_ (also FileExistsError)
+     ├── SandboxFailed (410)                       the sandbox itself died: an environment fault
      ├── PathEscape (403, also PermissionError)   a path leaves the sandbox
      ├── QuotaExceeded (429)
      ├── CapacityExhausted (503)                   the edge or cluster is full

@@ -60,6 +60,36 @@ async def test_oom_pids_timeouts_and_truncation_are_counted(edge):
     assert any((e.get("observation") or {}).get("misbehaviour", {}).get("oom_kills") for e in entries)
 
 
+CATCH_EAGAIN = """
+import os, sys, time
+kids, refused = [], 0
+for _ in range(64):
+    try:
+        pid = os.fork()
+    except BlockingIOError:
+        refused += 1
+        continue
+    if pid == 0:
+        time.sleep(2)
+        os._exit(0)
+    kids.append(pid)
+for k in kids:
+    os.waitpid(k, 0)
+print(refused)
+"""
+
+
+async def test_refused_forks_are_counted_when_the_program_carries_on_and_exits_0(edge):
+    sb = await edge.create(SandboxSpec(image="python", pids=16))
+    r = await edge.exec(sb.id, ExecRequest(cmd=["python3", "-c", CATCH_EAGAIN], timeout=30))
+    assert r.exit_code == 0 and int(r.stdout) > 0, r
+    assert r.misbehaviour.get("pids_limit_hits", 0) >= 1, r
+    assert edge.get(sb.id).telemetry["pids_limit_hits"] >= 1
+    r = await edge.exec(sb.id, ExecRequest(cmd="true"))  # a later, well-behaved call: nothing
+    assert r.misbehaviour.get("pids_limit_hits", 0) == 0, r
+    await edge.stop(sb.id)
+
+
 async def test_a_sandbox_that_dies_is_failed_with_a_reason(edge):
     sb = await edge.create(SandboxSpec(image="python"))
     os.kill(edge.sandboxes[sb.id].container.pid, signal.SIGKILL)  # its runtime dies under it

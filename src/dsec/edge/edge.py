@@ -550,27 +550,30 @@ class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
             sb.stats["denied_syscalls"] += 1
 
     def _misbehaviour(self, sb: Sandbox, res: RawResult, denied_before: int = 0) -> dict[str, int]:
-        """Limit hits during one call, for its result and the trajectory. The kernel counters
-        are read only when the call did not succeed (a clean exit leaves them alone, save a
-        background process's misfortune, which the next failed call or GET reports)."""
+        """Limit hits during one call, for its result and the trajectory. Forks refused in
+        the call's own cgroup count whatever its exit status (a program may catch EAGAIN and
+        carry on); the sandbox's kernel counters are read only when the call did not succeed
+        (a clean exit leaves them alone, save a background process's misfortune, which the
+        next failed call or GET reports)."""
         if res.timed_out:
             sb.stats["timeouts"] += 1
         if res.truncated:
             sb.stats["output_truncated"] += 1
         self.denials.drain()  # the kernel logged this call's denials already: count them now
         denied = sb.stats["denied_syscalls"] - denied_before
+        out: dict[str, int] = {"denied_syscalls": denied} if denied else {}
+        if res.pids_limit_hits:
+            sb.stats["pids_limit_hits"] += res.pids_limit_hits
+            out["pids_limit_hits"] = res.pids_limit_hits
         if res.exit_code == 0 and not res.timed_out:
             if sb.disk_was_full:  # freed since? then the next fill counts again
                 sb.disk_was_full = sb.container.disk_usage()[2]
-            return {"denied_syscalls": denied} if denied else {}
+            return out
         now = self.cgroups.events(sb.id)
-        out = {k: v - sb.seen_events.get(k, 0) for k, v in now.items() if v > sb.seen_events.get(k, 0)}
+        for k, v in now.items():
+            if v > sb.seen_events.get(k, 0):
+                out[k] = out.get(k, 0) + v - sb.seen_events.get(k, 0)
         sb.seen_events.update(now)
-        if denied:
-            out["denied_syscalls"] = denied
-        if res.pids_limit_hits:
-            sb.stats["pids_limit_hits"] += res.pids_limit_hits
-            out["pids_limit_hits"] = out.get("pids_limit_hits", 0) + res.pids_limit_hits
         _, _, full = sb.container.disk_usage()
         if full and not sb.disk_was_full:
             sb.stats["disk_full"] += 1

@@ -101,7 +101,7 @@ class RawResult:
     duration: float
     truncated: bool
     timed_out: bool
-    pids_limit_hits: int = 0  # forks refused in this call's cgroup (read only when it failed)
+    pids_limit_hits: int = 0  # forks refused in this call's cgroup
 
     def to_exec_result(self) -> ExecResult:
         return ExecResult(
@@ -245,8 +245,9 @@ async def run_process(
         out.close()
         err.close()
         code = exit_code(status) if status is not None else 137
-        # A refused fork is counted in the cgroup of the task that tried (v1), which goes now.
-        refused = keyed_value(proc.group.path / "pids.events", "max") if code != 0 or timed_out else 0
+        # A refused fork is counted in the cgroup of the task that tried (v1), which goes now;
+        # read whatever the exit status (a program may catch EAGAIN from fork and exit 0).
+        refused = keyed_value(proc.group.path / "pids.events", "max")
         release_group(proc.group)
     return RawResult(
         stdout=bytes(out.buf),

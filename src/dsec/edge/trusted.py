@@ -572,7 +572,7 @@ async def run_trusted(
         duration=time.perf_counter() - t0,
         truncated=out.truncated or err.truncated,
         timed_out=timed_out,
-        pids_limit_hits=refused if (code != 0 or timed_out) else 0,
+        pids_limit_hits=refused,
     )
 
 
