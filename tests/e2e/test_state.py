@@ -26,6 +26,12 @@ def test_snapshot_restore_fork_pause(service):
         assert restored.exec("cat /work/env/flag; ls /work/ref 2>&1 || true").stdout.startswith("ready\n")
         assert "No such file" in restored.exec("ls /work/ref").stderr
         assert snap.id in {s["name"] for s in c.snapshots()}
+        # what snapshot() returned restores as well as its id
+        again = c.create(snapshot=snap)
+        assert again.exec("cat /work/env/flag").stdout == "ready\n"
+        again.stop()
+        with pytest.raises(errors.InvalidRequest, match="snapshot= takes"):
+            c.create(snapshot=3.5)  # type: ignore[arg-type]
 
         kids = sb.fork(3)
         assert len(kids) == 3

@@ -162,6 +162,18 @@ class SpecOptions(TypedDict, total=False):
     network: NetworkPolicy | dict[str, Any] | None
 
 
+def snapshot_image(snapshot: SnapshotInfo | str | None) -> str | None:
+    """The image name a snapshot restores from: a SnapshotInfo (what Sandbox.snapshot()
+    returns) or its id."""
+    if snapshot is None or isinstance(snapshot, str):
+        return snapshot
+    if isinstance(snapshot, SnapshotInfo):
+        return snapshot.id
+    raise errors.InvalidRequest(
+        f"snapshot= takes what Sandbox.snapshot() returned or its id, not {type(snapshot).__name__}"
+    )
+
+
 def build_spec(image: str, opts: SpecOptions) -> SandboxSpec:
     values: dict[str, Any] = {k: v for k, v in opts.items() if v is not None}
     unknown = set(values) - set(SpecOptions.__annotations__)

@@ -110,19 +110,20 @@ class Client:
         labels: dict[str, str] | None = None,
         ttl_idle_s: float | None = None,
         project: str = "default",
-        snapshot: str | None = None,
+        snapshot: SnapshotInfo | str | None = None,
         ttl_action: str = "stop",
         network: NetworkPolicy | dict[str, Any] | None = None,
         protected_paths: list[str] | None = None,
     ) -> Sandbox:
         """Create one sandbox (not retried: a lost response could leave a second one running).
 
-        `snapshot=` restores a snapshot: the new sandbox starts from its files.
+        `snapshot=` restores a snapshot (what `sb.snapshot()` returned, or its id): the new
+        sandbox starts from its files.
         `ttl_action="pause"` makes the idle TTL pause instead of stop. `network=` an egress
         allowlist (``{"allow": [{"to": "pypi.org", "ports": [443]}]}``; none: loopback only).
         `protected_paths=` paths moved out of reach of the sandbox's processes (see verify())."""
         spec = _base.build_spec(
-            snapshot or image,
+            _base.snapshot_image(snapshot) or image,
             SpecOptions(
                 cpu=cpu,
                 memory_mb=memory_mb,
