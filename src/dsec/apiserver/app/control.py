@@ -1,0 +1,144 @@
+"""Placement over the edges, image transfer between edges, and the loops that keep quota
+reservations and fork layers true."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from dsec import errors
+from dsec.apiserver.app.state import ApiServerState
+from dsec.apiserver.placement import EdgeView
+from dsec.apiserver.tenancy import (
+    Visibility,
+)
+from dsec.edgeapi import EdgeAPI
+from dsec.models import (
+    EdgeStatus,
+    SandboxInfo,
+    SandboxSpec,
+)
+
+log = logging.getLogger("dsec.apiserver")
+
+
+async def _visibility(st: ApiServerState, scope: set[str] | None) -> Visibility:
+    """What `scope` may see of the edges' images and layers (admins, scope None: everything)."""
+    if scope is None:
+        return Visibility(None, [], [])
+    images: list[dict[str, Any]] = []
+    snapshots: list[dict[str, Any]] = []
+    for e in st.directory.all():
+        with contextlib.suppress(errors.DsecError):
+            images += await e.images()
+            snapshots += await e.snapshots(None)
+    return Visibility(scope, images, snapshots)
+
+
+async def _candidates(st: ApiServerState, spec: SandboxSpec) -> list[EdgeView]:
+    try:
+        return st.directory.candidates(spec)
+    except errors.ImageNotFound:
+        # An image made a moment ago (a snapshot, an import) may not be in the watcher's
+        # view yet: look again once before saying it does not exist.
+        await st.directory.poll_once()
+        return st.directory.candidates(spec)
+
+
+async def _place(st: ApiServerState, spec: SandboxSpec) -> SandboxInfo:
+    last: errors.DsecError | None = None
+    holders = await _candidates(st, spec)
+    for view in holders:
+        st.directory.note_placed(view)
+        try:
+            return await view.api.create(spec)
+        except (errors.CapacityExhausted, errors.Unavailable) as e:
+            last = e  # the edge has the final say: try the next candidate
+    # Every edge holding the image is full: move it to one that is not (a snapshot made on
+    # one edge restores on any), least loaded first.
+    others = sorted(
+        (v for v in st.directory.views.values() if v.healthy and v not in holders and v.status is not None),
+        key=lambda v: v.load(spec),
+    )
+    for view in others:
+        try:
+            await _transfer_image(holders[0].api, view.api, spec.image)
+            st.directory.note_placed(view)
+            return await view.api.create(spec)
+        except (errors.CapacityExhausted, errors.Unavailable) as e:
+            last = e
+    raise errors.CapacityExhausted(f"every edge that has image {spec.image!r} is full; retry later") from last
+
+
+async def _transfer_image(source: EdgeAPI, target: EdgeAPI, name: str) -> None:
+    """Copy an image's missing layers (relayed through this process) and its manifest."""
+    manifest = await source.image_manifest(name)
+    with tempfile.TemporaryDirectory(prefix="dsec-transfer-") as tmp:
+        for ref in await target.missing_layers(manifest):
+            archive = Path(tmp) / "layer.tar"
+            await source.fetch_layer(ref, archive)
+            await target.push_layer(ref, manifest["digests"][ref], archive)
+            archive.unlink()
+    await target.put_image(manifest)
+
+
+def _refresh_gauges(st: ApiServerState) -> None:
+    m = st.metrics
+    m.live.clear()
+    healthy = 0
+    for v in st.directory.views.values():
+        s: EdgeStatus | None = v.status
+        if s is None:
+            continue
+        healthy += int(v.healthy)
+        m.pool_ready.labels(s.name).set(s.used.get("pooled", 0))
+        for image, n in s.by_image.items():
+            m.live.labels(s.name, image, "*").set(n)
+        for project, n in s.by_project.items():
+            m.live.labels(s.name, "*", project).set(n)
+    m.edges.set(healthy)
+
+
+async def _reconcile_quota(st: ApiServerState, interval_s: float, grace_s: float) -> None:
+    """Release reservations of sandboxes no edge reports any more (TTL reaping, crashes) and
+    those of creates whose apiserver died mid-way. A create in flight keeps its reservation
+    however long it takes: only its own success (re-keyed to the sandbox) or failure
+    (released) ends it."""
+    while True:
+        try:
+            st.iam.release_orphaned()
+        except Exception:
+            log.exception("releasing the reservations of dead apiservers failed; retrying")
+        await asyncio.sleep(interval_s)
+        live: set[str] = set()
+        complete = True
+        for e in st.directory.all():
+            try:
+                live |= {i.id for i in await e.list({}, None, None)}
+            except Exception:
+                complete = False
+        if complete:
+            st.iam.reconcile(live, older_than_s=grace_s)
+        await _reconcile_fork_layers(st, grace_s)
+
+
+async def _reconcile_fork_layers(st: ApiServerState, grace_s: float) -> None:
+    """Release the snapshot reservations of fork layers no edge reports any more (their last
+    sandbox stopped). Only reservations older than the grace before the edges were asked are
+    candidates, so a fork finishing while they are asked is never taken for a leftover."""
+    asked = time.time()
+    live: set[str] = set()
+    for e in st.directory.all():
+        try:
+            live |= {f"fork:{x}" for x in (await e.status()).fork_layers}
+        except Exception:
+            return  # an edge that cannot answer may still hold its layers
+    try:
+        st.iam.reconcile_snapshots(live, older_than_s=grace_s + time.time() - asked, prefix="fork:")
+    except Exception:
+        log.exception("releasing the reservations of freed fork layers failed; retrying")

@@ -1,0 +1,376 @@
+"""Routes of sandboxes and their state: create (one and batches), exec and files through the
+shared per-sandbox routes, snapshots, forks, checkpoints, stop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Query, Request, Response
+
+from dsec import errors
+from dsec.apiserver.app.control import _place
+from dsec.apiserver.app.state import ApiServerState, _PrincipalFn, respond_then
+from dsec.edgeapi import EdgeAPI, edge_of
+from dsec.http.routes import (
+    Express,
+    model_response,
+)
+from dsec.iam import IAM, Principal
+from dsec.models import (
+    BatchCreate,
+    BatchStop,
+    Checkpoint,
+    CheckpointRequest,
+    ForkRequest,
+    RestoreRequest,
+    SandboxInfo,
+    SandboxSpec,
+    SnapshotInfo,
+    SnapshotRequest,
+)
+
+log = logging.getLogger("dsec.apiserver")
+
+
+def _install_sandbox_routes(
+    app: FastAPI, st: ApiServerState, principal: _PrincipalFn, express: Express
+) -> None:
+    """Create and list sandboxes."""
+    iam, directory = st.iam, st.directory
+
+    # --- sandboxes -------------------------------------------------------------------
+
+    async def create_one(p: Principal, spec: SandboxSpec, t_auth: float) -> SandboxInfo:
+        iam.authorize(p, spec.project)
+        key = f"pending-{secrets.token_hex(8)}"
+        try:
+            iam.reserve(key, spec.project, spec.cpu, spec.memory_mb, pending=True)
+        except errors.QuotaExceeded:
+            st.metrics.failures.labels("create", "quota").inc()
+            raise
+        t_place = time.perf_counter()
+        try:
+            info = await _place(st, spec)
+        except BaseException as e:
+            iam.release(key)
+            reason = e.code if isinstance(e, errors.DsecError) else "internal"
+            st.metrics.failures.labels("create", reason).inc()
+            raise
+        iam.rekey(key, info.id)
+        m = st.metrics.create_phase
+        m.labels("auth").observe(t_auth)
+        m.labels("placement").observe(time.perf_counter() - t_place - info.timings_ms.get("total", 0) / 1000)
+        for phase in ("layer_preparation", "runtime_start", "ready", "pool"):
+            if phase in info.timings_ms:
+                m.labels(phase).observe(info.timings_ms[phase] / 1000)
+        st.events.publish("created", id=info.id, edge=info.edge, image=spec.image, project=spec.project)
+        return info
+
+    @app.post("/v1/sandboxes", response_model=SandboxInfo, status_code=201)
+    async def create(spec: SandboxSpec, request: Request) -> Response:
+        t0 = time.perf_counter()
+        p = principal(request)
+        return model_response(await create_one(p, spec, time.perf_counter() - t0), 201)
+
+    express.add("POST", "/v1/sandboxes", create, SandboxSpec, "spec")
+
+    @app.post("/v1/sandboxes/batch")
+    async def create_batch(body: BatchCreate, request: Request) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        p = principal(request)
+        iam.authorize(p, body.spec.project)
+        t_auth = time.perf_counter() - t0
+        results = await asyncio.gather(
+            *(create_one(p, body.spec, t_auth) for _ in range(body.count)), return_exceptions=True
+        )
+        ok = [r for r in results if isinstance(r, SandboxInfo)]
+        errs = [r for r in results if not isinstance(r, SandboxInfo)]
+        for e in errs:
+            if not isinstance(e, errors.DsecError):
+                raise e
+        return {
+            "sandboxes": [i.model_dump(mode="json") for i in ok],
+            "errors": [e.to_wire()["error"] for e in errs if isinstance(e, errors.DsecError)],
+        }
+
+    @app.get("/v1/sandboxes")
+    async def list_(
+        request: Request, project: str | None = None, label: list[str] = Query(default=[])
+    ) -> dict[str, Any]:
+        p = principal(request)
+        if project is not None:
+            iam.authorize(p, project)
+        labels = {}
+        for x in label:
+            k, sep, v = x.partition("=")
+            if not sep:
+                raise errors.InvalidRequest(f"label filter {x!r} must look like key=value")
+            labels[k] = v
+        scope = iam.visible_projects(p)
+        lists = await asyncio.gather(
+            *(e.list(labels, project, scope) for e in directory.all()), return_exceptions=True
+        )
+        out = [i.model_dump(mode="json") for lst in lists if isinstance(lst, list) for i in lst]
+        return {"sandboxes": out}
+
+
+def _install_state_routes(app: FastAPI, st: ApiServerState, principal: _PrincipalFn) -> None:
+    """Fork (quota-checked like creates), pausing a project, snapshots."""
+    iam, directory = st.iam, st.directory
+
+    @app.post("/v1/sandboxes/{sid}/fork", status_code=201)
+    async def fork(sid: str, body: ForkRequest, request: Request) -> dict[str, Any]:
+        p = principal(request)
+        edge = directory.edge_for(sid)
+        scope = iam.visible_projects(p)
+        source = await edge.get(sid, scope)
+        keys = [f"pending-{secrets.token_hex(8)}" for _ in range(body.n)]
+        # The fork layer counts like a snapshot: a slot and the parent's writable layer as it
+        # is now, refused here before anything is copied; its real size once copied (below).
+        layer_key = f"pending-{secrets.token_hex(8)}"
+        iam.reserve_snapshot(layer_key, source.spec.project, _mib(source.telemetry.get("disk_used_bytes", 0)))
+        reserved: list[str] = []
+        try:
+            for key in keys:
+                iam.reserve(key, source.spec.project, source.spec.cpu, source.spec.memory_mb, pending=True)
+                reserved.append(key)
+            infos = await edge.fork(sid, body.n, scope)
+        except BaseException:
+            iam.release_snapshot(layer_key)
+            for key in reserved:
+                iam.release(key)
+            raise
+        for key, info in zip(keys, infos, strict=True):
+            iam.rekey(key, info.id)
+        await _charge_fork_layer(iam, edge, scope, layer_key, infos)
+        for info in infos:
+            st.events.publish(
+                "created",
+                id=info.id,
+                edge=info.edge,
+                image=info.spec.image,
+                project=info.spec.project,
+                fork_of=sid,
+            )
+        return {"sandboxes": [i.model_dump(mode="json") for i in infos]}
+
+    @app.post("/v1/projects/{project}/pause")
+    async def pause_project(project: str, request: Request) -> dict[str, Any]:
+        """Pause every sandbox of a project on every edge (a preempted job): one call."""
+        iam.authorize(principal(request), project)
+        results = await asyncio.gather(*(e.pause_project(project) for e in directory.all()))
+        paused = [sid for r in results for sid in r]
+        st.events.publish("project_paused", project=project, count=len(paused))
+        return {"paused": paused}
+
+    @app.get("/v1/snapshots")
+    async def snapshots(request: Request) -> dict[str, Any]:
+        scope = iam.visible_projects(principal(request))
+        out = []
+        for e in directory.all():
+            with contextlib.suppress(errors.DsecError):
+                out += [{**x, "edge": e.name} for x in await e.snapshots(scope)]
+        return {"snapshots": out}
+
+    @app.delete("/v1/snapshots/{name}", status_code=204)
+    async def delete_snapshot(name: str, request: Request) -> Response:
+        scope = iam.visible_projects(principal(request))
+        deleted = False
+        for e in directory.all():  # every copy (pulled ones included)
+            with contextlib.suppress(errors.ImageNotFound):
+                await e.delete_snapshot(name, scope)
+                deleted = True
+        if deleted:
+            iam.release_snapshot(name)
+        if not deleted:
+            raise errors.ImageNotFound(f"there is no snapshot {name!r}")
+        return Response(status_code=204)
+
+
+def _mib(n_bytes: int) -> int:
+    return -(-n_bytes // (1 << 20))
+
+
+async def _charge_fork_layer(
+    iam: IAM, edge: EdgeAPI, scope: set[str] | None, pending: str, infos: list[SandboxInfo]
+) -> None:
+    """Move a fork's pending snapshot reservation to its layer (``fork:<layer id>``, released
+    by the reconciler once no edge reports the layer) at the size the edge copied; if that
+    is over the quota (the parent wrote more after it was measured), the children are stopped
+    (which frees the layer) and the fork is refused."""
+    layer = infos[0].fork_layer if infos else None
+    if layer is None:  # an edge from before fork layers were reported: nothing to vouch for it
+        iam.release_snapshot(pending)
+        return
+    key = f"fork:{layer.id}"
+    iam.rekey_snapshot(pending, key)
+    try:
+        iam.resize_snapshot(key, _mib(layer.size_bytes))
+    except errors.DsecError:
+        await asyncio.gather(*(edge.stop(i.id, scope) for i in infos), return_exceptions=True)
+        for i in infos:
+            iam.release(i.id)
+        iam.release_snapshot(key)
+        raise
+
+
+def _install_snapshot_route(app: FastAPI, st: ApiServerState, principal: _PrincipalFn) -> None:
+    """Snapshots count against their project's quota (max_snapshots, max_snapshot_mb): a slot
+    is reserved before the copy, the size once it is known; over the limit, the snapshot is
+    deleted again and the caller gets quota_exceeded."""
+    iam, directory = st.iam, st.directory
+
+    @app.post("/v1/sandboxes/{sid}/snapshot", response_model=SnapshotInfo, status_code=201)
+    async def snapshot(sid: str, body: SnapshotRequest, request: Request) -> Response:
+        p = principal(request)
+        scope = iam.visible_projects(p)
+        edge = directory.edge_for(sid)
+        project = (await edge.get(sid, scope)).spec.project
+        pending = f"pending-{secrets.token_hex(8)}"
+        iam.reserve_snapshot(pending, project, 0)  # the count, before paying for the copy
+        try:
+            info = await edge.snapshot(sid, body, scope)
+        finally:
+            iam.release_snapshot(pending)
+        try:
+            iam.reserve_snapshot(info.id, project, -(-info.size_bytes // (1 << 20)))
+        except errors.DsecError:
+            with contextlib.suppress(errors.DsecError):
+                await edge.delete_snapshot(info.id, scope)
+            raise
+        return model_response(info, 201)
+
+    @app.post("/v1/sandboxes/{sid}/checkpoint", response_model=Checkpoint, status_code=201)
+    async def checkpoint(sid: str, request: Request, body: CheckpointRequest | None = None) -> Response:
+        """A memory checkpoint (its images and its copy of the files) counts like a snapshot:
+        a slot (and at least 1 MiB) before the dump, its size once known."""
+        scope = iam.visible_projects(principal(request))
+        edge = directory.edge_for(sid)
+        project = (await edge.get(sid, scope)).spec.project
+        pending = f"pending-{secrets.token_hex(8)}"
+        iam.reserve_snapshot(pending, project, 1)  # refused here, before anything is written
+        try:
+            info = await edge.checkpoint(sid, body or CheckpointRequest(), scope)
+        finally:
+            iam.release_snapshot(pending)
+        try:
+            iam.reserve_snapshot(info.id, project, max(1, -(-info.size_bytes // (1 << 20))))
+        except errors.DsecError:
+            with contextlib.suppress(errors.DsecError):
+                await edge.delete_checkpoint(info.id, scope)
+            raise
+        return model_response(info, 201)
+
+
+def _install_checkpoint_routes(app: FastAPI, st: ApiServerState, principal: _PrincipalFn) -> None:
+    """Memory checkpoints: list, restore (into a new sandbox: admitted like a create), delete.
+    Taking one is a per-sandbox route (routes.py); checkpoint ids name their edge like sandbox ids."""
+    iam, directory = st.iam, st.directory
+
+    def edge_for(cid: str) -> EdgeAPI:
+        try:
+            return directory.edge_for(cid)
+        except errors.SandboxNotFound:
+            raise errors.CheckpointNotFound(
+                f"there is no checkpoint {cid} (ids look like <edge>-ckpt-<12 hex digits>; "
+                "GET /v1/checkpoints lists yours)"
+            ) from None
+
+    @app.get("/v1/checkpoints")
+    async def checkpoints(request: Request) -> dict[str, Any]:
+        scope = iam.visible_projects(principal(request))
+        lists = await asyncio.gather(*(e.checkpoints(scope) for e in directory.all()), return_exceptions=True)
+        return {
+            "checkpoints": [c.model_dump(mode="json") for lst in lists if isinstance(lst, list) for c in lst]
+        }
+
+    @app.post("/v1/checkpoints/{cid}/restore", response_model=SandboxInfo, status_code=201)
+    async def restore(cid: str, body: RestoreRequest, request: Request) -> Response:
+        """Restore into a new sandbox (admitted like a create) or into a running one."""
+        p = principal(request)
+        scope = iam.visible_projects(p)
+        edge = edge_for(cid)
+        if body.sandbox_id is not None:
+            if edge_of(body.sandbox_id) != edge.name:
+                raise errors.InvalidRequest(
+                    f"checkpoint {cid} lives on edge {edge.name}; restore it into a sandbox of that edge "
+                    "or into a new sandbox"
+                )
+            return model_response(await edge.restore(cid, body, scope), 201)
+        ck = next((c for c in await edge.checkpoints(scope) if c.id == cid), None)
+        if ck is None:
+            raise errors.CheckpointNotFound(f"there is no checkpoint {cid} in your projects")
+        key = f"pending-{secrets.token_hex(8)}"
+        iam.reserve(key, ck.project, ck.cpu, ck.memory_mb, pending=True)
+        try:
+            info = await edge.restore(cid, body, scope)
+        except BaseException:
+            iam.release(key)
+            raise
+        iam.rekey(key, info.id)
+        st.events.publish(
+            "created",
+            id=info.id,
+            edge=info.edge,
+            image=info.spec.image,
+            project=ck.project,
+            restored_from=cid,
+        )
+        return model_response(info, 201)
+
+    @app.delete("/v1/checkpoints/{cid}", status_code=204)
+    async def delete_checkpoint(cid: str, request: Request) -> Response:
+        scope = iam.visible_projects(principal(request))
+        await edge_for(cid).delete_checkpoint(cid, scope)
+        iam.release_snapshot(cid)  # its share of the project's snapshot quota
+        return Response(status_code=204)
+
+
+def _install_sandbox_stop_routes(
+    app: FastAPI, st: ApiServerState, principal: _PrincipalFn, express: Express
+) -> None:
+    """Stop one or many sandboxes."""
+    iam, directory = st.iam, st.directory
+
+    async def stop_one(p: Principal, sid: str, after: list[Callable[[], None]] | None = None) -> None:
+        edge = directory.edge_for(sid)
+        await edge.stop(sid, iam.visible_projects(p))
+
+        def account() -> None:
+            project = iam.release(sid)
+            st.events.publish("stopped", id=sid, edge=edge.name, project=project)
+
+        if after is None:
+            account()
+        else:
+            after.append(account)
+
+    @app.delete("/v1/sandboxes/{sid}", status_code=204)
+    async def stop(sid: str, request: Request) -> Response:
+        after: list[Callable[[], None]] = []
+        await stop_one(principal(request), sid, after)
+        return respond_then(Response(status_code=204), after)
+
+    express.add("DELETE", "/v1/sandboxes/{sid}", stop)
+
+    @app.post("/v1/sandboxes/batch_stop")
+    async def batch_stop(body: BatchStop, request: Request) -> dict[str, Any]:
+        p = principal(request)
+        results = await asyncio.gather(*(stop_one(p, sid) for sid in body.ids), return_exceptions=True)
+        stopped = [sid for sid, r in zip(body.ids, results, strict=True) if r is None]
+        failed = {
+            sid: (
+                r.to_wire()["error"]
+                if isinstance(r, errors.DsecError)
+                else {"code": "internal", "message": str(r)}
+            )
+            for sid, r in zip(body.ids, results, strict=True)
+            if r is not None
+        }
+        return {"stopped": stopped, "errors": failed}

@@ -1,0 +1,226 @@
+"""The apiserver's app: create_api_app wires the Gate, the routes and the background loops."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import generate_latest
+
+from dsec import __version__, errors
+from dsec.apiserver.app.admin_routes import (
+    _install_edge_routes,
+    _install_iam_routes,
+    _install_image_pool_routes,
+    _install_pool_routes,
+)
+from dsec.apiserver.app.control import _candidates, _reconcile_quota, _refresh_gauges, _visibility
+from dsec.apiserver.app.sandbox_routes import (
+    _install_checkpoint_routes,
+    _install_sandbox_routes,
+    _install_sandbox_stop_routes,
+    _install_snapshot_route,
+    _install_state_routes,
+)
+from dsec.apiserver.app.state import ApiServerState, EventBus, Metrics, _PrincipalFn
+from dsec.apiserver.edges import HttpEdge
+from dsec.apiserver.placement import EdgeDirectory
+from dsec.apiserver.tenancy import (
+    ApiServerSettings,
+    TenantMetrics,
+    make_guard,
+    metrics_scope,
+)
+from dsec.compat.sandboxfusion import sandboxfusion_router
+from dsec.compat.swerex import swerex_router
+from dsec.edgeapi import EdgeAPI
+from dsec.fncall.tenancy import caller_project
+from dsec.http.routes import (
+    Express,
+    Gate,
+    Target,
+    install_error_handlers,
+    model_response,
+    sandbox_router,
+)
+from dsec.iam import IAM, Principal
+from dsec.models import (
+    FnCallRequest,
+    FnCallResult,
+    JupyterRequest,
+    JupyterResult,
+    SandboxSpec,
+)
+
+log = logging.getLogger("dsec.apiserver")
+
+
+def create_api_app(
+    *,
+    iam: IAM,
+    cluster_token: str,
+    local_edges: list[EdgeAPI] | None = None,
+    remote_edges: dict[str, str] | None = None,
+    max_body: int = 160 * 1024 * 1024,
+    poll_interval_s: float = 1.0,
+    extra_lifespan: Callable[[], Awaitable[None]] | None = None,
+    on_shutdown: Callable[[], Awaitable[None]] | None = None,
+    compat_auth: bool = True,
+    settings: ApiServerSettings | None = None,
+) -> FastAPI:
+    settings = settings or ApiServerSettings()
+    directory = EdgeDirectory(poll_interval_s=poll_interval_s)
+    for e in local_edges or []:
+        directory.add(e)
+    for name, url in (remote_edges or {}).items():
+        directory.add(HttpEdge(name, url, cluster_token))
+    st = ApiServerState(iam, directory, cluster_token, Metrics(), EventBus())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if extra_lifespan is not None:
+            await extra_lifespan()
+        await directory.poll_once()
+        directory.start()
+        reconcile = asyncio.create_task(
+            _reconcile_quota(st, settings.reconcile_interval_s, settings.reservation_grace_s)
+        )
+        try:
+            yield
+        finally:
+            reconcile.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reconcile
+            if on_shutdown is not None:
+                await on_shutdown()
+            await directory.close()
+
+    app = FastAPI(
+        title="dsec",
+        version=__version__,
+        lifespan=lifespan,
+        description="Elastic sandboxes for agentic RL. See docs/API.md.",
+    )
+    app.state.dsec = st
+    install_error_handlers(app)
+    express = Express()
+    guard = make_guard(iam, cluster_token, compat_auth=compat_auth, metrics_token=settings.metrics_secret())
+    app.add_middleware(Gate, limit=max_body, guard=guard, express=express)
+
+    def principal(request: Request) -> Principal:
+        cached = getattr(request.state, "principal", None)
+        if cached is not None:
+            return cached  # type: ignore[no-any-return]
+        auth = request.headers.get("authorization", "")
+        token = auth[7:].strip() if auth.lower().startswith("bearer ") else None
+        p = iam.authenticate(token)
+        request.state.principal = p
+        return p
+
+    def require_admin(request: Request) -> Principal:
+        p = principal(request)
+        if not p.admin:
+            raise errors.Forbidden("this call needs an admin token")
+        return p
+
+    async def resolve(request: Request, sid: str) -> Target:
+        p = principal(request)
+        return Target(directory.edge_for(sid), iam.visible_projects(p))
+
+    app.state.resolve = resolve
+    _install_snapshot_route(app, st, principal)  # before the shared router: snapshot/checkpoint quotas
+
+    app.include_router(sandbox_router(st.metrics.observe_exec, express))
+    app.include_router(swerex_router())
+    _install_fncall_routes(app, st, principal, compat_auth, express)
+
+    _install_public_routes(app, st)
+    _install_sandbox_routes(app, st, principal, express)
+    _install_sandbox_stop_routes(app, st, principal, express)
+    _install_state_routes(app, st, principal)
+    _install_checkpoint_routes(app, st, principal)
+    _install_image_pool_routes(app, st, principal, require_admin)
+    _install_pool_routes(app, st, principal, require_admin)
+    _install_edge_routes(app, st, principal)
+    _install_iam_routes(app, st, principal, require_admin)
+
+    @app.exception_handler(errors.AuthError)
+    async def _auth_error(_: Request, exc: errors.AuthError) -> JSONResponse:
+        return JSONResponse(exc.to_wire(), status_code=exc.status, headers={"WWW-Authenticate": "Bearer"})
+
+    return app
+
+
+def _install_fncall_routes(
+    app: FastAPI, st: ApiServerState, principal: _PrincipalFn, compat_auth: bool, express: Express
+) -> None:
+    """Stateless code runs: the native API and the SandboxFusion-compatible endpoints."""
+
+    async def on_some_edge(image: str, call: Callable[[EdgeAPI], Awaitable[Any]]) -> Any:
+        last: errors.DsecError | None = None
+        for view in await _candidates(st, SandboxSpec(image=image)):
+            try:
+                return await call(view.api)
+            except (errors.CapacityExhausted, errors.Unavailable) as e:
+                last = e
+        raise errors.Unavailable(f"no edge could run the call on image {image!r}; retry later") from last
+
+    async def run(req: FnCallRequest) -> FnCallResult:
+        result: FnCallResult = await on_some_edge(req.image, lambda e: e.fncall_run(req))
+        return result
+
+    async def jupyter(req: JupyterRequest) -> JupyterResult:
+        result: JupyterResult = await on_some_edge(req.image, lambda e: e.fncall_jupyter(req))
+        return result
+
+    # Workers are per project: the project is always the caller's (never a client's word).
+    @app.post("/v1/fncall/run", response_model=FnCallResult)
+    async def fncall_run(body: FnCallRequest, request: Request) -> Response:
+        project = caller_project(st.iam, principal(request), body.project)
+        return model_response(await run(body.model_copy(update={"project": project})))
+
+    express.add("POST", "/v1/fncall/run", fncall_run, FnCallRequest)
+
+    @app.post("/v1/fncall/jupyter", response_model=JupyterResult)
+    async def fncall_jupyter(body: JupyterRequest, request: Request) -> Response:
+        project = caller_project(st.iam, principal(request), body.project)
+        return model_response(await jupyter(body.model_copy(update={"project": project})))
+
+    def authenticate(token: str | None) -> str:
+        return caller_project(st.iam, st.iam.authenticate(token), None)
+
+    app.include_router(sandboxfusion_router(run, jupyter, authenticate if compat_auth else None, express))
+
+
+def _install_public_routes(app: FastAPI, st: ApiServerState) -> None:
+    """Health and version: no token needed, nothing about any tenant. Metrics: an admin token
+    or the metrics token sees every series; a tenant's token sees none per project and none
+    naming another project's snapshot."""
+    directory = st.directory
+
+    # --- public, unauthenticated ---------------------------------------------------
+
+    @app.get("/v1/health")
+    async def health() -> dict[str, Any]:
+        healthy = sum(1 for v in directory.views.values() if v.healthy)
+        return {"status": "ok" if healthy else "degraded", "edges": healthy}
+
+    @app.get("/v1/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> PlainTextResponse:
+        view = metrics_scope(request.scope)  # set by the gate, which authenticated the caller
+        _refresh_gauges(st)
+        registry: Any = st.metrics.registry
+        if view != "all":
+            p = request.state.principal
+            registry = TenantMetrics(registry, await _visibility(st, st.iam.visible_projects(p)))
+        return PlainTextResponse(generate_latest(registry).decode(), media_type="text/plain; version=0.0.4")
