@@ -1,0 +1,395 @@
+"""Quota admission: reservations of sandboxes and snapshot storage against a project's whole
+subtree, atomic in one transaction, and their reconciliation with what edges report.
+
+A part of `IAM` (store.py): what it uses of the rest of IAM is declared at the top of
+`Admission`."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import math
+import os
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dsec.errors import Conflict, InvalidRequest, NotFound, QuotaExceeded
+from dsec.iam.schema import _ANCESTORS_SQL, _MILLI, _OWNER_RE, _fmt, _milli, _usage_of
+from dsec.models.iam import Usage
+
+
+class Admission:
+    """reserve, release, rekey, usage, reconcile; the same for snapshot storage (see the module)."""
+
+    # What this part uses of the edge (set by Edge).
+    _owners_dir: Path
+    _owner_id: str | None
+    _owner_fd: int
+    _lock: threading.Lock
+    _db: sqlite3.Connection
+
+    if TYPE_CHECKING:
+
+        def _project_row(self, db: sqlite3.Connection, name: str) -> sqlite3.Row: ...
+
+        def _read(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]: ...
+
+        @contextmanager
+        def _write(self) -> Iterator[sqlite3.Connection]: ...
+
+    # ------------------------------------------------------------------ admission
+
+    def reserve(self, key: str, project: str, cpu: float, memory_mb: int, *, pending: bool = False) -> None:
+        """Atomically admit one sandbox ``key`` into ``project``, or raise :class:`QuotaExceeded`.
+
+        Idempotent: reserving an existing key for the same project is a no-op. ``pending``: the
+        key is provisional (a create in flight in this process): :meth:`reconcile` leaves it
+        alone while this process lives; :meth:`rekey` or :meth:`release` ends it.
+        """
+        if not key:
+            raise InvalidRequest("reservation key must be a non-empty string (the sandbox id)")
+        if cpu < 0 or memory_mb < 0:
+            raise InvalidRequest(
+                f"cpu ({_fmt(cpu)}) and memory_mb ({memory_mb}) must not be negative", key=key
+            )
+        cpu_m = _milli(cpu)
+        owner = self._owner() if pending else None
+        with self._write() as db:
+            existing = db.execute("SELECT project FROM reservations WHERE key = ?", (key,)).fetchone()
+            if existing is not None:
+                if existing[0] == project:
+                    return
+                raise Conflict(
+                    f"reservation {key!r} is already held in project {existing[0]!r}, not {project!r}: "
+                    "release it first or use a new key",
+                    key=key,
+                    project=existing[0],
+                )
+            chain = db.execute(_ANCESTORS_SQL, (project,)).fetchall()
+            if not chain:
+                self._project_row(db, project)  # raises NotFound
+            for row in chain:
+                _admit(row, project, cpu_m, memory_mb)
+            db.execute(
+                "INSERT INTO reservations (key, project, cpu_m, memory_mb, created_at, owner)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (key, project, cpu_m, memory_mb, time.time(), owner),
+            )
+            self._add_usage(db, [r["name"] for r in chain], 1, cpu_m, memory_mb)
+
+    @staticmethod
+    def _add_usage(db: sqlite3.Connection, names: list[str], n: int, cpu_m: int, memory_mb: int) -> None:
+        db.execute(
+            "UPDATE projects SET used_sandboxes = used_sandboxes + ?, used_cpu_m = used_cpu_m + ?,"
+            f" used_memory_mb = used_memory_mb + ? WHERE name IN ({','.join('?' * len(names))})",
+            (n, cpu_m, memory_mb, *names),
+        )
+
+    def _release(self, db: sqlite3.Connection, key: str) -> str | None:
+        row = db.execute(
+            "SELECT project, cpu_m, memory_mb FROM reservations WHERE key = ?", (key,)
+        ).fetchone()
+        if row is None:
+            return None
+        names = [r["name"] for r in db.execute(_ANCESTORS_SQL, (row["project"],))]
+        db.execute("DELETE FROM reservations WHERE key = ?", (key,))
+        self._add_usage(db, names, -1, -row["cpu_m"], -row["memory_mb"])
+        return str(row["project"])
+
+    def release(self, key: str) -> str | None:
+        """Give back the reservation ``key``; return its project (None: there was none)."""
+        with self._write() as db:
+            return self._release(db, key)
+
+    def rekey(self, old_key: str, new_key: str) -> None:
+        """Move a reservation from a provisional key to the sandbox's real id (idempotent)."""
+        if not new_key:
+            raise InvalidRequest("new reservation key must be a non-empty string (the sandbox id)")
+        if old_key == new_key:
+            return
+        with self._write() as db:
+            old = db.execute("SELECT project FROM reservations WHERE key = ?", (old_key,)).fetchone()
+            new = db.execute("SELECT project FROM reservations WHERE key = ?", (new_key,)).fetchone()
+            if old is None:
+                if new is not None:
+                    return  # already moved
+                raise NotFound(
+                    f"no reservation under key {old_key!r}: reserve quota before renaming it", key=old_key
+                )
+            if new is not None:
+                raise Conflict(
+                    f"reservation key {new_key!r} is already taken: release it or pick another key",
+                    key=new_key,
+                )
+            # No longer pending: from now on the edges' listings vouch for it, and the grace
+            # period of reconcile() starts again (the edge may not list it for a moment yet).
+            db.execute(
+                "UPDATE reservations SET key = ?, owner = NULL, created_at = ? WHERE key = ?",
+                (new_key, time.time(), old_key),
+            )
+
+    def usage(self, project: str, *, recursive: bool = True) -> Usage:
+        """What ``project`` holds; with ``recursive`` (the default) including every descendant."""
+        with self._lock:
+            row = self._project_row(self._db, project)
+            if recursive:
+                return _usage_of(row)
+            n, cpu_m, mem = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(cpu_m), 0), COALESCE(SUM(memory_mb), 0)"
+                " FROM reservations WHERE project = ?",
+                (project,),
+            ).fetchone()
+            snaps, snap_mb = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(size_mb), 0) FROM snapshot_reservations WHERE project = ?",
+                (project,),
+            ).fetchone()
+            return Usage(sandboxes=n, cpu=cpu_m / _MILLI, memory_mb=mem, snapshots=snaps, snapshot_mb=snap_mb)
+
+    def usages(self) -> dict[str, Usage]:
+        """Recursive usage of every project (as :meth:`usage` reports it), read in one query."""
+        return {r["name"]: _usage_of(r) for r in self._read("SELECT * FROM projects ORDER BY name")}
+
+    def reservations(self) -> dict[str, str]:
+        return {r[0]: r[1] for r in self._read("SELECT key, project FROM reservations")}
+
+    def reconcile(self, live_keys: set[str], older_than_s: float = 30.0) -> list[str]:
+        """Release reservations not in ``live_keys`` older than ``older_than_s``; return their keys.
+
+        Pending reservations (creates in flight) are not the edges' to vouch for: they stay
+        while their process lives, whatever their age, and go when it is gone."""
+        cutoff = time.time() - older_than_s
+        released = self.release_orphaned()
+        with self._write() as db:
+            rows = db.execute(
+                "SELECT key FROM reservations WHERE created_at < ? AND owner IS NULL", (cutoff,)
+            ).fetchall()
+            for (key,) in rows:
+                if key not in live_keys and self._release(db, key):
+                    released.append(key)
+        return sorted(released)
+
+    # ------------------------------------------------------------------ pending creates' owners
+
+    def _owner(self) -> str:
+        """This instance's owner id, locked for as long as it lives (created on first use)."""
+        with self._lock:
+            if self._owner_id is None:
+                self._owners_dir.mkdir(mode=0o700, exist_ok=True)
+                oid = "o" + secrets.token_hex(8)
+                fd = os.open(self._owners_dir / oid, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                self._owner_id, self._owner_fd = oid, fd
+            return self._owner_id
+
+    def _owner_alive(self, owner: str) -> bool:
+        if owner == self._owner_id:
+            return True
+        if not _OWNER_RE.fullmatch(owner):
+            return False
+        try:
+            fd = os.open(self._owners_dir / owner, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # drops the lock we may have taken
+        return False
+
+    def release_orphaned(self) -> list[str]:
+        """Release the pending reservations of processes that are gone (a crash mid-create);
+        return their keys. Those of live processes stay, however old."""
+        owners = [r[0] for r in self._read("SELECT DISTINCT owner FROM reservations WHERE owner IS NOT NULL")]
+        dead = [o for o in owners if not self._owner_alive(o)]
+        released: list[str] = []
+        if not dead:
+            return released
+        with self._write() as db:
+            for owner in dead:
+                for (key,) in db.execute("SELECT key FROM reservations WHERE owner = ?", (owner,)).fetchall():
+                    if self._release(db, key):
+                        released.append(key)
+        for owner in dead:
+            with contextlib.suppress(OSError):
+                os.unlink(self._owners_dir / owner)
+        return released
+
+    # ------------------------------------------------------------------ snapshot storage
+
+    def reserve_snapshot(self, key: str, project: str, size_mb: int) -> None:
+        """Atomically admit snapshot ``key`` of ``size_mb`` MiB into ``project``, or raise QuotaExceeded.
+
+        Checks ``max_snapshots`` and ``max_snapshot_mb`` of the project and every ancestor. A
+        fractional size is rounded up to a whole MiB. Idempotent: reserving an existing key again
+        for the same project and size is a no-op; another project or size is a :class:`Conflict`
+        (use :meth:`resize_snapshot` to change a size).
+        """
+        if not key:
+            raise InvalidRequest("snapshot reservation key must be a non-empty string (the snapshot name)")
+        mb = _snapshot_mb(key, size_mb)
+        with self._write() as db:
+            existing = db.execute(
+                "SELECT project, size_mb FROM snapshot_reservations WHERE key = ?", (key,)
+            ).fetchone()
+            if existing is not None:
+                if existing["project"] == project and existing["size_mb"] == mb:
+                    return
+                raise Conflict(
+                    f"snapshot reservation {key!r} is already held in project {existing['project']!r} "
+                    f"with {existing['size_mb']} MiB, not {project!r} with {mb} MiB: release it first, "
+                    "resize it, or use a new key",
+                    key=key,
+                    project=existing["project"],
+                    size_mb=existing["size_mb"],
+                )
+            chain = db.execute(_ANCESTORS_SQL, (project,)).fetchall()
+            if not chain:
+                self._project_row(db, project)  # raises NotFound
+            for row in chain:
+                _admit_snapshot(row, project, 1, mb)
+            db.execute(
+                "INSERT INTO snapshot_reservations (key, project, size_mb, created_at) VALUES (?, ?, ?, ?)",
+                (key, project, mb, time.time()),
+            )
+            self._add_snapshot_usage(db, [r["name"] for r in chain], 1, mb)
+
+    def resize_snapshot(self, key: str, size_mb: int) -> None:
+        """Change the size held by snapshot reservation ``key``; growth is admitted like a new reservation.
+
+        Shrinking always succeeds. On :class:`QuotaExceeded` the reservation keeps its old size.
+        """
+        mb = _snapshot_mb(key, size_mb)
+        with self._write() as db:
+            row = db.execute(
+                "SELECT project, size_mb FROM snapshot_reservations WHERE key = ?", (key,)
+            ).fetchone()
+            if row is None:
+                raise NotFound(
+                    f"no snapshot reservation under key {key!r}: reserve it with reserve_snapshot first",
+                    key=key,
+                )
+            delta = mb - row["size_mb"]
+            if delta == 0:
+                return
+            chain = db.execute(_ANCESTORS_SQL, (row["project"],)).fetchall()
+            if delta > 0:
+                for r in chain:
+                    _admit_snapshot(r, row["project"], 0, delta)
+            db.execute("UPDATE snapshot_reservations SET size_mb = ? WHERE key = ?", (mb, key))
+            self._add_snapshot_usage(db, [r["name"] for r in chain], 0, delta)
+
+    @staticmethod
+    def _add_snapshot_usage(db: sqlite3.Connection, names: list[str], n: int, size_mb: int) -> None:
+        db.execute(
+            "UPDATE projects SET used_snapshots = used_snapshots + ?, used_snapshot_mb = used_snapshot_mb + ?"
+            f" WHERE name IN ({','.join('?' * len(names))})",
+            (n, size_mb, *names),
+        )
+
+    def _release_snapshot(self, db: sqlite3.Connection, key: str) -> bool:
+        row = db.execute(
+            "SELECT project, size_mb FROM snapshot_reservations WHERE key = ?", (key,)
+        ).fetchone()
+        if row is None:
+            return False
+        names = [r["name"] for r in db.execute(_ANCESTORS_SQL, (row["project"],))]
+        db.execute("DELETE FROM snapshot_reservations WHERE key = ?", (key,))
+        self._add_snapshot_usage(db, names, -1, -row["size_mb"])
+        return True
+
+    def release_snapshot(self, key: str) -> None:
+        """Give back the snapshot reservation ``key``; unknown keys are ignored."""
+        with self._write() as db:
+            self._release_snapshot(db, key)
+
+    def snapshot_reservations(self) -> dict[str, tuple[str, int]]:
+        """``key -> (project, size_mb)`` of every snapshot reservation."""
+        rows = self._read("SELECT key, project, size_mb FROM snapshot_reservations")
+        return {r[0]: (r[1], r[2]) for r in rows}
+
+    def rekey_snapshot(self, old_key: str, new_key: str) -> None:
+        """Move snapshot reservation ``old_key`` to ``new_key`` (same project and size, nothing
+        re-admitted); its age for :meth:`reconcile_snapshots` starts again."""
+        with self._write() as db:
+            cur = db.execute(
+                "UPDATE snapshot_reservations SET key = ?, created_at = ? WHERE key = ?",
+                (new_key, time.time(), old_key),
+            )
+            if cur.rowcount == 0:
+                raise NotFound(f"no snapshot reservation under key {old_key!r} to rename", key=old_key)
+
+    def reconcile_snapshots(
+        self, live_keys: set[str], older_than_s: float = 30.0, *, prefix: str = ""
+    ) -> list[str]:
+        """Release snapshot reservations whose key starts with ``prefix``, not in ``live_keys``
+        and older than ``older_than_s``; return the keys."""
+        cutoff = time.time() - older_than_s
+        released: list[str] = []
+        with self._write() as db:
+            rows = db.execute(
+                "SELECT key FROM snapshot_reservations WHERE created_at < ?", (cutoff,)
+            ).fetchall()
+            for (key,) in rows:
+                if key.startswith(prefix) and key not in live_keys and self._release_snapshot(db, key):
+                    released.append(key)
+        return sorted(released)
+
+
+def _snapshot_mb(key: str, size_mb: float) -> int:
+    """``size_mb`` as whole MiB (rounded up), or InvalidRequest if negative or not a finite number."""
+    if isinstance(size_mb, bool) or not isinstance(size_mb, int | float) or not math.isfinite(size_mb):
+        raise InvalidRequest(f"snapshot size_mb ({size_mb!r}) must be a number of MiB", key=key)
+    if size_mb < 0:
+        raise InvalidRequest(f"snapshot size_mb ({_fmt(size_mb)}) must not be negative", key=key)
+    return math.ceil(size_mb)
+
+
+_Check = tuple[str, str, float | None, float, float, float]  # field, unit, limit, used, wanted, scale
+
+
+def _admit(row: sqlite3.Row, project: str, cpu_m: int, memory_mb: int) -> None:
+    """Raise QuotaExceeded if adding one sandbox of (cpu_m, memory_mb) would overflow ``row``'s quota."""
+    checks: tuple[_Check, ...] = (
+        ("max_sandboxes", "sandboxes", row["max_sandboxes"], row["used_sandboxes"], 1, 1),
+        ("max_cpu", "CPUs", row["max_cpu"], row["used_cpu_m"] / _MILLI, cpu_m / _MILLI, _MILLI),
+        ("max_memory_mb", "MiB of memory", row["max_memory_mb"], row["used_memory_mb"], memory_mb, 1),
+    )
+    _check_limits(row["name"], project, checks, "sandbox", "delete sandboxes, ask for fewer resources")
+
+
+def _admit_snapshot(row: sqlite3.Row, project: str, n: int, size_mb: int) -> None:
+    """Raise QuotaExceeded if ``n`` more snapshots of ``size_mb`` MiB in all overflow ``row``'s quota."""
+    checks: list[_Check] = []
+    if n:
+        checks.append(("max_snapshots", "snapshots", row["max_snapshots"], row["used_snapshots"], n, 1))
+    checks.append(
+        ("max_snapshot_mb", "MiB of snapshots", row["max_snapshot_mb"], row["used_snapshot_mb"], size_mb, 1)
+    )
+    _check_limits(row["name"], project, checks, "snapshot", "delete snapshots you no longer need")
+
+
+def _check_limits(name: str, project: str, checks: Sequence[_Check], what: str, remedy: str) -> None:
+    for field, unit, limit, used, want, scale in checks:
+        if limit is None:
+            continue
+        # Compare in integer units (millicores for CPU) so float error cannot admit or refuse wrongly.
+        if round((used + want) * scale) <= round(limit * scale):
+            continue
+        where = f"project {name!r}" if name == project else f"project {name!r} (an ancestor of {project!r})"
+        raise QuotaExceeded(
+            f"{where} is out of {unit}: {_fmt(used)} of {_fmt(limit)} in use and this {what} needs "
+            f"{_fmt(want)} more; {remedy}, or ask an admin to raise {field} of project {name!r}",
+            project=name,
+            dimension=field,
+            usage=used,
+            limit=limit,
+            requested=want,
+        )
