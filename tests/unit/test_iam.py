@@ -365,6 +365,21 @@ def test_reconcile_releases_stale_keys(iam: IAM) -> None:
     assert iam.usage("default") == Usage(sandboxes=2, cpu=2, memory_mb=128)
 
 
+def test_reconcile_spares_what_was_made_while_the_edges_were_asked(iam: IAM) -> None:
+    """The reconciler asks the edges, then reconciles: a create that completed (re-keyed to
+    its sandbox id) in between is missing from their answers without being gone."""
+    iam.reserve("old", "default", 1, 64)
+    time.sleep(0.05)
+    asked_at = time.time()
+    time.sleep(0.05)
+    iam.reserve("pending-create", "default", 1, 64, pending=True)
+    iam.rekey("pending-create", "n0-new")  # completed after the edges answered
+    time.sleep(0.05)
+    assert iam.reconcile(set(), older_than_s=0.04, as_of=asked_at) == ["old"]
+    assert set(iam.reservations()) == {"n0-new"}
+    assert iam.reconcile(set(), older_than_s=0.04) == ["n0-new"]  # asked again: it is gone
+
+
 # ---------------------------------------------------------------- contention
 
 

@@ -158,12 +158,18 @@ class Admission:
     def reservations(self) -> dict[str, str]:
         return {r[0]: r[1] for r in self._read("SELECT key, project FROM reservations")}
 
-    def reconcile(self, live_keys: set[str], older_than_s: float = 30.0) -> list[str]:
+    def reconcile(
+        self, live_keys: set[str], older_than_s: float = 30.0, *, as_of: float | None = None
+    ) -> list[str]:
         """Release reservations not in ``live_keys`` older than ``older_than_s``; return their keys.
+
+        ``as_of``: when ``live_keys`` was taken (default: now). Only a reservation made (or
+        re-keyed) ``older_than_s`` before that can be missing from it for a reason: one made
+        while the edges were being asked may just not be in their answers yet.
 
         Pending reservations (creates in flight) are not the edges' to vouch for: they stay
         while their process lives, whatever their age, and go when it is gone."""
-        cutoff = time.time() - older_than_s
+        cutoff = (time.time() if as_of is None else as_of) - older_than_s
         released = self.release_orphaned()
         with self._write() as db:
             rows = db.execute(

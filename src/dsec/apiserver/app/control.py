@@ -117,13 +117,14 @@ async def _reconcile_quota(st: ApiServerState, interval_s: float, grace_s: float
         await asyncio.sleep(interval_s)
         live: set[str] = set()
         complete = True
+        asked_at = time.time()  # a create that completes while the edges answer is not in `live`
         for e in st.directory.all():
             try:
                 live |= {i.id for i in await e.list({}, None, None)}
             except Exception:
                 complete = False
         if complete:
-            st.iam.reconcile(live, older_than_s=grace_s)
+            st.iam.reconcile(live, older_than_s=grace_s, as_of=asked_at)
         await _reconcile_fork_layers(st, grace_s)
 
 
