@@ -282,9 +282,10 @@ def keyed_value(f: Path | str, key: str) -> int:
             data = os.read(fd, 65536)
         finally:
             os.close(fd)
+        want = key.encode()
         for line in data.split(b"\n"):
             k, _, v = line.partition(b" ")
-            if k == key.encode():
+            if k == want:
                 return int(v)
     except (OSError, ValueError):
         pass

@@ -69,6 +69,7 @@ class IdRanges:
         self._lock = threading.Lock()
         self._held: set[int] = set()
         self._next = self.first_slot
+        self._me = f"{os.getpid()} {linux.proc_start_time(os.getpid()) or 0}\n"
         registry.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(registry, 0o700)
 
@@ -83,7 +84,7 @@ class IdRanges:
                 if fd is not None:
                     self._held.add(slot)
                     self._next = slot + 1
-                    _write(fd, f"{os.getpid()} {linux.proc_start_time(os.getpid()) or 0}\n")
+                    _write(fd, self._me)  # until bind(): this process holds it
                     return IdRange(self, slot, fd)
         raise errors.CapacityExhausted(
             f"every sandbox id range of this host ({self.count}) is in use; stop some sandboxes"
