@@ -45,7 +45,7 @@ def edge_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Pa
         "layers_dir": LAYERS,
         "criu_dir": LAYERS.parent / "criu",
     }
-    from dsec.backends.container import mounts_under, unmount_all
+    from dsec.isolation.procs import mounts_under, unmount_all
 
     for m in sorted(mounts_under(run_dir.parent), key=len, reverse=True):  # after an edge was killed
         if m == str(run_dir) or m.startswith(f"{run_dir}/"):

@@ -36,6 +36,8 @@ class EdgeSettings(BaseSettings):
     run_dir: Path = Path("/run/dsec")
     layers_dir: Path | None = None
     runtime: str = "crun"
+    # The backends this edge runs sandboxes on (dsec.backends.registry), started at edge start.
+    backends: list[str] = ["container"]
     criu_dir: Path = Path("/var/lib/dsec/criu")  # host-wide, unpacked by install.sh
     # The layer store's canonical id range (container id N is stored as host id uid_offset + N);
     # each sandbox runs as a range of its own above it (isolation/idranges.py), allocated

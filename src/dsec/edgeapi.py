@@ -7,7 +7,6 @@ projects (`projects`, None = all), so the apiserver needs no per-sandbox state: 
 knows each sandbox's project. This module imports only the wire models.
 """
 
-
 import base64
 import builtins
 from abc import ABC, abstractmethod

@@ -94,7 +94,7 @@ def dsec_up(tmp: Path, extra_env: dict[str, str] | None = None) -> Iterator[Serv
     yield svc
     for name in list(svc.procs):
         svc.stop(name)
-    from dsec.backends.container import mounts_under, unmount_all
+    from dsec.isolation.procs import mounts_under, unmount_all
 
     run_dir = env["DSEC_EDGE_RUN_DIR"]
     for m in sorted(mounts_under(Path(run_dir).parent), key=len, reverse=True):  # a killed edge's

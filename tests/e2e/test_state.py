@@ -78,7 +78,7 @@ def test_pause_project_and_fork_quota(service):
 
 
 def test_checkpoint_and_restore_through_the_sdk(service):
-    from dsec.edge.checkpoint import ensure_criu
+    from dsec.backends.criu import ensure_criu
 
     try:
         ensure_criu(Path("/var/lib/dsec"))  # what install.sh does

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from dsec import errors
-from dsec.edge import checkpoint as ckpt
+from dsec.backends import criu as ckpt
 from dsec.models import ExecRequest, SandboxSpec
 
 pytestmark = [pytest.mark.root, pytest.mark.asyncio]
@@ -154,7 +154,7 @@ async def test_checkpoint_and_restore_into_a_new_sandbox(edge, criu, tmp_path):
         status = f.read()
     assert "Seccomp:\t2" in status and "NoNewPrivs:\t1" in status
     assert os.readlink(f"/proc/{procs[0]}/ns/user") == os.readlink(
-        f"/proc/{edge.sandboxes[new_id].container.pid}/ns/user"
+        f"/proc/{edge.sandboxes[new_id].handle.pid}/ns/user"
     )
     # ...and an ordinary exec there sees it
     r = await edge.exec(new_id, ExecRequest(cmd="pgrep -f '^python3 /tmp/counter'"))
@@ -201,7 +201,7 @@ async def test_checkpoint_and_restore_in_place(edge, criu, tmp_path):
     # restoring again while the process runs: its pid is taken
     with pytest.raises(errors.UnsupportedOperation) as e:
         await ckpt.restore(
-            edge.sandboxes[sb.id].container, dest, criu=criu, cgroups=edge.cgroups, group_name="dsec-xtest-1"
+            edge.sandboxes[sb.id].handle, dest, criu=criu, cgroups=edge.cgroups, group_name="dsec-xtest-1"
         )
     assert e.value.details["reason"] == "pid_in_use"
 

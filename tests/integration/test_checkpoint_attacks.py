@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from dsec import errors
-from dsec.edge import checkpoint as ckpt
+from dsec.backends import criu as ckpt
 from dsec.models import ExecRequest, SandboxSpec
 
 pytestmark = [pytest.mark.root, pytest.mark.asyncio]
@@ -213,12 +213,12 @@ def host_holdings(edge, sid: str) -> list[str]:
     sb = edge.sandboxes.get(sid)
     if sb is None:
         return []
-    inside = _mount_ids(sb.container.pid)
+    inside = _mount_ids(sb.handle.pid)
     bad = []
     for d, _, _ in os.walk(edge.cgroups.tracking_dir(sid)):
         with contextlib.suppress(OSError), open(os.path.join(d, "cgroup.procs")) as f:
             pids = [int(x) for x in f.read().split()]
-        for pid in (p for p in pids if p != sb.container.pid):
+        for pid in (p for p in pids if p != sb.handle.pid):
             links = ["cwd", "root"]
             with contextlib.suppress(OSError):
                 links += [f"fd/{n}" for n in os.listdir(f"/proc/{pid}/fd")]

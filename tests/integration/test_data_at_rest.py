@@ -90,7 +90,7 @@ async def test_data_files_are_private_to_root(edge):
         # a layer tree file, owned by the sandbox ids (shifted): by path, out of reach
         layer = edge.layers.layer_path(edge.layers.get_image("python").layers[-1])
         targets.append(next(p for p in layer.rglob("*") if p.is_file() and not p.is_symlink()))
-        base = edge.sandboxes[sb.id].container.id_base  # the sandbox's own root
+        base = edge.sandboxes[sb.id].handle.id_base  # the sandbox's own root
         for uid in (base, base + 1000, s.uid_offset, s.uid_offset + 1000, 65534):
             seen = probe(targets, uid)
             reached = {p: what for p, what in seen.items() if what in ("listed", "read") or "+" in what}
@@ -100,7 +100,7 @@ async def test_data_files_are_private_to_root(edge):
 
 
 async def test_checkpoint_images_are_out_of_reach(edge):
-    from dsec.edge import checkpoint as ckpt
+    from dsec.backends import criu as ckpt
 
     try:
         ckpt.find_criu(edge.settings.criu_root)

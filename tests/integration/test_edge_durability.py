@@ -92,7 +92,7 @@ async def test_kill_edge_then_adopt(edge_dirs, python_image):
     try:
         assert sorted(edge.sandboxes) == sorted(ids[:2])
         for sid in ids[:2]:  # adopted with their ranges, claimed again by this edge
-            c = edge.sandboxes[sid].container
+            c = edge.sandboxes[sid].handle
             assert c.id_base == bases[sid] and c.id_range is not None
         for i, sid in enumerate(ids[:2]):
             r = await edge.exec(sid, ExecRequest(cmd="cat /work/mark; pgrep -c sleep"))
@@ -102,7 +102,7 @@ async def test_kill_edge_then_adopt(edge_dirs, python_image):
         assert not any(p.name == victim for p in dsec_cgroups("dur-"))
         sb = await edge.create(SandboxSpec(image="python"))
         assert (await edge.exec(sb.id, ExecRequest(cmd="echo new"))).stdout == "new\n"
-        assert edge.sandboxes[sb.id].container.id_base not in {bases[i] for i in ids[:2]}
+        assert edge.sandboxes[sb.id].handle.id_base not in {bases[i] for i in ids[:2]}
     finally:
         await edge.close()
     assert not dsec_mounts("dur-")
@@ -119,7 +119,7 @@ async def test_reconciler_removes_orphans(edge):
     s = edge.sandboxes.pop(sb.id)
     edge._detach(s)
     edge.store.delete(sb.id)
-    pid = s.container.pid
+    pid = s.handle.pid
     assert Path(f"/proc/{pid}").exists()
     assert any(p.name == sb.id for p in dsec_cgroups(edge.name))
     removed = await edge.reconcile()

@@ -269,7 +269,7 @@ async def test_fork_storm_dies_with_the_call(fedge):
     r = await call(fedge, code=SCAN + look, project="mallory")
     assert r.run.stdout == "others []\n[]\n", r.run
     # From the host: the worker's sandbox holds its init and the runner, nothing else.
-    tree = fedge.cgroups.tracking_dir(fedge.sandboxes[worker].container.id)
+    tree = fedge.cgroups.tracking_dir(fedge.sandboxes[worker].handle.id)
     procs = [p for f in tree.rglob("cgroup.procs") for p in f.read_text().split()]
     assert len(procs) == 2, procs
     assert not list(tree.rglob("fncall-call-*"))  # and every call's cgroup is gone

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from dsec import errors
-from dsec.edge import checkpoint as ckpt
+from dsec.backends import criu as ckpt
 from dsec.isolation.idranges import RANGE, range_of
 from dsec.models import ExecRequest, SandboxSpec
 
@@ -76,7 +76,7 @@ async def sh(edge, sid: str, cmd: str, **kw) -> str:
 
 
 def base_of(edge, sid: str) -> int:
-    c = edge.sandboxes[sid].container
+    c = edge.sandboxes[sid].handle
     assert range_of(c.pid) == c.id_base
     return c.id_base
 
@@ -142,7 +142,7 @@ async def test_root_of_one_sandbox_cannot_reach_another_sandboxs_processes_or_fi
         await sh(edge, b.id, "nohup su -s /bin/sh nobody -c 'sleep 1001' >/dev/null 2>&1 &")
         forks = await edge.fork(b.id, 1)  # a layer of B's files, in the store's range
         layer = Path(edge.sandboxes[forks[0].id].record.extra_lower.split(":")[0])
-        upper = edge.sandboxes[b.id].container.upper
+        upper = edge.sandboxes[b.id].handle.upper
         sleeps: list[int] = []
         for _ in range(100):  # su starts its sleep in the background
             sleeps = [p for p in sandbox_pids(edge, b.id) if comm(p) == "sleep"]
@@ -184,7 +184,7 @@ async def test_ranges_are_given_back_and_not_shared_while_in_use(edge):
     registry = edge.settings.id_registry
     assert (registry / str(gone_base // RANGE)).read_text() == ""  # released
     for sb in made[1:]:
-        pid = edge.sandboxes[sb.id].container.pid
+        pid = edge.sandboxes[sb.id].handle.pid
         assert (registry / str(base_of(edge, sb.id) // RANGE)).read_text().split()[0] == str(pid)
     new = await edge.create(SandboxSpec(image="python"))
     try:

@@ -327,7 +327,7 @@ async def test_capabilities_minimal(edge):
     r = await run(edge, sb.id, "cat /proc/self/uid_map")
     inside, outside, count = r.stdout.split()
     assert (inside, count) == ("0", "65536")  # its own range, above the layer store's
-    assert int(outside) == edge.sandboxes[sb.id].container.id_base >= edge.settings.uid_offset + 65536
+    assert int(outside) == edge.sandboxes[sb.id].handle.id_base >= edge.settings.uid_offset + 65536
 
 
 # --- the host file system --------------------------------------------------------------

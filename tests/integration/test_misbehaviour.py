@@ -92,7 +92,7 @@ async def test_refused_forks_are_counted_when_the_program_carries_on_and_exits_0
 
 async def test_a_sandbox_that_dies_is_failed_with_a_reason(edge):
     sb = await edge.create(SandboxSpec(image="python"))
-    os.kill(edge.sandboxes[sb.id].container.pid, signal.SIGKILL)  # its runtime dies under it
+    os.kill(edge.sandboxes[sb.id].handle.pid, signal.SIGKILL)  # its runtime dies under it
     for _ in range(200):
         if sb.id not in edge.sandboxes:
             break

@@ -154,7 +154,7 @@ def _leftovers(host: NetHost) -> list[str]:
 
 async def sandbox(edge: Any) -> tuple[str, int]:
     info = await edge.create(SandboxSpec(image="python", memory_mb=256))
-    return info.id, edge.sandboxes[info.id].container.pid
+    return info.id, edge.sandboxes[info.id].handle.pid
 
 
 async def attach(edge: Any, net: NetHost, sid: str, pid: int, policy: NetworkPolicy) -> dict[str, float]:

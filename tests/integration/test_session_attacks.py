@@ -41,13 +41,13 @@ async def _assert_honest(edge, sb, sid):
 
 SHADOWS = [
     # the old driver's end marker: a printf that always reports 0
-    "printf() { builtin printf \"$1\" 0; }",
+    'printf() { builtin printf "$1" 0; }',
     # the builtin disabled, an impostor on PATH that reports 0
     "printf '#!/bin/sh\\nf=$1; shift; exec /usr/bin/printf \"$f\" 0\\n' > /usr/local/bin/printf;"
     " chmod +x /usr/local/bin/printf; enable -n printf",
     # everything a driver could call, as functions that end the shell with 0
     "for f in eval trap set export declare shopt source . exec builtin command unset enable read "
-    "compgen printf echo return exit cd pwd; do eval \"$f() { builtin exit 0; }\"; done; "
+    'compgen printf echo return exit cd pwd; do eval "$f() { builtin exit 0; }"; done; '
     "export -f eval trap set builtin exec",
     # ... and as aliases
     "shopt -s expand_aliases; alias builtin='exit 0;' exec='exit 0;' eval='exit 0;' trap='exit 0;' "
@@ -64,7 +64,7 @@ SHADOWS = [
 async def test_nothing_defined_in_a_bash_session_changes_later_exit_codes(edge, attack):
     sb = await edge.create(SandboxSpec(image="python"))
     sid = await _bash(edge, sb)
-    await _run(edge, sb, sid, "X=kept; kept() { echo \"fn $X\"; }")
+    await _run(edge, sb, sid, 'X=kept; kept() { echo "fn $X"; }')
     await _run(edge, sb, sid, attack)
     await _assert_honest(edge, sb, sid)
     r = await _run(edge, sb, sid, "builtin unset -f printf echo return exit; builtin enable printf; kept")
@@ -88,7 +88,7 @@ async def test_bash_state_carries_over_as_data(edge):
         edge,
         sb,
         sid,
-        "echo \"$PWD|$E|$V|$((N+1))|${L[1]}|${M[odd key]}|${#M[@]}\"; f 1; ll; "
+        'echo "$PWD|$E|$V|$((N+1))|${L[1]}|${M[odd key]}|${#M[@]}"; f 1; ll; '
         "[[ -o pipefail ]] && shopt -q extglob && echo opts; "
         "bash -c 'f 2; type -t g || echo g-not-exported'; "
         "printf '%s\\n' \"$IFS\"; echo $BASH_SUBSHELL $SHLVL",
@@ -153,7 +153,7 @@ async def test_background_jobs_outlive_their_run(edge):
     r = await _run(edge, sb, sid, serve)
     assert r.exit_code == 0
     get = "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8765').status)"
-    r = await _run(edge, sb, sid, f"sleep 1; python3 -c \"{get}\"")
+    r = await _run(edge, sb, sid, f'sleep 1; python3 -c "{get}"')
     assert r.output.strip().endswith("200"), r
     r = await _run(edge, sb, sid, "(sleep 0.2; yes) & echo done")  # a flood that outlives its run
     assert (r.output, r.exit_code) == ("done\n", 0), r
@@ -194,7 +194,7 @@ TRAP_ATTACKS = [
     "set -euo pipefail -o posix; POSIXLY_CORRECT=1",
     "BASH_COMPAT=31; shopt -s failglob nullglob nocasematch extglob dotglob; GLOBIGNORE='*'",
     "IFS=$'\\n{}=;'; FUNCNEST=1; TMOUT=1; declare -i OPTERR=0",
-    "for f in declare printf set shopt trap alias; do eval \"$f() { builtin exit 0; }\"; done; "
+    'for f in declare printf set shopt trap alias; do eval "$f() { builtin exit 0; }"; done; '
     "export -f declare",
     "shopt -s expand_aliases; alias declare='exit 0;' printf='exit 0;' set='exit 0;' shopt='exit 0;' "
     "trap='exit 0;' __dsec_o='exit 0;'",
@@ -207,7 +207,7 @@ TRAP_ATTACKS = [
 async def test_nothing_carried_over_breaks_the_dump_in_the_shell(edge, attack):
     sb = await edge.create(SandboxSpec(image="python"))
     sid = await _bash(edge, sb)
-    await _run(edge, sb, sid, "X=kept; kept() { echo \"fn $X\"; }")
+    await _run(edge, sb, sid, 'X=kept; kept() { echo "fn $X"; }')
     r = await _run(edge, sb, sid, attack)
     assert "__dsec" not in r.output, r
     await _assert_honest(edge, sb, sid)
@@ -318,7 +318,7 @@ async def test_functions_that_cannot_be_told_apart_keep_the_previous_state(edge)
 PY_ATTACKS = [
     "import __main__; __main__.run = lambda *a, **k: None",
     "import builtins; builtins.exec = lambda *a, **k: None; builtins.compile = lambda *a, **k: None",
-    "import json; json.dumps = lambda *a, **k: '{\"stdout\": \"forged\", \"stderr\": \"\", \"error\": null}'",
+    'import json; json.dumps = lambda *a, **k: \'{"stdout": "forged", "stderr": "", "error": null}\'',
     "import traceback; traceback.format_exc = lambda *a, **k: ''",
     "import ast; ast.parse = lambda *a, **k: ast.Module(body=[], type_ignores=[])",
 ]

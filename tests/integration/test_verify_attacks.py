@@ -129,7 +129,7 @@ async def test_a_failing_grader_fails_whatever_the_agent_changed(edge, tmp_path,
 def _upper_holds(edge, sid: str, needle: bytes) -> list[str]:
     """Files of the sandbox's writable layer (read on the host) whose content holds `needle`."""
     hits = []
-    upper = edge.sandboxes[sid].container.upper
+    upper = edge.sandboxes[sid].handle.upper
     for dirpath, _, files in os.walk(upper):
         for name in files:
             p = os.path.join(dirpath, name)
@@ -179,7 +179,7 @@ async def test_trojaned_tar_and_cp_never_see_the_protected_files(edge):
         with contextlib.suppress(errors.FileNotFound):
             assert secret.encode() not in await edge.read_file(sid, f"/work/{leftover}")
     # nothing of the agent (or of the verifier) lives on: only the sandbox's init
-    assert edge.cgroups.procs(sid) == [edge.sandboxes[sid].container.pid]
+    assert edge.cgroups.procs(sid) == [edge.sandboxes[sid].handle.pid]
     await edge.stop(sid)
 
 
@@ -298,7 +298,7 @@ async def test_timeouts_and_caps_kill_the_whole_trusted_tree_and_nothing_is_left
     r = await edge.exec(sid, ExecRequest(cmd="setsid sleep 303 & echo started", trusted=True))
     assert r.stdout == "started\n"  # what it left in the background went with it
     await edge.verify(sid, ExecRequest(cmd="true"))
-    container = edge.sandboxes[sid].container
+    container = edge.sandboxes[sid].handle
     assert edge.cgroups.procs(sid) == [container.pid]
     assert [p for p in edge.cgroups.user_dir(sid).iterdir() if p.is_dir()] == []  # no exec cgroup left
     with open("/proc/self/mounts") as f:

@@ -1,6 +1,5 @@
 """An edge on another host, over its HTTP API (`dsec edge`), with the cluster token."""
 
-
 import builtins
 import json
 from collections.abc import AsyncIterator

@@ -21,176 +21,35 @@ import base64
 import contextlib
 import hashlib
 import json
+import logging
 import os
-import random
 import shutil
 import signal
 import socket
-import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec.errors import CapacityExhausted, InternalError, InvalidRequest
+from dsec.backends import criu
+from dsec.backends.base import Backend, BackendHost, Capability, SandboxHandle, SandboxPlan
+from dsec.backends.shim import ShimChannel
+from dsec.errors import InternalError, InvalidRequest
 from dsec.isolation import linux
-from dsec.isolation.cgroups import CgroupHost
-from dsec.isolation.idranges import IdRange, IdRanges, range_of
-from dsec.isolation.spec import ID_RANGE, Limits, build_config
+from dsec.isolation.idranges import IdRange, range_of
+from dsec.isolation.procs import _awaited, mounts_under, reap_strays, run_process_quick, unmount_all
+from dsec.isolation.spec import ID_RANGE, build_config
 
-_HDR = struct.Struct("<IiiHHB")
-_REPLY = struct.Struct("<Ii")
+log = logging.getLogger("dsec.backends.container")
+
 MAX_LAYERS = 500  # overlayfs stacks at most 500 lowers
 
 
-class ShimChannel:
-    """The edge's end of a sandbox's control socket."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        sock.setblocking(False)
-        self.sock = sock
-        self._loop = asyncio.get_running_loop()
-        self._next = random.randrange(1 << 30, 1 << 31)
-        self._started: dict[int, asyncio.Future[int]] = {}
-        self._exited: dict[int, asyncio.Future[int]] = {}
-        self._pongs: dict[int, asyncio.Future[None]] = {}
-        self.closed = False
-        self._loop.add_reader(sock.fileno(), self._on_readable)
-
-    def _new_id(self) -> int:
-        self._next = (self._next + 1) & 0x7FFFFFFF
-        return self._next
-
-    def _on_readable(self) -> None:
-        while True:
-            try:
-                msg = self.sock.recv(64)
-            except BlockingIOError:
-                return
-            except OSError:
-                msg = b""
-            if not msg:
-                self.close()
-                return
-            kind = msg[:1]
-            ident, value = _REPLY.unpack_from(msg, 1)
-            if kind == b"R":
-                fut = self._started.pop(ident, None)
-                if fut and not fut.done():
-                    fut.set_result(value)
-            elif kind == b"F":
-                fut = self._started.pop(ident, None)
-                self._exited.pop(ident, None)
-                if fut and not fut.done():
-                    fut.set_exception(OSError(value, os.strerror(value)))
-            elif kind == b"X":
-                fut = self._exited.pop(ident, None)
-                if fut and not fut.done():
-                    fut.set_result(value)
-            elif kind == b"p":
-                pong = self._pongs.pop(ident, None)
-                if pong and not pong.done():
-                    pong.set_result(None)
-
-    def _send(self, data: bytes, fds: Sequence[int] = ()) -> None:
-        if self.closed:
-            raise InternalError("the sandbox's control channel is closed")
-        try:
-            if fds:
-                socket.send_fds(self.sock, [data], list(fds))
-            else:
-                self.sock.send(data)
-        except BlockingIOError as e:
-            raise CapacityExhausted("the sandbox's control channel is congested; retry") from e
-
-    async def ping(self, timeout: float = 5.0) -> None:
-        ident = self._new_id()
-        fut: asyncio.Future[None] = self._loop.create_future()
-        self._pongs[ident] = fut
-        self._send(b"P" + struct.pack("<I", ident))
-        try:
-            await asyncio.wait_for(fut, timeout)
-        finally:
-            self._pongs.pop(ident, None)
-
-    async def spawn(
-        self,
-        argv: Sequence[str],
-        env: dict[str, str],
-        *,
-        cwd: str,
-        uid: int,
-        gid: int,
-        stdio: tuple[int, int, int],
-        cgroup_fds: Sequence[int] = (),
-    ) -> tuple[int, int, asyncio.Future[int]]:
-        """Start a process; returns (message id, pid inside, future of its wait status)."""
-        env_items = [f"{k}={v}" for k, v in env.items()]
-        ident = self._new_id()
-        strings = [cwd, *argv, *env_items]
-        if any("\0" in s for s in strings):
-            raise InvalidRequest("arguments, environment and cwd must not contain NUL bytes")
-        payload = b"S" + _HDR.pack(ident, uid, gid, len(argv), len(env_items), len(cgroup_fds))
-        payload += b"".join(s.encode() + b"\0" for s in strings)
-        if len(payload) > 262_000:
-            raise InvalidRequest(
-                "command line and environment exceed 256 KiB; pass large data through stdin or a file"
-            )
-        started: asyncio.Future[int] = self._loop.create_future()
-        exited: asyncio.Future[int] = self._loop.create_future()
-        self._started[ident] = started
-        self._exited[ident] = exited
-        try:
-            self._send(payload, [*stdio, *cgroup_fds])
-            pid = await started
-        except BaseException:
-            self._started.pop(ident, None)
-            self._exited.pop(ident, None)
-            raise
-        return ident, pid, exited
-
-    async def fill(self, src: int, dst: int, timeout: float = 5.0) -> tuple[int, asyncio.Future[int]]:
-        """Have a child of the shim (inside the sandbox's cgroups) copy pipe `src` into the
-        regular file `dst` until EOF; returns (message id, future of its wait status). The
-        caller keeps its own copies of both fds. An init too old to know 'W' never answers:
-        that is a TimeoutError after `timeout`."""
-        ident = self._new_id()
-        started: asyncio.Future[int] = self._loop.create_future()
-        exited: asyncio.Future[int] = self._loop.create_future()
-        self._started[ident] = started
-        self._exited[ident] = exited
-        try:
-            self._send(b"W" + struct.pack("<I", ident), [src, dst])
-            await asyncio.wait_for(started, timeout)
-        except BaseException:
-            self._started.pop(ident, None)
-            self._exited.pop(ident, None)
-            raise
-        return ident, exited
-
-    def signal(self, ident: int, sig: int) -> None:
-        with contextlib.suppress(InternalError, OSError):
-            self._send(b"K" + struct.pack("<Ii", ident, sig))
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        with contextlib.suppress(Exception):
-            self._loop.remove_reader(self.sock.fileno())
-        self.sock.close()
-        err = InternalError("the sandbox stopped")
-        for futs in (self._started, self._exited, self._pongs):
-            for f in futs.values():
-                if not f.done():
-                    f.set_exception(err)
-                    f.exception()  # mark retrieved: nobody may be waiting any more
-            futs.clear()
-
-
 @dataclass
-class Container:
+class Container(SandboxHandle):
+    """A sandbox of the container backend: its init (dsec-shim) as PID 1 of a pid namespace."""
+
     id: str
     pid: int
     start_time: int
@@ -203,6 +62,7 @@ class Container:
     id_base: int = 0  # the host uid (and gid) its root is: its own range (isolation/idranges.py)
     id_range: IdRange | None = None  # this process's claim on that range
     exit_status: tuple[int, int] | None = None  # (si_code, si_status) of the init, once reaped
+    runtime_state: Path = Path("/nonexistent")  # the OCI runtime's state directory of it
 
     def exit_reason(self) -> str:
         if self.exit_status is None:
@@ -228,51 +88,76 @@ class Container:
             raise InternalError(f"sandbox {self.id} has no handle on its writable layer")
         return Path(f"/proc/{os.getpid()}/fd/{self.upper_fd}/upper")  # usable by helper processes too
 
+    def writable_layer(self) -> Path:
+        return self.upper
+
     @property
     def rootfs(self) -> Path:
         """The sandbox's root as the host reaches it (its mounts live only in its own
         mount namespace)."""
         return Path(f"/proc/{self.pid}/root")
 
+    def open_root(self) -> int:
+        return os.open(self.rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
     def alive(self) -> bool:
         return not self.exited.done()
 
+    def seccomp_program(self) -> Path | None:
+        bpf = self.runtime_state / "seccomp.bpf"
+        return bpf if bpf.exists() else None
 
-@dataclass(frozen=True)
-class ContainerPlan:
-    id: str
-    lowerdirs: list[Path]
-    limits: Limits
-    disk_mb: int
-    env: dict[str, str]
-    disk_inodes: int = 262144
+    async def spawn(
+        self,
+        argv: Sequence[str],
+        env: dict[str, str],
+        *,
+        cwd: str,
+        uid: int,
+        gid: int,
+        stdio: tuple[int, int, int],
+        cgroup_fds: Sequence[int] = (),
+    ) -> tuple[int, int, asyncio.Future[int]]:
+        return await self.channel.spawn(
+            argv, env, cwd=cwd, uid=uid, gid=gid, stdio=stdio, cgroup_fds=cgroup_fds
+        )
+
+    async def fill(self, src: int, dst: int, timeout: float = 5.0) -> tuple[int, asyncio.Future[int]]:
+        return await self.channel.fill(src, dst, timeout)
+
+    def signal(self, ident: int, sig: int) -> None:
+        self.channel.signal(ident, sig)
+
+    def release(self) -> None:
+        """Close this process's descriptors on the sandbox (it keeps running)."""
+        self.channel.close()
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().remove_reader(self.pidfd)
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
+        if self.upper_fd >= 0:
+            os.close(self.upper_fd)
+            self.upper_fd = -1
 
 
-class ContainerBackend:
+class ContainerBackend(Backend):
     """Creates, adopts and destroys container sandboxes on this node."""
 
     name = "container"
+    capabilities = frozenset(Capability)
 
-    def __init__(
-        self,
-        *,
-        run_dir: Path,
-        shim: Path,
-        runtime: str,
-        uid_offset: int,
-        id_ranges: IdRanges,
-        cgroups: CgroupHost,
-        tools_dir: Path | None = None,
-    ) -> None:
-        self.run_dir = run_dir
-        self.sandboxes_dir = run_dir / "sandboxes"
-        self.runtime_root = run_dir / "runtime"
-        self.shim = shim
-        self.runtime = shutil.which(runtime) or runtime
-        self.uid_offset = uid_offset  # the layer store's canonical range
-        self.id_ranges = id_ranges  # each sandbox's own range
-        self.cgroups = cgroups
-        self.tools_dir = tools_dir  # bound read-only at /.dsec-tools in every sandbox
+    def __init__(self, host: BackendHost) -> None:
+        self.host = host
+        self.run_dir = host.run_dir
+        self.sandboxes_dir = host.run_dir / "sandboxes"
+        self.runtime_root = host.run_dir / "runtime"
+        self.shim = host.shim
+        self.runtime = shutil.which(host.runtime) or host.runtime
+        self.uid_offset = host.uid_offset  # the layer store's canonical range
+        self.id_ranges = host.id_ranges  # each sandbox's own range
+        self.cgroups = host.cgroups
+        self.tools_dir = host.tools_dir  # bound read-only at /.dsec-tools in every sandbox
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self.runtime_root.mkdir(parents=True, exist_ok=True)
         # crun compiles the seccomp profile with libseccomp at every start (~1.3 ms) and keeps
@@ -285,14 +170,34 @@ class ContainerBackend:
 
     # --- create ---------------------------------------------------------------
 
-    async def create(self, plan: ContainerPlan) -> Container:
+    async def create(self, plan: SandboxPlan) -> Container:
+        """The isolation recipe of one sandbox, in order; whatever a failed step leaves is
+        removed (`_teardown` is safe on partial state):
+
+        1. ids: a host id range of its own, claimed host-wide (its user namespace maps it)
+        2. layers: the bundle directory; the tmpfs writable layer (size and inodes = disk
+           quota); the image's layers, idmapped from the store's range to its own, under an
+           overlay, all mounted by crun-wrap in the runtime's own mount namespace
+        3. config: namespaces (user, pid, mount, network, ipc, uts, cgroup), the cgroup
+           and its limits, capabilities, masked paths, and the seccomp filter (compiled once
+           per profile per edge process)
+        4. start: `dsec-shim crun-wrap` -> `crun run`; PID 1 is dsec-shim, holding the
+           control socket (fd 4) and the writable layer's handle (fd 5)
+        5. cgroups: the user's group inside the sandbox's (its pids limit below the
+           platform's reserve, so the platform can always start a process)
+        6. ready: the shim answers a ping
+
+        Network policy is the edge's (`NetHost`), applied in `handle.pid`'s network
+        namespace once the sandbox's files are reachable (it writes resolv.conf)."""
         t0 = time.perf_counter()
         d = self.sandboxes_dir / plan.id
-        ids = self.id_ranges.claim()
+        ids = self.id_ranges.claim()  # 1
+        container: Container | None = None
         try:
-            mounts = self._prepare_rootfs(d, plan, ids.base)
+            mounts = self._layers(d, plan, ids.base)  # 2
+            self._config(d, plan, ids.base)  # 3
             t1 = time.perf_counter()
-            pid = await self._start_runtime(d, plan, mounts)
+            pid = await self._start_runtime(d, plan, mounts)  # 4
             now = time.monotonic()
             if now - self._reaped_at > 0.5:  # crun's intermediate processes, reparented to us
                 self._reaped_at = now  # (a scan costs ~0.4 ms with 1,000 live: not per start)
@@ -302,12 +207,16 @@ class ContainerBackend:
             container = self._attach(plan.id, d, pid, None)
             container.id_base, container.id_range = ids.base, ids
             ids.bind(container.pid, container.start_time)
-            await container.channel.ping()
+            self.cgroups.setup_user_group(plan.id, plan.pids)  # 5
+            await container.channel.ping()  # 6
             t3 = time.perf_counter()
         except BaseException:
             self._seccomp_learn.pop(plan.id, None)
-            await self._teardown(plan.id, d)
-            ids.release()
+            if container is not None:
+                await self.destroy(container)  # gives its range back
+            else:
+                await self._teardown(plan.id, d)
+                ids.release()
             raise
         container.timings_ms = {
             "layer_preparation": (t1 - t0) * 1000,
@@ -316,10 +225,10 @@ class ContainerBackend:
         }
         return container
 
-    def _prepare_rootfs(self, d: Path, plan: ContainerPlan, base: int) -> list[str]:
-        """Write the bundle; return the mount arguments for `dsec-shim crun-wrap`, which
-        mounts the tmpfs upper, the layers (idmapped from the store's canonical range to
-        the sandbox's own, `base`) and the overlay inside the runtime's own mount namespace."""
+    def _layers(self, d: Path, plan: SandboxPlan, base: int) -> list[str]:
+        """The bundle directory; the mount arguments for `dsec-shim crun-wrap`, which mounts
+        the tmpfs upper, the layers (idmapped from the store's canonical range to the
+        sandbox's own, `base`) and the overlay inside the runtime's own mount namespace."""
         up, rootfs, lowers = d / "up", d / "rootfs", d / "lower"
         d.mkdir(mode=0o711)  # the userns root must traverse it to reach rootfs
         d.chmod(0o711)
@@ -334,7 +243,10 @@ class ContainerBackend:
         tmpfs = f"size={plan.disk_mb}m,nr_inodes={plan.disk_inodes},mode=0755,uid={base},gid={base}"
         idmap = f"{self.uid_offset}:{base}:{ID_RANGE}" if base != self.uid_offset else "-"
         mounts = [str(up), tmpfs, str(rootfs), str(base), idmap, str(lowers), str(len(plan.lowerdirs))]
-        mounts += [str(p) for p in plan.lowerdirs]
+        return mounts + [str(p) for p in plan.lowerdirs]
+
+    def _config(self, d: Path, plan: SandboxPlan, base: int) -> None:
+        """The OCI config: namespaces, cgroup and limits, capabilities, seccomp."""
         config = build_config(
             hostname=plan.id,
             args=["/.dsec/shim", "init"],
@@ -347,7 +259,6 @@ class ContainerBackend:
         )
         self._use_compiled_seccomp(plan.id, config)
         (d / "config.json").write_text(json.dumps(config))
-        return mounts
 
     @staticmethod
     def _seccomp_key(profile: object) -> str:
@@ -376,7 +287,7 @@ class ContainerBackend:
             if data and len(data) % 8 == 0:  # struct sock_filter: 8 bytes per instruction
                 self._seccomp_bpf[key] = base64.b64encode(data).decode()
 
-    async def _start_runtime(self, d: Path, plan: ContainerPlan, mounts: list[str]) -> int:
+    async def _start_runtime(self, d: Path, plan: SandboxPlan, mounts: list[str]) -> int:
         edge_end, shim_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # The shim keeps a copy of the edge end (fd 4): see adopt().
         with edge_end, shim_end, open(d / "runtime.log", "wb") as log:
@@ -436,18 +347,39 @@ class ContainerBackend:
             if not exited.done():
                 exited.set_result(None)
 
-        container = Container(sandbox_id, pid, actual, d, pidfd, ShimChannel(sock), exited, upper_fd=upper_fd)
+        container = Container(
+            sandbox_id,
+            pid,
+            actual,
+            d,
+            pidfd,
+            ShimChannel(sock),
+            exited,
+            upper_fd=upper_fd,
+            runtime_state=self.runtime_root / sandbox_id,
+        )
         _awaited.add(pid)  # reaped by on_exit (when it is our child: created by, not adopted into, us)
         loop.add_reader(pidfd, on_exit)
         return container
 
     # --- adopt / destroy --------------------------------------------------------
 
-    async def adopt(self, sandbox_id: str, pid: int, start_time: int) -> Container | None:
+    async def adopt(
+        self, sandbox_id: str, pid: int, start_time: int, *, paused: bool = False
+    ) -> Container | None:
         """Re-attach to a sandbox a previous edge process started, if it still runs."""
         d = self.sandboxes_dir / sandbox_id
         if not (d / "rootfs").is_dir():
             return None
+        if paused:  # a frozen init cannot answer the adoption ping
+            with contextlib.suppress(OSError):
+                self.cgroups.thaw(sandbox_id)
+        container = await self._adopt(sandbox_id, d, pid, start_time)
+        if paused and container is not None:
+            self.cgroups.freeze(sandbox_id)
+        return container
+
+    async def _adopt(self, sandbox_id: str, d: Path, pid: int, start_time: int) -> Container | None:
         try:
             container = self._attach(sandbox_id, d, pid, start_time)
         except (ProcessLookupError, OSError):
@@ -461,18 +393,14 @@ class ContainerBackend:
             return None
         return container
 
-    async def destroy(self, container: Container) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            signal.pidfd_send_signal(container.pidfd, signal.SIGKILL)
+    async def destroy(self, handle: SandboxHandle) -> None:
+        container = self._own(handle)
+        with contextlib.suppress(ProcessLookupError, OSError):
+            if container.pidfd >= 0:
+                signal.pidfd_send_signal(container.pidfd, signal.SIGKILL)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(container.exited), 5.0)
-        container.channel.close()
-        with contextlib.suppress(Exception):
-            asyncio.get_running_loop().remove_reader(container.pidfd)
-        os.close(container.pidfd)
-        if container.upper_fd >= 0:
-            os.close(container.upper_fd)
-            container.upper_fd = -1
+        container.release()
         # With PID 1 gone and reaped, the pid namespace is empty: the runtime has
         # nothing left to stop, and removing its state ourselves saves a process.
         gone = container.exited.done()
@@ -481,6 +409,60 @@ class ContainerBackend:
             # An init that would not die keeps its range (its record names it) until it does.
             container.id_range.release(keep_holder=not gone)
             container.id_range = None
+
+    def detach(self, handle: SandboxHandle) -> None:
+        self._own(handle).release()
+
+    def _own(self, handle: SandboxHandle) -> Container:
+        if not isinstance(handle, Container):
+            raise InternalError(f"sandbox {handle.id} is not a container of this backend")
+        return handle
+
+    # --- pause / resume -----------------------------------------------------------
+
+    async def freeze(self, handle: SandboxHandle) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.cgroups.freeze, handle.id)
+
+    def thaw(self, handle: SandboxHandle) -> None:
+        self.cgroups.thaw(handle.id)
+
+    async def reclaim(self, handle: SandboxHandle) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.cgroups.reclaim, handle.id)
+
+    async def kill_user_processes(self, handle: SandboxHandle) -> None:
+        await criu.kill_user_processes(self.cgroups, handle.id)
+
+    # --- memory checkpoints (CRIU: dsec.backends.criu) ---------------------------------
+
+    def _criu(self) -> Path:
+        return criu.find_criu(self.host.criu_root or self.run_dir / "criu")
+
+    async def checkpoint(
+        self,
+        handle: SandboxHandle,
+        dest: Path,
+        *,
+        leave_running: bool,
+        while_stopped: Callable[[], Awaitable[None]] | None = None,
+    ) -> criu.CheckpointInfo:
+        return await criu.dump(
+            handle,
+            dest,
+            criu=self._criu(),
+            uid_offset=self.uid_offset,
+            leave_running=leave_running,
+            while_stopped=while_stopped,
+        )
+
+    async def restore(self, handle: SandboxHandle, src: Path, *, group_name: str) -> list[int]:
+        return await criu.restore(handle, src, criu=self._criu(), cgroups=self.cgroups, group_name=group_name)
+
+    def load_checkpoint(self, src: Path) -> criu.CheckpointInfo:
+        return criu.CheckpointInfo.load(src)
+
+    def require_checkpoint(self, operation: str = "checkpoint") -> None:
+        super().require_checkpoint(operation)
+        self._criu()  # not installed: a clear error before anything is copied or created
 
     async def _teardown(self, sandbox_id: str, d: Path, *, use_runtime: bool = True) -> None:
         """Remove every host resource of a sandbox; safe to call on partial state."""
@@ -493,6 +475,12 @@ class ContainerBackend:
         for m in (d / "rootfs", d / "up"):
             unmount_all(m)
         shutil.rmtree(d, ignore_errors=True)
+
+    def leftover_ids(self) -> set[str]:
+        return self.runtime_ids() | self.sandbox_dirs()
+
+    def stray_mounts(self, known: set[str]) -> list[str]:
+        return [m for m in mounts_under(self.sandboxes_dir) if m.split("/")[-2] not in known]
 
     def runtime_ids(self) -> set[str]:
         with contextlib.suppress(FileNotFoundError):
@@ -513,144 +501,3 @@ class ContainerBackend:
             if pid in self.cgroups.procs(sandbox_id):
                 os.kill(pid, signal.SIGKILL)
         await self._teardown(sandbox_id, self.sandboxes_dir / sandbox_id)
-
-
-# Children this process waits for by pid (helpers being awaited, sandbox inits); any other
-# child that exits is a stray: crun's intermediate processes, which the edge inherits as a
-# child subreaper when their parents exit, and which nobody else would ever reap.
-_awaited: set[int] = set()
-
-
-def reap_strays(comms: frozenset[str] = frozenset({"crun", "runc"})) -> int:
-    """Reap exited runtime processes nobody waits for; how many. Only zombies whose command
-    is the runtime's are taken: other children (subprocess.run in a worker thread, say) are
-    waited for by their owners, who must get their exit status."""
-    me = os.getpid()
-    n = 0
-    try:
-        tasks = os.listdir(f"/proc/{me}/task")
-    except OSError:
-        return 0
-    kids: set[int] = set()
-    for tid in tasks:
-        with contextlib.suppress(OSError, ValueError), open(f"/proc/{me}/task/{tid}/children") as f:
-            kids.update(int(x) for x in f.read().split())
-    for pid in kids - _awaited:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        comm, _, rest = stat.partition("(")[2].rpartition(")")
-        if rest.split()[:1] != ["Z"] or comm not in comms:
-            continue
-        with contextlib.suppress(ChildProcessError, OSError):
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                n += 1
-    return n
-
-
-def spawn_quick(
-    argv: Sequence[str], out_fd: int, err_fd: int, inherit: Sequence[int] = (), *, stdin_fd: int | None = None
-) -> tuple[int, int]:
-    """Start a helper program; its (pid, pidfd).
-
-    posix_spawn (vfork under glibc) and a pidfd watched by the event loop: no
-    fork of this large process and no child-watcher thread per process, which
-    cost several ms per sandbox start under load (and more under uvloop).
-    """
-    # No stdin is an empty pipe, never the host's /dev/null: the OCI runtime chowns the
-    # container process's stdio to the sandbox's root, and would so hand it the host's
-    # /dev/null (chmod 000 from inside would then break every host program).
-    empty = None
-    if stdin_fd is None:
-        empty = os.pipe2(os.O_CLOEXEC)
-        os.close(empty[1])
-        stdin_fd = empty[0]
-    for fd in inherit:
-        os.set_inheritable(fd, True)
-    try:
-        pid = os.posix_spawnp(
-            argv[0],
-            list(argv),
-            os.environ,
-            file_actions=[
-                (os.POSIX_SPAWN_DUP2, stdin_fd, 0),
-                (os.POSIX_SPAWN_DUP2, out_fd, 1),
-                (os.POSIX_SPAWN_DUP2, err_fd, 2),
-            ],
-        )
-    finally:
-        for fd in inherit:
-            os.set_inheritable(fd, False)
-        if empty is not None:
-            os.close(empty[0])
-    _awaited.add(pid)
-    return pid, os.pidfd_open(pid)
-
-
-async def wait_quick(pid: int, pidfd: int) -> int:
-    """Wait for a process started by spawn_quick (closes its pidfd); its exit code."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[None] = loop.create_future()
-    loop.add_reader(pidfd, resolve_once, done)
-    try:
-        await done
-    finally:
-        loop.remove_reader(pidfd)
-        os.close(pidfd)
-    try:
-        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    finally:
-        _awaited.discard(pid)
-
-
-async def run_process_quick(argv: Sequence[str], log_fd: int, inherit: Sequence[int] = ()) -> int:
-    """Run a helper program with stdout and stderr on `log_fd` and wait for it; its exit code."""
-    pid, pidfd = spawn_quick(argv, log_fd, log_fd, inherit)
-    return await wait_quick(pid, pidfd)
-
-
-def resolve_once(fut: asyncio.Future[None]) -> None:
-    """Event-loop callback: mark `fut` done unless it already is."""
-    if not fut.done():
-        fut.set_result(None)
-
-
-def mounts_under(prefix: Path) -> list[str]:
-    out = []
-    p = str(prefix).rstrip("/") + "/"
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            target = line.split()[1].replace("\\040", " ")
-            if target.startswith(p):
-                out.append(target)
-    return out
-
-
-def fs_type(path: Path) -> str:
-    """The file system type of the mount holding `path` (longest mount point prefix)."""
-    p = os.path.realpath(path)
-    best, kind = "", ""
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            fields = line.split()
-            target = fields[1].replace("\\040", " ")
-            inside = p == target or p.startswith(target.rstrip("/") + "/")
-            if inside and len(target) >= len(best):
-                best, kind = target, fields[2]
-    return kind
-
-
-def unmount_all(target: Path) -> None:
-    """Unmount `target` (stacked mounts included); ignore it if nothing is mounted."""
-    for _ in range(8):
-        try:
-            linux.umount(str(target))
-        except OSError as e:
-            if e.errno in (22, 2):  # EINVAL: not a mount point; ENOENT
-                return
-            if e.errno == 16:  # EBUSY: still referenced somewhere; detach lazily
-                linux.umount(str(target), detach=True)
-            else:
-                raise

@@ -156,6 +156,7 @@ class SpecOptions(TypedDict, total=False):
     ttl_idle_s: float | None
     ttl_action: str
     project: str
+    backend: str
     disk_inodes: int
     max_output_bytes: int
     protected_paths: list[str] | None

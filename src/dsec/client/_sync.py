@@ -100,47 +100,22 @@ class Client:
         self,
         image: str = "python",
         *,
-        cpu: float = 1.0,
-        memory_mb: int = 1024,
-        pids: int = 1024,
-        disk_mb: int = 2048,
-        env: dict[str, str] | None = None,
-        user: str = "root",
-        workdir: str = "/work",
-        labels: dict[str, str] | None = None,
-        ttl_idle_s: float | None = None,
-        project: str = "default",
         snapshot: SnapshotInfo | str | None = None,
-        ttl_action: str = "stop",
-        network: NetworkPolicy | dict[str, Any] | None = None,
-        protected_paths: list[str] | None = None,
+        **spec: Unpack[SpecOptions],
     ) -> Sandbox:
         """Create one sandbox (not retried: a lost response could leave a second one running).
+        The options are SandboxSpec's (cpu, memory_mb, pids, disk_mb, env, user, workdir,
+        labels, ttl_idle_s, ttl_action, project, backend, network, protected_paths...), with
+        its defaults.
 
         `snapshot=` restores a snapshot (what `sb.snapshot()` returned, or its id): the new
         sandbox starts from its files.
         `ttl_action="pause"` makes the idle TTL pause instead of stop. `network=` an egress
         allowlist (``{"allow": [{"to": "pypi.org", "ports": [443]}]}``; none: loopback only).
-        `protected_paths=` paths moved out of reach of the sandbox's processes (see verify())."""
-        spec = _base.build_spec(
-            _base.snapshot_image(snapshot) or image,
-            SpecOptions(
-                cpu=cpu,
-                memory_mb=memory_mb,
-                pids=pids,
-                disk_mb=disk_mb,
-                env=env,
-                user=user,
-                workdir=workdir,
-                labels=labels,
-                ttl_idle_s=ttl_idle_s,
-                ttl_action=ttl_action,
-                network=network,
-                protected_paths=protected_paths,
-                project=project,
-            ),
-        )
-        info = self._call(_base.create(spec))
+        `protected_paths=` paths moved out of reach of the sandbox's processes (see verify()).
+        `backend=` the backend that runs it (the isolation tier; the default is container)."""
+        full = _base.build_spec(_base.snapshot_image(snapshot) or image, spec)
+        info = self._call(_base.create(full))
         return Sandbox(self, info.id, info)
 
     def create_many(

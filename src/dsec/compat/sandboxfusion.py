@@ -184,8 +184,7 @@ def sandboxfusion_router(
         return await c.run_code(body, request, token)
 
     if express is not None:
-        express.add("POST", "/run_code", run_code, RunCodeRequest)
-        express.add("POST", "/sandboxfusion/{token}/run_code", run_code_t, RunCodeRequest)
+        express.derive(r.routes, run_code, run_code_t)
 
     @r.post("/run_jupyter")
     async def run_jupyter(body: RunJupyterRequest, request: Request) -> JSONResponse:

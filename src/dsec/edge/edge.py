@@ -24,14 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from dsec import errors
-from dsec.backends.container import (
-    Container,
-    ContainerBackend,
-    ContainerPlan,
-    fs_type,
-    mounts_under,
-    unmount_all,
-)
+from dsec.backends import registry
+from dsec.backends.base import Backend, BackendHost, Capability, SandboxHandle, SandboxPlan
 from dsec.config import EdgeSettings
 from dsec.edge.execs import EdgeExec
 from dsec.edge.fileops import EdgeFiles
@@ -50,6 +44,7 @@ from dsec.isolation.cgroups import PID_RESERVE, CgroupHost
 from dsec.isolation.denials import DeniedSyscalls, audit_session
 from dsec.isolation.idranges import IdRanges
 from dsec.isolation.netpolicy import NetHost
+from dsec.isolation.procs import fs_type, mounts_under, unmount_all
 from dsec.isolation.spec import DEFAULT_PATH, ID_RANGE, Limits
 from dsec.layers import LayerStore, import_dir_layer
 from dsec.layers.store import Image
@@ -74,6 +69,8 @@ from dsec.trajlog import TrajectoryLog
 
 log = logging.getLogger("dsec.edge")
 _ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
+
+
 class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
     def __init__(self, settings: EdgeSettings) -> None:
         self.settings = settings
@@ -81,7 +78,7 @@ class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
         self.layers = LayerStore(settings.layer_root, settings.uid_offset)
         self.cgroups = CgroupHost.detect()
         self.store: EdgeStore | None = None
-        self.backend: ContainerBackend | None = None
+        self.backends: dict[str, Backend] = {}  # by name: the ones settings.backends names, started
         self.sandboxes: dict[str, Sandbox] = {}
         self._creating: dict[str, SandboxSpec] = {}
         self._toolkit: list[str] = []
@@ -95,7 +92,7 @@ class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
             WorkerHost(
                 create=self.create,
                 stop=lambda sid: self.stop(sid, wait=False),
-                container=lambda sid: self.sandboxes[sid].container,
+                handle=lambda sid: self.sandboxes[sid].handle,
                 cgroups=self.cgroups,
                 check_image=lambda image: self.layers.get_image(image),
             ),
@@ -157,15 +154,18 @@ class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
         self._copy_tool = ensure_copy(s.data_dir / "bin")
         self._ensure_run_tmpfs()
         self._toolkit = [self._shim_layer(shim)]
-        self.backend = ContainerBackend(
+        host = BackendHost(
             run_dir=s.edge_run_dir,
             shim=shim,
             runtime=s.runtime,
             uid_offset=s.uid_offset,
             id_ranges=IdRanges(s.id_registry, s.uid_offset + ID_RANGE),
             cgroups=self.cgroups,
+            net=self.net,
             tools_dir=prepare_tools(s.edge_run_dir / "tools"),
+            criu_root=s.criu_root,
         )
+        self.backends = {name: registry.start(name, host) for name in dict.fromkeys(s.backends)}
         self.store = EdgeStore(s.db_path)
         await self.trajlog.start()
         await self.net.remove_leftovers()  # a crashed edge's gateway; policies are re-applied below
@@ -228,7 +228,7 @@ class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
         d = self.settings.edge_run_dir
         if self.sandboxes or not os.path.ismount(d):
             return
-        if (self.backend is not None and self.backend.sandbox_dirs()) or mounts_under(d):
+        if any(b.leftover_ids() for b in self.backends.values()) or mounts_under(d):
             return  # kept sandboxes (close(stop_sandboxes=False)) still live in it
         with open("/proc/self/mounts") as f:
             ours = any(ln.split()[:2] == [f"dsec-run-{self.name}", str(d)] for ln in f)
@@ -250,6 +250,22 @@ class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
 
     def _new_id(self) -> str:
         return f"{self.name}-" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(12))
+
+    @property
+    def backend(self) -> Backend:
+        """The default backend (the container one)."""
+        return self.backend_for(registry.DEFAULT)
+
+    def backend_for(self, name: str) -> Backend:
+        b = self.backends.get(name)
+        if b is None:
+            raise errors.InvalidRequest(
+                f"backend {name!r} is not available on edge {self.name}; available: "
+                f"{', '.join(sorted(self.backends)) or 'none (the edge has not started)'}",
+                reason="unknown_backend",
+                available=sorted(self.backends),
+            )
+        return b
 
     def _admit(self, spec: SandboxSpec) -> None:
         live = [sb.record.spec for sb in self.sandboxes.values()] + list(self._creating.values())
@@ -304,14 +320,14 @@ class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
         assert self.store is not None
         while (sid := self.pools.take(spec)) is not None:
             sb = self.sandboxes.get(sid)
-            if sb is None or sb.stopping or not sb.container.alive():
+            if sb is None or sb.stopping or not sb.handle.alive():
                 continue
             now = time.time()
             sb.record.spec = spec
             sb.record.created_at = sb.record.last_active = now
             self.store.put(sb.record)
-            sb.container.timings_ms = {"pool": (time.perf_counter() - t0) * 1000}
-            sb.container.timings_ms["total"] = sb.container.timings_ms["pool"]
+            sb.handle.timings_ms = {"pool": (time.perf_counter() - t0) * 1000}
+            sb.handle.timings_ms["total"] = sb.handle.timings_ms["pool"]
             return sb.info(self.name)
         return None
 
@@ -328,7 +344,8 @@ class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
         """Start a sandbox. `extra_lower`: a fork's layer chain (colon-separated, top first),
         stacked under the toolkit. `layers_ready`: awaited after the runtime started and before
         anything reads the sandbox's files (a fork's layer may still be filling; see fork())."""
-        assert self.backend is not None and self.store is not None
+        assert self.store is not None
+        backend = self.backend_for(spec.backend)
         image = image or self._image(spec.image)  # read once per create (a JSON file)
         self._admit(spec)
         sid = sandbox_id or self._new_id()
@@ -340,12 +357,12 @@ class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
             lowers += self.layers.lowerdirs(image)
             env = {"PATH": DEFAULT_PATH, "HOSTNAME": sid, **spec.env}
             limits = Limits(spec.cpu, spec.memory_mb, spec.pids + PID_RESERVE)
-            plan = ContainerPlan(sid, lowers, limits, spec.disk_mb, env, spec.disk_inodes)
+            plan = SandboxPlan(sid, lowers, limits, spec.disk_mb, env, spec.disk_inodes, spec.pids)
             # The sandbox's first trajectory reservation (an fsync) overlaps the runtime start
             # instead of delaying its first operation (~1 ms off the first exec).
             prepared = asyncio.ensure_future(self.trajlog.prepare(sid))
             try:
-                container = await self.backend.create(plan)
+                handle = await backend.create(plan)
             finally:
                 try:
                     await prepared
@@ -355,7 +372,7 @@ class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
                 try:
                     await asyncio.shield(layers_ready)
                 except BaseException:
-                    await self.backend.destroy(container)
+                    await backend.destroy(handle)
                     raise
             t_setup = time.perf_counter()
             ts = time.time()
@@ -363,53 +380,52 @@ class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
                 sid,
                 spec,
                 SandboxState.RUNNING,
-                container.pid,
-                container.start_time,
+                handle.pid,
+                handle.start_time,
                 ts,
                 ts,
                 extra_lower=extra_lower,
             )
             try:
-                self.cgroups.setup_user_group(sid, spec.pids)
-                sb = self._open_sandbox(record, container)
+                sb = self._open_sandbox(record, backend, handle)
                 sb.files._mkdirs(spec.workdir)
                 if spec.network is not None:
                     await self._apply_network(sb, spec.network)
                 self.store.put(record)
             except BaseException:
-                await self.backend.destroy(container)
+                await backend.destroy(handle)
                 raise
         finally:
             self._creating.pop(sid, None)
         self.sandboxes[sid] = sb
-        container.timings_ms["setup"] = (time.perf_counter() - t_setup) * 1000
-        container.timings_ms["total"] = (time.perf_counter() - t0) * 1000
+        handle.timings_ms["setup"] = (time.perf_counter() - t_setup) * 1000
+        handle.timings_ms["total"] = (time.perf_counter() - t0) * 1000
         self._watch_exit(sb)
         return sb.info(self.name)
 
     def _track_denials(self, sb: Sandbox) -> None:
-        ses = audit_session(sb.container.pid)
+        ses = audit_session(sb.handle.pid)
         if ses is not None:
             self.denials.sessions[ses] = sb.id
             sb.audit_session = ses
 
-    def _open_sandbox(self, record: Record, container: Container) -> Sandbox:
-        root_fd = os.open(container.rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    def _open_sandbox(self, record: Record, backend: Backend, handle: SandboxHandle) -> Sandbox:
+        root_fd = handle.open_root()
         try:
-            base = container.id_base  # the sandbox's own host id range
+            base = handle.id_base  # the sandbox's own host id range
             files = SandboxFiles(
                 root_fd,
                 base,
                 base,
                 base,
-                container.channel,  # charged writes: copied by a child of the sandbox's init
+                handle,  # charged writes: copied by a child of the sandbox's init
             )
             uid, gid, home = self._resolve_user(files, record.spec.user)
             files.uid, files.gid = uid + base, gid + base
         except BaseException:
             os.close(root_fd)
             raise
-        sb = Sandbox(record, container, root_fd, files, uid, gid, home)
+        sb = Sandbox(record, backend, handle, root_fd, files, uid, gid, home)
         self._track_denials(sb)
         return sb
 
@@ -436,7 +452,7 @@ class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
         def on_exit(_: asyncio.Future[None]) -> None:
             if not sb.stopping and sb.id in self.sandboxes:
                 events = self.cgroups.events(sb.id)
-                reason = f"the sandbox failed: {sb.container.exit_reason()}"
+                reason = f"the sandbox failed: {sb.handle.exit_reason()}"
                 if events["oom_kills"]:
                     limit = sb.record.spec.memory_mb
                     reason += f" after {events['oom_kills']} out-of-memory kill(s) (memory_mb={limit})"
@@ -448,7 +464,7 @@ class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
                     self._failed.pop(next(iter(self._failed)))
                 self._begin_stop(sb.id)
 
-        sb.container.exited.add_done_callback(on_exit)
+        sb.handle.exited.add_done_callback(on_exit)
 
     # --- lookup --------------------------------------------------------------------
 
@@ -513,7 +529,7 @@ class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
     def telemetry(self, sb: Sandbox) -> dict[str, int]:
         out = Counter(self.cgroups.events(sb.id))
         out.update(sb.stats)  # refused forks of finished calls, timeouts, truncations, full disks
-        used, inodes, _ = sb.container.disk_usage()
+        used, inodes, _ = sb.handle.disk_usage()
         return {
             **{
                 k: 0
@@ -567,14 +583,14 @@ class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
             out["pids_limit_hits"] = res.pids_limit_hits
         if res.exit_code == 0 and not res.timed_out:
             if sb.disk_was_full:  # freed since? then the next fill counts again
-                sb.disk_was_full = sb.container.disk_usage()[2]
+                sb.disk_was_full = sb.handle.disk_usage()[2]
             return out
         now = self.cgroups.events(sb.id)
         for k, v in now.items():
             if v > sb.seen_events.get(k, 0):
                 out[k] = out.get(k, 0) + v - sb.seen_events.get(k, 0)
         sb.seen_events.update(now)
-        _, _, full = sb.container.disk_usage()
+        _, _, full = sb.handle.disk_usage()
         if full and not sb.disk_was_full:
             sb.stats["disk_full"] += 1
             out["disk_full"] = 1
@@ -587,13 +603,14 @@ class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
         """Freeze every process of the sandbox and give back the memory the kernel can take."""
         sb = self._lookup(sandbox_id)
         if sb.record.state is not SandboxState.PAUSED:
+            sb.backend.require(Capability.PAUSE, "pause")
             t0 = time.perf_counter()
-            await asyncio.get_running_loop().run_in_executor(None, self.cgroups.freeze, sb.id)
+            await sb.backend.freeze(sb.handle)
             sb.record.state = SandboxState.PAUSED
             if self.store is not None:
                 self.store.put(sb.record)
-            await asyncio.get_running_loop().run_in_executor(None, self.cgroups.reclaim, sb.id)
-            sb.container.timings_ms["pause"] = (time.perf_counter() - t0) * 1000
+            await sb.backend.reclaim(sb.handle)
+            sb.handle.timings_ms["pause"] = (time.perf_counter() - t0) * 1000
         return sb.info(self.name)
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
@@ -605,24 +622,25 @@ class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
         if sb.record.state is not SandboxState.PAUSED:
             return
         t0 = time.perf_counter()
-        self.cgroups.thaw(sb.id)
+        sb.backend.thaw(sb.handle)
         sb.record.state = SandboxState.RUNNING
         sb.record.last_active = time.time()
         if self.store is not None:
             self.store.put(sb.record)
-        sb.container.timings_ms["resume"] = (time.perf_counter() - t0) * 1000
+        sb.handle.timings_ms["resume"] = (time.perf_counter() - t0) * 1000
 
     # --- network policy ----------------------------------------------------------------
 
     async def _apply_network(self, sb: Sandbox, policy: NetworkPolicy, *, check: bool = True) -> None:
-        timings = await self.net.apply(sb.id, sb.container.pid, policy, check=check)
+        timings = await self.net.apply(sb.id, sb.handle.pid, policy, check=check)
         sb.files.write("/etc/resolv.conf", self.net.resolv_conf().encode())
-        sb.container.timings_ms.update({f"network_{k}": v for k, v in timings.items()})
+        sb.handle.timings_ms.update({f"network_{k}": v for k, v in timings.items()})
 
     async def set_network(self, sandbox_id: str, policy: NetworkPolicy | None) -> dict[str, Any]:
         """Replace a running sandbox's egress allowlist atomically (None: detach it, back to
         loopback only). New connections follow it; established ones continue."""
         sb = self._get(sandbox_id)
+        sb.backend.require(Capability.NETWORK, "network policy")
         try:
             if policy is None:
                 await self.net.remove(sb.id)
@@ -698,10 +716,9 @@ class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
         return task
 
     async def _teardown(self, sb: Sandbox) -> None:
-        assert self.backend is not None
         if sb.record.state is SandboxState.PAUSED:
             with contextlib.suppress(OSError):
-                self.cgroups.thaw(sb.id)  # a frozen init would take SIGKILL only after a thaw
+                sb.backend.thaw(sb.handle)  # a frozen init would take SIGKILL only after a thaw
         for s in sb.sessions.values():
             with contextlib.suppress(Exception):
                 s.close(kill=False)  # the whole pid namespace dies with the shim
@@ -712,7 +729,7 @@ class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
             self.denials.drain()  # its last records first
             self.denials.sessions.pop(sb.audit_session, None)
         try:
-            await self.backend.destroy(sb.container)
+            await sb.backend.destroy(sb.handle)
         except Exception:
             log.exception("tearing down %s failed; the reconciler will retry", sb.id)
         try:
@@ -728,12 +745,7 @@ class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
         for s in sb.sessions.values():
             with contextlib.suppress(Exception):
                 s.close()
-        sb.container.channel.close()
-        with contextlib.suppress(Exception):
-            asyncio.get_running_loop().remove_reader(sb.container.pidfd)
-        os.close(sb.container.pidfd)
-        if sb.container.upper_fd >= 0:
-            os.close(sb.container.upper_fd)
+        sb.backend.detach(sb.handle)
         os.close(sb.root_fd)
 
     # --- fncall ---------------------------------------------------------------------
@@ -763,7 +775,7 @@ class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
         return EdgeStatus(
             name=self.name,
             healthy=True,
-            backends=["container"],
+            backends=sorted(self.backends),
             capacity={
                 "sandboxes": self.settings.max_sandboxes,
                 "cpu": self.settings.capacity_cpu,

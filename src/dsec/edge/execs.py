@@ -18,9 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsec import errors
-from dsec.backends.container import (
-    ContainerBackend,
-)
+from dsec.backends.base import Capability
 from dsec.config import EdgeSettings
 from dsec.edge import trusted
 from dsec.edge.files import SandboxFiles
@@ -56,7 +54,6 @@ class EdgeExec:
     cgroups: CgroupHost
     layers: LayerStore
     sandboxes: dict[str, Sandbox]
-    backend: ContainerBackend | None
     trajlog: TrajectoryLog
     _trusted_tool: Path | None
     _inflight: dict[tuple[str, str, int], asyncio.Future[None]]
@@ -111,12 +108,13 @@ class EdgeExec:
         """The one path every process started on request takes (exec, streams, archives)."""
         if req.trusted or req.task_dirs is not None:
             return self._run_trusted(sb, req, stdin=stdin, cap=cap, sink=sink)
+        sb.backend.require(Capability.EXEC, "exec")
         argv = ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) else list(req.cmd)
         uid, gid = self._user(sb, req.user)
         if stdin is None and req.stdin is not None:
             stdin = req.stdin.encode()
         return run_process(
-            sb.container,
+            sb.handle,
             self.cgroups,
             self._group_name(sb),
             argv,
@@ -141,6 +139,7 @@ class EdgeExec:
         sink: Callable[[str, bytes], None] | None = None,
     ) -> RawResult:
         """Run `req` with the image's own toolchain (see dsec.edge.trusted)."""
+        sb.backend.require(Capability.TRUSTED_EXEC, "trusted exec")
         dirs = self._trusted_checks(sb, req)
         if self._trusted_tool is None:
             tool = await asyncio.get_running_loop().run_in_executor(
@@ -148,9 +147,8 @@ class EdgeExec:
             )
             self.settings.edge_run_dir.joinpath("trusted").mkdir(mode=0o700, exist_ok=True)
             self._trusted_tool = tool
-        assert self.backend is not None
-        bpf = self.backend.runtime_root / sb.id / "seccomp.bpf"
-        if not bpf.exists():
+        bpf = sb.handle.seccomp_program()
+        if bpf is None:
             raise errors.InternalError(f"sandbox {sb.id} has no compiled seccomp program for a trusted exec")
         spec = trusted.TrustedSpec(
             tool=self._trusted_tool,
@@ -160,14 +158,14 @@ class EdgeExec:
             scratch=self.settings.edge_run_dir / "trusted",
             seccomp=bpf,
             uid_offset=self.settings.uid_offset,
-            id_base=sb.container.id_base,
+            id_base=sb.handle.id_base,
             tmp_mb=sb.record.spec.disk_mb,
         )
         if stdin is None and req.stdin is not None:
             stdin = req.stdin.encode()
         return await trusted.run_trusted(
             spec,
-            sb.container,
+            sb.handle,
             self.cgroups,
             self._group_name(sb),
             sb.root_fd,
@@ -255,7 +253,7 @@ class EdgeExec:
         session = await open_session(
             sid,
             req.kind,
-            Runner(sb.container, self.cgroups, uid, gid),
+            Runner(sb.handle, self.cgroups, uid, gid),
             self._env(sb, req.env),
             req.cwd or sb.record.spec.workdir,
         )

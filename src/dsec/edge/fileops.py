@@ -15,6 +15,7 @@ from collections.abc import Callable, Coroutine, Iterator
 from typing import IO, TYPE_CHECKING, Any
 
 from dsec import errors
+from dsec.backends.base import Capability
 from dsec.edge.files import MAX_ARCHIVE_ENTRIES, SandboxFiles, off_loop
 from dsec.edge.process import RawResult
 from dsec.edge.sandbox import Sandbox
@@ -50,21 +51,26 @@ class EdgeFiles:
 
     # --- files ---------------------------------------------------------------------
 
+    def _with_files(self, sandbox_id: str) -> Sandbox:
+        sb = self._get(sandbox_id)
+        sb.backend.require(Capability.FILES, "file operations")
+        return sb
+
     # Every file operation counts as activity while it runs (see _active); those that may take
     # long (reads, listings, deletes, archives) run in the file pool, off the event loop.
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
-        sb = self._get(sandbox_id)
+        sb = self._with_files(sandbox_id)
         with self._active(sb):
             return await sb.files.run(lambda f: f.read(path))
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
-        sb = self._get(sandbox_id)
+        sb = self._with_files(sandbox_id)
         with self._active(sb):
             await sb.files.write_charged(path, data, mode)
 
     async def edit_file(self, sandbox_id: str, path: str, old: str, new: str) -> int:
-        sb = self._get(sandbox_id)
+        sb = self._with_files(sandbox_id)
         with self._active(sb):
             return await sb.files.edit(path, old, new)
 
@@ -72,19 +78,19 @@ class EdgeFiles:
         return self._get(sandbox_id).files.stat(path)
 
     async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileStat]:
-        sb = self._get(sandbox_id)
+        sb = self._with_files(sandbox_id)
         with self._active(sb):
             return await sb.files.run(lambda f: f.list(path))
 
     async def delete_file(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
-        sb = self._get(sandbox_id)
+        sb = self._with_files(sandbox_id)
         with self._active(sb):
             await sb.files.run(lambda f: f.delete(path, recursive))
 
     async def upload_tar(self, sandbox_id: str, path: str, data: bytes) -> None:
         """Unpack a tar into `path` with the sandbox's own tar, under its own isolation (so
         charged to it); the archive is checked off the event loop first."""
-        sb = self._get(sandbox_id)
+        sb = self._with_files(sandbox_id)
 
         def check(f: SandboxFiles) -> None:
             try:
@@ -112,7 +118,7 @@ class EdgeFiles:
         """A tar of `path` in an unlinked spool file (rewound; the caller closes it), built on
         the host from the sandbox's files without following links or leaving its root mount,
         capped at MAX_ARCHIVE bytes of file data (a sparse or huge file: a clear 413)."""
-        sb = self._get(sandbox_id)
+        sb = self._with_files(sandbox_id)
         with self._active(sb):
             return await sb.files.run(lambda f: f.archive(path))
 

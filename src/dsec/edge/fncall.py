@@ -38,7 +38,7 @@ from importlib import resources
 from typing import Any
 
 from dsec import errors
-from dsec.backends.container import Container
+from dsec.backends.base import SandboxHandle
 from dsec.edge.process import PipeReader, Spawned, spawn
 from dsec.isolation.cgroups import CgroupHost, ExecGroup
 from dsec.models import (
@@ -55,13 +55,14 @@ from dsec.models import (
 @dataclass(frozen=True)
 class WorkerHost:
     """What the pool needs of its edge, and nothing more: make and stop worker sandboxes,
-    reach a worker's container, the host's cgroups, and whether an image exists."""
+    reach a worker's sandbox, the host's cgroups, and whether an image exists."""
 
     create: Callable[[SandboxSpec], Awaitable[SandboxInfo]]
     stop: Callable[[str], Awaitable[object]]  # without waiting for the teardown
-    container: Callable[[str], Container]
+    handle: Callable[[str], SandboxHandle]
     cgroups: CgroupHost
     check_image: Callable[[str], object]  # raises ImageNotFound
+
 
 log = logging.getLogger("dsec.fncall")
 FNCALL_PROJECT = "_fncall"
@@ -419,7 +420,7 @@ class FnCallPool:
             raise
 
     async def _start_runner(self, sandbox_id: str) -> Worker:
-        container = self.host.container(sandbox_id)
+        handle = self.host.handle(sandbox_id)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         theirs_fd = theirs.detach()
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
@@ -431,7 +432,7 @@ class FnCallPool:
         }
         try:
             proc = await spawn(
-                container,
+                handle,
                 self.host.cgroups,
                 f"dsec-fncall-{sandbox_id[-6:]}",
                 ["python3", "-u", "-c", runner_source()],
@@ -445,7 +446,7 @@ class FnCallPool:
             ours.close()
             os.close(err_r)
             raise
-        w = Worker(sandbox_id, container.id, proc, ours, PipeReader(err_r, 64 * 1024))
+        w = Worker(sandbox_id, handle.id, proc, ours, PipeReader(err_r, 64 * 1024))
         if not await w.wait_ready(30.0):
             w.close()
             raise errors.InternalError(

@@ -1,6 +1,5 @@
 """An edge in the apiserver's own process (`dsec up`): the edge contract over `Edge`."""
 
-
 import asyncio
 import builtins
 import hashlib

@@ -11,9 +11,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from dsec.backends.container import Container, resolve_once
+from dsec.backends.base import SandboxHandle
 from dsec.errors import InternalError, InvalidRequest, QuotaExceeded
 from dsec.isolation.cgroups import CgroupHost, ExecGroup, keyed_value
+from dsec.isolation.procs import resolve_once
 from dsec.models import ExecResult
 
 
@@ -123,7 +124,7 @@ class Spawned:
 
 
 async def spawn(
-    container: Container,
+    container: SandboxHandle,
     cgroups: CgroupHost,
     group_name: str,
     argv: Sequence[str],
@@ -142,7 +143,7 @@ async def spawn(
             os.close(fd)
         raise InternalError(f"cannot create an exec cgroup: {e}") from e
     try:
-        ident, pid, exited = await container.channel.spawn(
+        ident, pid, exited = await container.spawn(
             argv, env, cwd=cwd, uid=uid, gid=gid, stdio=stdio, cgroup_fds=[group.procs_fd]
         )
     except OSError as e:
@@ -176,7 +177,7 @@ def release_group(group: ExecGroup) -> None:
 
 
 async def run_process(
-    container: Container,
+    container: SandboxHandle,
     cgroups: CgroupHost,
     group_name: str,
     argv: Sequence[str],

@@ -8,23 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-import contextlib
 import logging
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dsec.backends.container import (
-    Container,
-    ContainerBackend,
-    mounts_under,
-    reap_strays,
-    unmount_all,
-)
+from dsec.backends.base import Backend, SandboxHandle
 from dsec.config import EdgeSettings
 from dsec.edge.sandbox import Sandbox
 from dsec.edge.store import EdgeStore, Record
 from dsec.isolation.cgroups import CgroupHost
+from dsec.isolation.procs import (
+    reap_strays,
+    unmount_all,
+)
 from dsec.models import (
     NetworkPolicy,
     SandboxInfo,
@@ -43,7 +40,7 @@ class EdgeReaper:
     name: str
     cgroups: CgroupHost
     sandboxes: dict[str, Sandbox]
-    backend: ContainerBackend | None
+    backends: dict[str, Backend]
     store: EdgeStore | None
     _dirty_active: dict[str, float]
     _terminating: dict[str, asyncio.Task[None]]
@@ -53,7 +50,10 @@ class EdgeReaper:
 
         async def _apply_network(self, sb: Sandbox, policy: NetworkPolicy, *, check: bool = True) -> None: ...
 
-        def _open_sandbox(self, record: Record, container: Container) -> Sandbox: ...
+        def _open_sandbox(self, record: Record, backend: Backend, handle: SandboxHandle) -> Sandbox: ...
+
+        @property
+        def backend(self) -> Backend: ...
 
         def _watch_exit(self, sb: Sandbox) -> None: ...
 
@@ -109,25 +109,25 @@ class EdgeReaper:
                 log.exception("reconciler failed")
 
     async def _readopt(self) -> None:
-        assert self.backend is not None and self.store is not None
+        assert self.store is not None
         for rec in self.store.all():
-            container = None
-            if rec.pid is not None and rec.start_time is not None:
+            handle = None
+            backend = self.backends.get(rec.spec.backend)
+            if backend is None:
+                log.warning(
+                    "sandbox %s runs on backend %s, which this edge does not start", rec.id, rec.spec.backend
+                )
+            elif rec.pid is not None and rec.start_time is not None:
                 paused = rec.state is SandboxState.PAUSED
-                if paused:  # a frozen init cannot answer the adoption ping
-                    with contextlib.suppress(OSError):
-                        self.cgroups.thaw(rec.id)
-                container = await self.backend.adopt(rec.id, rec.pid, rec.start_time)
-                if paused and container is not None:
-                    self.cgroups.freeze(rec.id)
-            if container is None:
+                handle = await backend.adopt(rec.id, rec.pid, rec.start_time, paused=paused)
+            if backend is None or handle is None:
                 log.info("reaping sandbox %s: it did not survive the edge restart", rec.id)
                 self.store.delete(rec.id)
                 continue
             try:
-                sb = self._open_sandbox(rec, container)
+                sb = self._open_sandbox(rec, backend, handle)
             except Exception:
-                await self.backend.destroy(container)
+                await backend.destroy(handle)
                 self.store.delete(rec.id)
                 continue
             self.sandboxes[rec.id] = sb
@@ -140,15 +140,18 @@ class EdgeReaper:
 
     async def reconcile(self) -> dict[str, int]:
         """Remove host resources of this edge that no live sandbox claims."""
-        assert self.backend is not None
         known = set(self.sandboxes) | set(self._creating) | set(self._terminating)
         mine = f"{self.name}-"
-        orphans = (self.backend.runtime_ids() | self.backend.sandbox_dirs()) - known
-        orphans |= {c for c in self.cgroups.listed_sandboxes() if c.startswith(mine)} - known
-        for sid in orphans:
+        orphans: dict[str, Backend] = {}
+        for backend in self.backends.values():
+            orphans.update(dict.fromkeys(backend.leftover_ids() - known, backend))
+        for c in self.cgroups.listed_sandboxes():  # a cgroup is every backend's; the default removes it
+            if c.startswith(mine) and c not in known:
+                orphans.setdefault(c, self.backend)
+        for sid, backend in orphans.items():
             log.info("reconciler: removing orphan %s", sid)
-            await self.backend.remove_orphan(sid)
-        stray = [m for m in mounts_under(self.backend.sandboxes_dir) if m.split("/")[-2] not in known]
+            await backend.remove_orphan(sid)
+        stray = [m for b in self.backends.values() for m in b.stray_mounts(known)]
         for m in sorted(stray, key=len, reverse=True):
             if Path(m) != self.settings.edge_run_dir / "forks":
                 unmount_all(Path(m))

@@ -6,9 +6,7 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
-from dsec.backends.container import (
-    Container,
-)
+from dsec.backends.base import Backend, SandboxHandle
 from dsec.edge.files import SandboxFiles
 from dsec.edge.sessions import Session
 from dsec.edge.store import Record
@@ -31,7 +29,8 @@ class Sandbox:
     """A live sandbox as the edge holds it in memory."""
 
     record: Record
-    container: Container
+    backend: Backend
+    handle: SandboxHandle
     root_fd: int
     files: SandboxFiles
     uid: int
@@ -59,5 +58,5 @@ class Sandbox:
             created_at=self.record.created_at,
             last_active=self.record.last_active,
             reason=self.record.reason,
-            timings_ms=self.container.timings_ms,
+            timings_ms=self.handle.timings_ms,
         )

@@ -149,8 +149,6 @@ def _install_sandbox_routes(app: FastAPI, edge: Edge, local: LocalEdge, express:
     async def create(spec: SandboxSpec, request: Request) -> Response:
         return model_response(await edge.create(spec), 201)
 
-    express.add("POST", "/v1/sandboxes", create, SandboxSpec, "spec")
-
     @app.get("/v1/sandboxes")
     async def list_(
         request: Request, project: str | None = None, label: list[str] = Query(default=[])
@@ -163,7 +161,7 @@ def _install_sandbox_routes(app: FastAPI, edge: Edge, local: LocalEdge, express:
         await local.stop(sid, _projects(request))
         return Response(status_code=204)
 
-    express.add("DELETE", "/v1/sandboxes/{sid}", stop)
+    express.derive(app.routes, create, stop)
 
 
 def _install_checkpoint_routes(app: FastAPI, local: LocalEdge) -> None:

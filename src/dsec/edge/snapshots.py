@@ -19,7 +19,7 @@ import stat
 from pathlib import Path, PurePosixPath
 
 from dsec import errors
-from dsec.backends.container import spawn_quick, wait_quick
+from dsec.isolation.procs import spawn_quick, wait_quick
 from dsec.isolation.spec import ID_RANGE
 
 

@@ -19,14 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsec import errors
-from dsec.backends.container import (
-    run_process_quick,
-    spawn_quick,
-    unmount_all,
-    wait_quick,
-)
+from dsec.backends.base import Backend, Capability
 from dsec.config import EdgeSettings
-from dsec.edge import checkpoint as ckpt
 from dsec.edge.sandbox import MAX_FORK_CHAIN, Sandbox, _chain
 from dsec.edge.snapshots import (
     check_fork_room,
@@ -38,6 +32,12 @@ from dsec.edge.snapshots import (
     strip_setid,
 )
 from dsec.isolation.cgroups import CgroupHost
+from dsec.isolation.procs import (
+    run_process_quick,
+    spawn_quick,
+    unmount_all,
+    wait_quick,
+)
 from dsec.layers import LayerStore
 from dsec.layers.store import Image
 from dsec.models import (
@@ -67,6 +67,8 @@ class EdgeState:
     if TYPE_CHECKING:
 
         def _get(self, sandbox_id: str) -> Sandbox: ...
+
+        def backend_for(self, name: str) -> Backend: ...
 
         def _image(self, name: str) -> Image: ...
 
@@ -109,8 +111,8 @@ class EdgeState:
         return d
 
     def _checkpoint_model(self, d: Path) -> Checkpoint:
-        info = ckpt.CheckpointInfo.load(d)
         spec = SandboxSpec.model_validate_json((d / "spec.json").read_text())
+        info = self.backend_for(spec.backend).load_checkpoint(d)
         return Checkpoint(
             id=d.name,
             sandbox=info.sandbox,
@@ -131,25 +133,20 @@ class EdgeState:
         their own can be checkpointed (not a running exec or a session: their pipes end in
         this edge); anything else fails with a coded reason that says what to do instead."""
         sb = self._get(sandbox_id)  # resumes a paused sandbox: CRIU cannot seize frozen tasks
-        criu = ckpt.find_criu(self.settings.criu_root)
+        sb.backend.require_checkpoint()
         cid = f"{self.name}-ckpt-{secrets.token_hex(6)}"
         dest = self._checkpoints_dir() / cid
         dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(dest.parent, 0o700)  # root's only: no sandbox id reaches another checkpoint
 
         async def copy_files() -> None:
-            await copy_tree(self._copy_tool, sb.container.upper, dest / "fs", self._to_store(sb))
+            await copy_tree(self._copy_tool, sb.handle.writable_layer(), dest / "fs", self._to_store(sb))
             for layer in _chain(sb.record.extra_lower):  # a fork's or a restored sandbox's layers
                 await copy_tree_under(self._copy_tool, Path(layer), dest / "fs")
 
         t0 = time.perf_counter()
-        info = await ckpt.dump(
-            sb.container,
-            dest,
-            criu=criu,
-            uid_offset=self.settings.uid_offset,
-            leave_running=leave_running,
-            while_stopped=copy_files,
+        info = await sb.backend.checkpoint(
+            sb.handle, dest, leave_running=leave_running, while_stopped=copy_files
         )
         (dest / "spec.json").write_text(sb.record.spec.model_dump_json())
         # Its size is what it keeps on the host: the images and the copy of the files (the
@@ -181,7 +178,7 @@ class EdgeState:
         spec = SandboxSpec.model_validate_json((d / "spec.json").read_text())
         if projects is not None and spec.project not in projects:
             raise errors.CheckpointNotFound(f"there is no checkpoint {checkpoint_id} in your projects")
-        criu = ckpt.find_criu(self.settings.criu_root)
+        self.backend_for(spec.backend).require_checkpoint("restore")
         t0 = time.perf_counter()
         if sandbox_id is not None:
             self.check_access(sandbox_id, projects)
@@ -190,10 +187,15 @@ class EdgeState:
                 with contextlib.suppress(Exception):
                     s.close(kill=False)
             sb.sessions.clear()
-            await ckpt.kill_user_processes(self.cgroups, sb.id)
-            roots = await ckpt.restore(
-                sb.container, d, criu=criu, cgroups=self.cgroups, group_name=self._group_name(sb)
-            )
+            if sb.record.spec.backend != spec.backend:
+                raise errors.UnsupportedOperation(
+                    f"checkpoint {checkpoint_id} was taken on the {spec.backend} backend; sandbox "
+                    f"{sb.id} runs on {sb.record.spec.backend}: restore it into a new sandbox",
+                    reason="backend",
+                )
+            sb.backend.require_checkpoint("restore")
+            await sb.backend.kill_user_processes(sb.handle)
+            roots = await sb.backend.restore(sb.handle, d, group_name=self._group_name(sb))
             info = sb.info(self.name)
         else:
             if labels:
@@ -203,9 +205,7 @@ class EdgeState:
             info = await self._create(spec, None, t0, extra_lower=str(d / "fs"))
             sb = self.sandboxes[info.id]
             try:
-                roots = await ckpt.restore(
-                    sb.container, d, criu=criu, cgroups=self.cgroups, group_name=self._group_name(sb)
-                )
+                roots = await sb.backend.restore(sb.handle, d, group_name=self._group_name(sb))
             except BaseException:
                 await self.stop(info.id)
                 raise
@@ -249,22 +249,22 @@ class EdgeState:
 
     def _to_store(self, sb: Sandbox) -> tuple[int, int]:
         """The owner shift from the sandbox's own id range to the layer store's canonical one."""
-        return sb.container.id_base, self.settings.uid_offset
+        return sb.handle.id_base, self.settings.uid_offset
 
     async def _frozen_copy(self, sb: Sandbox, dst: Path) -> None:
         """Copy the writable layer while the sandbox is frozen (a consistent point in time)."""
         was_paused = sb.record.state is SandboxState.PAUSED
-        loop = asyncio.get_running_loop()
         if not was_paused:
-            await loop.run_in_executor(None, self.cgroups.freeze, sb.id)
+            await sb.backend.freeze(sb.handle)
         try:
-            await copy_tree(self._copy_tool, sb.container.upper, dst, self._to_store(sb))
+            await copy_tree(self._copy_tool, sb.handle.writable_layer(), dst, self._to_store(sb))
         finally:
             if not was_paused:
-                self.cgroups.thaw(sb.id)
+                sb.backend.thaw(sb.handle)
 
     async def snapshot(self, sandbox_id: str, scrub_paths: builtins.list[str] | None = None) -> SnapshotInfo:
         sb = self._get(sandbox_id)
+        sb.backend.require(Capability.SNAPSHOT, "snapshot")
         if sb.record.extra_lower:
             raise errors.UnsupportedOperation(
                 f"sandbox {sandbox_id} is a fork; snapshot the sandbox it was forked from, or fork a snapshot"
@@ -408,10 +408,11 @@ class EdgeState:
         if not 1 <= n <= 256:
             raise errors.InvalidRequest(f"fork count must be between 1 and 256, got {n}")
         sb = self._get(sandbox_id)
+        sb.backend.require(Capability.FORK, "fork")
         spec = sb.record.spec
         for _ in range(n):
             self._admit(spec)
-        check_fork_room(self._forks_root(), sandbox_id, sb.container.upper)  # before the copy
+        check_fork_room(self._forks_root(), sandbox_id, sb.handle.writable_layer())  # before the copy
         t0 = time.perf_counter()
         shared = self._forks_root() / f"{sandbox_id}-{secrets.token_hex(4)}"
         tree = shared / "tree"
@@ -419,26 +420,25 @@ class EdgeState:
         flatten = len(parent_chain) >= MAX_FORK_CHAIN
         chain = ":".join([str(tree), *([] if flatten else parent_chain)])
         was_paused = sb.record.state is SandboxState.PAUSED
-        loop = asyncio.get_running_loop()
         if not was_paused:
-            await loop.run_in_executor(None, self.cgroups.freeze, sb.id)
+            await sb.backend.freeze(sb.handle)
         # What the copy will hold, measured frozen (the upper is a tmpfs of its own): the
         # apiserver charges the project's snapshot quota with it.
-        layer_bytes = sb.container.disk_usage()[0]
+        layer_bytes = sb.handle.disk_usage()[0]
         copied: dict[str, float] = {}
 
         def copy_done(_: object) -> None:
             copied["t"] = time.perf_counter()
             if not was_paused:
                 with contextlib.suppress(OSError):
-                    self.cgroups.thaw(sb.id)
+                    sb.backend.thaw(sb.handle)
 
         copy = None
         ready: asyncio.Future[None] | None = None
         try:
             copy = start_copy(
                 self._copy_tool,
-                sb.container.upper,
+                sb.handle.writable_layer(),
                 tree,
                 shift=self._to_store(sb),
                 what="copying the writable layer",
@@ -448,7 +448,7 @@ class EdgeState:
                 await copy.wait()
                 for layer in parent_chain:
                     await copy_tree_under(self._copy_tool, Path(layer), tree)
-                layer_bytes = await loop.run_in_executor(None, disk_usage, tree)
+                layer_bytes = await asyncio.get_running_loop().run_in_executor(None, disk_usage, tree)
             ready = asyncio.ensure_future(copy.wait())
             ready.add_done_callback(copy_done)
             labels = {**spec.labels, "dsec.fork-of": sandbox_id}

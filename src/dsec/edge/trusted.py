@@ -36,11 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from dsec import errors
-from dsec.backends.container import Container, spawn_quick, wait_quick
+from dsec.backends.base import SandboxHandle
 from dsec.edge.files import MAX_ARCHIVE, MAX_ARCHIVE_ENTRIES, RESOLVE, RESOLVE_WALK, SandboxFiles
 from dsec.edge.process import PipeReader, RawResult, exit_code, feed_pipe, release_group
 from dsec.isolation import linux
 from dsec.isolation.cgroups import CgroupHost, ExecGroup, keyed_value
+from dsec.isolation.procs import spawn_quick, wait_quick
 from dsec.isolation.spec import DEFAULT_PATH
 from dsec.layers import LayerStore
 from dsec.layers.store import Image
@@ -443,7 +444,7 @@ class _Launch:
 
 def _helper_args(
     spec: TrustedSpec,
-    container: Container,
+    container: SandboxHandle,
     cgroups: CgroupHost,
     procs_fd: int,
     root_fd: int,
@@ -482,7 +483,7 @@ def _helper_args(
 
 async def run_trusted(
     spec: TrustedSpec,
-    container: Container,
+    container: SandboxHandle,
     cgroups: CgroupHost,
     group_name: str,
     root_fd: int,

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 from dsec import errors
 from dsec.config import EdgeSettings
-from dsec.edge import checkpoint as ckpt
 from dsec.edge import trusted
 from dsec.edge.files import SandboxFiles
 from dsec.edge.process import RawResult
@@ -182,7 +181,7 @@ class EdgeVault:
             with contextlib.suppress(Exception):
                 s.close(kill=False)
         sb.sessions.clear()
-        await ckpt.kill_user_processes(self.cgroups, sb.id)  # nobody left to see or change anything
+        await sb.backend.kill_user_processes(sb.handle)  # nobody left to see or change anything
         action = {"op": "verify", **req.model_dump(include={"cmd", "env", "cwd", "user"})}
         if req.task_dirs is not None:
             action["task_dirs"] = req.task_dirs
@@ -195,7 +194,7 @@ class EdgeVault:
                     made = await sb.files.run(lambda f: trusted.prepare_mount_points(f, protected, dirs))
                     raw = await self._run_trusted(sb, req, protected=protected)
                 finally:
-                    await ckpt.kill_user_processes(self.cgroups, sb.id)  # nothing the verifier started stays
+                    await sb.backend.kill_user_processes(sb.handle)  # nothing the verifier started stays
                     for path in made:
                         with contextlib.suppress(errors.DsecError):
                             await self._delete_path(sb, path)

@@ -12,7 +12,7 @@ import inspect
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,8 +20,10 @@ from fastapi import APIRouter, FastAPI, Query, Request, Response
 from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute
 
 from dsec import errors
 from dsec.edgeapi import EdgeAPI, Projects
@@ -127,6 +129,31 @@ class Express:
     ) -> None:
         regex = re.compile("^" + re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", path) + "$")
         self.lanes.setdefault(method, []).append(Lane(method, regex, endpoint, body, body_arg))
+
+    def derive(self, routes: Iterable[BaseRoute], *endpoints: Endpoint) -> None:
+        """Give each of `endpoints` a lane taken from its FastAPI route in `routes`: the
+        method, the path and the body model as the route declares them, stated nowhere else."""
+        by_endpoint = {r.endpoint: r for r in routes if isinstance(r, APIRoute)}
+        for endpoint in endpoints:
+            route = by_endpoint.get(endpoint)
+            if route is None:
+                raise RuntimeError(f"{endpoint.__name__} is not the endpoint of any route given")
+            dep = route.dependant
+            if dep.query_params or dep.header_params or dep.cookie_params or dep.dependencies:
+                raise RuntimeError(
+                    f"{route.path}: a lane passes only the path, the JSON body and the request"
+                )
+            methods = sorted(route.methods or ())
+            if len(methods) != 1 or len(dep.body_params) > 1:
+                raise RuntimeError(f"{route.path}: a lane needs one method and at most one body")
+            (method,) = methods
+            body, arg = None, "body"
+            if dep.body_params:
+                field = dep.body_params[0]
+                body, arg = field.field_info.annotation, field.name
+                if not (isinstance(body, type) and issubclass(body, BaseModel)):
+                    raise RuntimeError(f"{route.path}: a lane's body must be a pydantic model")
+            self.add(method, route.path_format, endpoint, body, arg)
 
     def match(self, scope: dict[str, Any]) -> tuple[Lane, dict[str, str]] | None:
         for lane in self.lanes.get(scope["method"], ()):
@@ -540,13 +567,13 @@ def _add_exec_routes(r: APIRouter, observe_exec: ExecObserver | None, lanes: Exp
             observe_exec(time.perf_counter() - t0, res)
         return model_response(res)
 
-    lanes.add("POST", "/v1/sandboxes/{sid}/exec", exec_, ExecRequest)
-
     @r.post("/exec/stream")
     async def exec_stream(sid: str, body: ExecRequest, request: Request) -> StreamingResponse:
         t = await _target(request, sid)
         await t.edge.get(sid, t.projects)  # fail before the stream starts
         return sse(t.edge.exec_stream(sid, body, t.projects))
+
+    lanes.derive(r.routes, exec_)
 
 
 def _add_session_routes(r: APIRouter, lanes: Express) -> None:
@@ -565,13 +592,13 @@ def _add_session_routes(r: APIRouter, lanes: Express) -> None:
         t = await _target(request, sid)
         return model_response(await t.edge.session_run(sid, ses, body, t.projects))
 
-    lanes.add("POST", "/v1/sandboxes/{sid}/sessions/{ses}/run", session_run, SessionRun)
-
     @r.delete("/sessions/{ses}", status_code=204)
     async def session_close(sid: str, ses: str, request: Request) -> Response:
         t = await _target(request, sid)
         await t.edge.session_close(sid, ses, t.projects)
         return Response(status_code=204)
+
+    lanes.derive(r.routes, session_run)
 
 
 def _add_file_routes(r: APIRouter, lanes: Express) -> None:
@@ -585,8 +612,6 @@ def _add_file_routes(r: APIRouter, lanes: Express) -> None:
         t = await _target(request, sid)
         await t.edge.write_file(sid, body, t.projects)
         return Response(status_code=204)
-
-    lanes.add("PUT", "/v1/sandboxes/{sid}/files", write_file, FileWrite)
 
     @r.post("/files/edit")
     async def edit_file(sid: str, body: FileEdit, request: Request) -> dict[str, int]:
@@ -608,6 +633,8 @@ def _add_file_routes(r: APIRouter, lanes: Express) -> None:
         t = await _target(request, sid)
         await t.edge.delete_file(sid, path, recursive, t.projects)
         return Response(status_code=204)
+
+    lanes.derive(r.routes, write_file)
 
 
 def _add_archive_routes(r: APIRouter) -> None:

@@ -68,6 +68,11 @@ class SandboxSpec(_Model):
     )
     ttl_action: Literal["stop", "pause"] = Field("stop", description="what the idle TTL does")
     project: ShortStr = "default"
+    backend: str = Field(
+        "container",
+        pattern=r"^[a-z][a-z0-9-]{0,31}$",
+        description="the backend (isolation tier) that runs it: container; GET /v1/backends lists them",
+    )
     network: NetworkPolicy | None = Field(
         None, description="egress allowlist (domains, IPs/CIDRs, ports, protocols); None: loopback only"
     )

@@ -19,6 +19,7 @@ class TrajectoryLog(Protocol):
 
     def iter_rows(self, sandbox_id: str) -> Iterator[list[tuple[Any, ...]]]: ...
 
+
 FIELDS = (
     "sandbox_id", "seq", "kind", "action", "observation", "timings",
     "trajectory", "step", "action_hash", "recorded_at",

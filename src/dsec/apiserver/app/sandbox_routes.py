@@ -78,7 +78,7 @@ def _install_sandbox_routes(
         p = principal(request)
         return model_response(await create_one(p, spec, time.perf_counter() - t0), 201)
 
-    express.add("POST", "/v1/sandboxes", create, SandboxSpec, "spec")
+    express.derive(app.routes, create)
 
     @app.post("/v1/sandboxes/batch")
     async def create_batch(body: BatchCreate, request: Request) -> dict[str, Any]:
@@ -357,7 +357,7 @@ def _install_sandbox_stop_routes(
         await stop_one(principal(request), sid, after)
         return respond_then(Response(status_code=204), after)
 
-    express.add("DELETE", "/v1/sandboxes/{sid}", stop)
+    express.derive(app.routes, stop)
 
     @app.post("/v1/sandboxes/batch_stop")
     async def batch_stop(body: BatchStop, request: Request) -> dict[str, Any]:

@@ -185,7 +185,7 @@ def _install_fncall_routes(
         project = caller_project(st.iam, principal(request), body.project)
         return model_response(await run(body.model_copy(update={"project": project})))
 
-    express.add("POST", "/v1/fncall/run", fncall_run, FnCallRequest)
+    express.derive(app.routes, fncall_run)
 
     @app.post("/v1/fncall/jupyter", response_model=JupyterResult)
     async def fncall_jupyter(body: JupyterRequest, request: Request) -> Response:

@@ -14,7 +14,7 @@ import struct
 import time
 from dataclasses import dataclass
 
-from dsec.backends.container import Container
+from dsec.backends.base import SandboxHandle
 from dsec.edge.process import PipeReader, Spawned, exit_code, feed_pipe, kill_except, release_group, spawn
 from dsec.edge.sessions.bashstate import (
     DUMP_PIPE,
@@ -38,7 +38,7 @@ from dsec.models import SessionKind, SessionResult
 class Runner:
     """What every process of a session is started with."""
 
-    container: Container
+    handle: SandboxHandle
     cgroups: CgroupHost
     uid: int
     gid: int
@@ -47,7 +47,7 @@ class Runner:
         self, name: str, argv: list[str], env: dict[str, str], cwd: str, stdio: tuple[int, int, int]
     ) -> Spawned:
         return await spawn(
-            self.container, self.cgroups, name, argv, env, cwd=cwd, uid=self.uid, gid=self.gid, stdio=stdio
+            self.handle, self.cgroups, name, argv, env, cwd=cwd, uid=self.uid, gid=self.gid, stdio=stdio
         )
 
 
@@ -329,7 +329,7 @@ class PythonSession(Session):
         try:
             if not await wait(timeout):
                 timed_out = True
-                self.runner.container.channel.signal(self.proc.ident, signal.SIGINT)
+                self.runner.handle.signal(self.proc.ident, signal.SIGINT)
                 if not await wait(2.0):
                     self.closed = True
                     await asyncio.get_running_loop().run_in_executor(None, self.proc.group.kill)

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsec.backends.container import Container
-from dsec.edge.checkpoint.images import _entries, _fields
+from dsec.backends.base import SandboxHandle
+from dsec.backends.criu.images import _entries, _fields
 from dsec.errors import InternalError, UnsupportedOperation
 from dsec.isolation import linux
 
@@ -100,7 +100,7 @@ def check_recorded_paths(images: Path, root_fd: int, what: str, sandbox: str) ->
             )
 
 
-def _open_root(container: Container) -> int:
+def _open_root(container: SandboxHandle) -> int:
     """An O_PATH handle on the sandbox's root directory, in its mount namespace."""
     try:
         return os.open(f"/proc/{container.pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -128,7 +128,7 @@ def _shm_mnt_id() -> int | None:
         os.close(fd)
 
 
-def foreign_holdings(container: Container, pids: Sequence[int]) -> list[str]:
+def foreign_holdings(container: SandboxHandle, pids: Sequence[int]) -> list[str]:
     """Every cwd, root or path descriptor of `pids` (host pids of the sandbox's processes)
     on a mount outside the sandbox's mount namespace: a host directory or file, or a
     detached mount of the platform's. Pipes, sockets and anonymous inodes have no path;

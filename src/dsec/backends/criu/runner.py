@@ -12,10 +12,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from dsec.backends.container import Container, run_process_quick
-from dsec.edge.checkpoint.criu import _NAMESPACES, criu_argv
-from dsec.edge.checkpoint.paths import detached_clone
+from dsec.backends.base import SandboxHandle
+from dsec.backends.criu.criu import _NAMESPACES, criu_argv
+from dsec.backends.criu.paths import detached_clone
 from dsec.errors import UnsupportedOperation
+from dsec.isolation.procs import run_process_quick
 
 # --- running CRIU in a sandbox's namespaces ----------------------------------------------
 
@@ -74,7 +75,7 @@ sys.exit(os.waitstatus_to_exitcode(st))
 
 
 async def _run_criu(
-    container: Container,
+    container: SandboxHandle,
     criu: Path,
     images: Path,
     args: list[str],

@@ -115,7 +115,7 @@ def find_criu(dest: Path) -> Path:
     if not (dest / ".ready").exists() or not (dest / "usr" / "sbin" / "criu").exists():
         raise UnsupportedOperation(
             f"memory checkpoints need CRIU >= 4.2, which is not installed on this edge ({dest} is missing); "
-            "run install.sh (or `python -c 'from dsec.edge.checkpoint import ensure_criu; "
+            "run install.sh (or `python -c 'from dsec.backends.criu import ensure_criu; "
             f'ensure_criu(Path("{dest.parent}"))\'`), or use pause() / snapshot() instead',
             reason="criu_unavailable",
         )

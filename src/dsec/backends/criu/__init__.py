@@ -62,8 +62,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from dsec.backends.container import Container
-from dsec.edge.checkpoint.criu import (
+from dsec.backends.base import SandboxHandle
+from dsec.backends.criu.criu import (
     _COMMON,
     DEBIAN_KEYRING,
     DEBIAN_MIRROR,
@@ -74,12 +74,12 @@ from dsec.edge.checkpoint.criu import (
     ensure_criu,
     find_criu,
 )
-from dsec.edge.checkpoint.images import (
+from dsec.backends.criu.images import (
     Field,
     _patch_root_userns,
     read_pstree,
 )
-from dsec.edge.checkpoint.paths import (
+from dsec.backends.criu.paths import (
     RecordedFile,
     _open_root,
     check_recorded_paths,
@@ -87,7 +87,7 @@ from dsec.edge.checkpoint.paths import (
     foreign_holdings,
     recorded_files,
 )
-from dsec.edge.checkpoint.runner import _criu_error, _run_criu
+from dsec.backends.criu.runner import _criu_error, _run_criu
 from dsec.errors import InternalError, UnsupportedOperation
 from dsec.isolation.cgroups import CgroupHost, kill_group
 
@@ -164,7 +164,7 @@ def _check_attached(sandbox: str, pids: list[int]) -> None:
                         )
 
 
-def user_trees(container: Container) -> list[int]:
+def user_trees(container: SandboxHandle) -> list[int]:
     """Host pids of the roots of the sandbox's user process trees (children of its init)."""
     return sorted(_children(container.pid))
 
@@ -226,7 +226,7 @@ def _seal_tree(root: Path) -> None:
                 os.chmod(path, 0o644)
 
 
-def _check_dumped(container: Container, images_dir: Path, trees: list[TreeInfo]) -> None:
+def _check_dumped(container: SandboxHandle, images_dir: Path, trees: list[TreeInfo]) -> None:
     root = _open_root(container)
     try:
         for t in trees:
@@ -235,7 +235,7 @@ def _check_dumped(container: Container, images_dir: Path, trees: list[TreeInfo])
         os.close(root)
 
 
-def _host_root_id(container: Container) -> int:
+def _host_root_id(container: SandboxHandle) -> int:
     """The host uid the sandbox's root maps to."""
     with open(f"/proc/{container.pid}/uid_map") as f:
         for line in f:
@@ -251,7 +251,7 @@ def _make_work_dir(images_dir: Path, tree: str, owner: int) -> Path:
     return work
 
 
-def _check_restored(container: Container, cgroups: CgroupHost) -> list[str]:
+def _check_restored(container: SandboxHandle, cgroups: CgroupHost) -> list[str]:
     pids: list[int] = []
     for d, _, _ in os.walk(cgroups.tracking_dir(container.id)):
         with contextlib.suppress(OSError), open(os.path.join(d, "cgroup.procs")) as f:
@@ -260,7 +260,7 @@ def _check_restored(container: Container, cgroups: CgroupHost) -> list[str]:
 
 
 async def dump(
-    container: Container,
+    container: SandboxHandle,
     images_dir: Path,
     *,
     criu: Path,
@@ -347,7 +347,7 @@ def _cgroup_targets(cgroups: CgroupHost, sandbox_id: str, group: Path) -> list[P
 
 
 async def restore(
-    container: Container,
+    container: SandboxHandle,
     images_dir: Path,
     *,
     criu: Path,

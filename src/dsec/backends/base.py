@@ -1,0 +1,261 @@
+"""What a backend is: the one interface the edge runs sandboxes through.
+
+A backend turns a `SandboxPlan` (composed layers, limits, environment, network policy) into
+a running sandbox and gives the edge a `SandboxHandle` to it. The edge never reaches past
+these two classes: it starts processes with `handle.spawn`, reaches the files through
+`handle.open_root()`, snapshots and forks from `handle.writable_layer()`, applies network
+policy in `handle.netns_pid`'s namespace, and asks the backend to pause, resume, checkpoint,
+restore, adopt and destroy.
+
+Every backend declares what it can do (`capabilities`); the edge asks before each operation
+(`backend.require(Capability.CHECKPOINT, "checkpoint")`) and a sandbox on a backend that
+lacks it answers `unsupported_operation` naming the backend and the operation. Backends
+are found by name in `dsec.backends.registry`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from dsec.errors import UnsupportedOperation
+from dsec.isolation.spec import Limits
+
+if TYPE_CHECKING:
+    from dsec.isolation.cgroups import CgroupHost
+    from dsec.isolation.idranges import IdRanges
+    from dsec.isolation.netpolicy import NetHost
+
+
+class Capability(StrEnum):
+    """One thing a backend may or may not do for its sandboxes."""
+
+    EXEC = "exec"  # processes with stdio, streamed, with signals (sessions ride on it)
+    FILES = "files"  # read/write/edit/list/archive through a handle on the root
+    PAUSE = "pause"  # freeze every process, and thaw
+    SNAPSHOT = "snapshot"  # copy the writable layer into a new image
+    FORK = "fork"  # start copies from the writable layer of a live sandbox
+    CHECKPOINT = "checkpoint"  # processes and memory to a directory, and back
+    NETWORK = "network"  # the edge's nftables policy in the sandbox's network namespace
+    TRUSTED_EXEC = "trusted_exec"  # the image's own toolchain over the agent's files (verify)
+    TELEMETRY = "telemetry"  # per-call cgroup counters: forks refused, oom kills, disk full
+
+
+@dataclass(frozen=True)
+class SandboxPlan:
+    """Everything a backend needs to start one sandbox, decided by the edge."""
+
+    id: str
+    lowerdirs: list[Path]  # the composed layers, top first (the toolkit, fork layers, the image)
+    limits: Limits
+    disk_mb: int
+    env: dict[str, str]
+    disk_inodes: int = 262144
+    pids: int = 1024  # processes the sandbox's user may run (the limit keeps a reserve for us)
+
+
+@dataclass(frozen=True)
+class BackendHost:
+    """What the edge gives every backend it starts: the host-wide pieces they share."""
+
+    run_dir: Path  # this edge's run tmpfs
+    shim: Path  # dsec-shim, the init (or guest agent) every sandbox runs
+    runtime: str  # the OCI runtime the container backend drives
+    uid_offset: int  # the layer store's canonical id range
+    id_ranges: IdRanges  # each sandbox's own host id range
+    cgroups: CgroupHost
+    net: NetHost
+    tools_dir: Path | None = None  # bound read-only at /.dsec-tools in every sandbox
+    criu_root: Path | None = None  # where a CRIU the project built lives
+
+
+class CheckpointTreeRecord(Protocol):
+    root: int  # pid inside of the tree's first process
+    pids: list[int]
+    cmdline: str
+
+
+class CheckpointRecord(Protocol):
+    """What a backend's checkpoint says about itself (CRIU's: dsec.backends.criu.CheckpointInfo)."""
+
+    sandbox: str
+    size_bytes: int
+    leave_running: bool
+    created_at: float
+    timings_ms: dict[str, float]
+
+    @property
+    def trees(self) -> Sequence[CheckpointTreeRecord]: ...
+
+    def save(self) -> None: ...
+
+
+class SandboxHandle(ABC):
+    """A running sandbox, as its backend lets the edge reach it."""
+
+    id: str
+    pid: int  # a host process in the sandbox's namespaces (its init): network, checkpoint, trusted
+    start_time: int  # that process's start time (a pid alone can be reused)
+    id_base: int  # the host uid and gid the sandbox's root is
+    exited: asyncio.Future[None]  # done when the sandbox's init is gone
+    timings_ms: dict[str, float]
+
+    @abstractmethod
+    def alive(self) -> bool: ...
+
+    @abstractmethod
+    def exit_reason(self) -> str:
+        """Why it stopped, in words for a user ("its init was killed by SIGKILL")."""
+
+    @abstractmethod
+    def open_root(self) -> int:
+        """An O_PATH descriptor on the sandbox's root directory, for the file API."""
+
+    @abstractmethod
+    def writable_layer(self) -> Path:
+        """The sandbox's writable layer, as host helper processes reach it."""
+
+    @abstractmethod
+    def disk_usage(self) -> tuple[int, int, bool]:
+        """(bytes, inodes) used in the writable layer, and whether either is exhausted."""
+
+    @abstractmethod
+    async def spawn(
+        self,
+        argv: Sequence[str],
+        env: dict[str, str],
+        *,
+        cwd: str,
+        uid: int,
+        gid: int,
+        stdio: tuple[int, int, int],
+        cgroup_fds: Sequence[int] = (),
+    ) -> tuple[int, int, asyncio.Future[int]]:
+        """Start a process inside; (its message id, its pid inside, a future of its wait status)."""
+
+    @abstractmethod
+    async def fill(self, src: int, dst: int, timeout: float = 5.0) -> tuple[int, asyncio.Future[int]]:
+        """Copy pipe `src` into the file `dst` from inside the sandbox's limits (a charged write)."""
+
+    @abstractmethod
+    def signal(self, ident: int, sig: int) -> None:
+        """Send `sig` to the process started as message `ident`."""
+
+    @abstractmethod
+    def seccomp_program(self) -> Path | None:
+        """The compiled seccomp filter of this sandbox (trusted execs run under it too)."""
+
+
+class Backend(ABC):
+    """Creates, adopts, pauses, checkpoints and destroys the sandboxes of one kind."""
+
+    name: ClassVar[str]
+    capabilities: ClassVar[frozenset[Capability]]
+    accelerated: ClassVar[bool] = True  # False: runs, but emulated (a microVM under TCG)
+
+    def require(self, capability: Capability, operation: str | None = None) -> None:
+        """Refuse `operation` unless this backend declares `capability`."""
+        if capability not in self.capabilities:
+            op = operation or capability.value
+            can = ", ".join(sorted(c.value for c in self.capabilities))
+            raise UnsupportedOperation(
+                f"the {self.name} backend does not support {op}; it supports: {can}",
+                reason="backend",
+                backend=self.name,
+                operation=op,
+            )
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "capabilities": sorted(c.value for c in self.capabilities),
+            "accelerated": self.accelerated,
+        }
+
+    # --- lifecycle ----------------------------------------------------------------
+
+    @abstractmethod
+    async def create(self, plan: SandboxPlan) -> SandboxHandle:
+        """Start a sandbox; ready for its first process when this returns."""
+
+    @abstractmethod
+    async def adopt(
+        self, sandbox_id: str, pid: int, start_time: int, *, paused: bool = False
+    ) -> SandboxHandle | None:
+        """Re-attach to a sandbox an earlier edge process started, if it still runs (and
+        leave it paused if it was)."""
+
+    @abstractmethod
+    async def destroy(self, handle: SandboxHandle) -> None:
+        """Kill the sandbox and remove every host resource it had."""
+
+    @abstractmethod
+    def detach(self, handle: SandboxHandle) -> None:
+        """Let go of the sandbox in this process but leave it running (for a later adopt)."""
+
+    @abstractmethod
+    async def freeze(self, handle: SandboxHandle) -> None:
+        """Stop every process of the sandbox (pause; a consistent point for a copy of its files)."""
+
+    @abstractmethod
+    def thaw(self, handle: SandboxHandle) -> None:
+        """Let them run again. Quick: it is on the path of any operation on a paused sandbox."""
+
+    @abstractmethod
+    async def reclaim(self, handle: SandboxHandle) -> None:
+        """Give back what memory of a frozen sandbox the host can take (a pause does this)."""
+
+    # --- processes and memory ---------------------------------------------------------
+
+    def require_checkpoint(self, operation: str = "checkpoint") -> None:
+        """Refuse a checkpoint or restore early: the capability, and the tool it needs."""
+        self.require(Capability.CHECKPOINT, operation)
+
+    async def checkpoint(
+        self,
+        handle: SandboxHandle,
+        dest: Path,
+        *,
+        leave_running: bool,
+        while_stopped: Callable[[], Awaitable[None]] | None = None,
+    ) -> CheckpointRecord:
+        """Write the sandbox's processes and memory under `dest` (created here). They stay
+        stopped while `while_stopped` runs (the edge copies the files then, so files and
+        memory match), then run on (`leave_running`) or are killed."""
+        self.require(Capability.CHECKPOINT)
+        raise NotImplementedError
+
+    async def restore(self, handle: SandboxHandle, src: Path, *, group_name: str) -> list[int]:
+        """Start the processes of checkpoint `src` in the sandbox, whose files must be the
+        checkpointed ones; the pids of the restored roots inside."""
+        self.require(Capability.CHECKPOINT, "restore")
+        raise NotImplementedError
+
+    def load_checkpoint(self, src: Path) -> CheckpointRecord:
+        """The record `checkpoint` wrote under `src`."""
+        self.require(Capability.CHECKPOINT, "restore")
+        raise NotImplementedError
+
+    @abstractmethod
+    async def kill_user_processes(self, handle: SandboxHandle) -> None:
+        """Kill every process of the sandbox but its init (before a restore into it, and
+        before and after a verifier runs)."""
+
+    # --- what is left on the host ------------------------------------------------------
+
+    @abstractmethod
+    def leftover_ids(self) -> set[str]:
+        """Ids of the sandboxes this backend has state of on the host (live or not)."""
+
+    @abstractmethod
+    async def remove_orphan(self, sandbox_id: str) -> None:
+        """Kill and remove whatever is left of a sandbox no record claims."""
+
+    def stray_mounts(self, known: set[str]) -> list[str]:
+        """Mounts of sandboxes that are not in `known`, for the reconciler to remove."""
+        return []

@@ -1,0 +1,154 @@
+"""Helper processes and mounts of the host: started without a fork of this (large) process,
+awaited through pidfds on the event loop, and the runtime's strays reaped.
+
+Shared by every backend and by the edge's own helpers (copies, trusted execs, CRIU)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from dsec.isolation import linux
+
+# Children this process waits for by pid (helpers being awaited, sandbox inits); any other
+# child that exits is a stray: crun's intermediate processes, which the edge inherits as a
+# child subreaper when their parents exit, and which nobody else would ever reap.
+_awaited: set[int] = set()
+
+
+def reap_strays(comms: frozenset[str] = frozenset({"crun", "runc"})) -> int:
+    """Reap exited runtime processes nobody waits for; how many. Only zombies whose command
+    is the runtime's are taken: other children (subprocess.run in a worker thread, say) are
+    waited for by their owners, who must get their exit status."""
+    me = os.getpid()
+    n = 0
+    try:
+        tasks = os.listdir(f"/proc/{me}/task")
+    except OSError:
+        return 0
+    kids: set[int] = set()
+    for tid in tasks:
+        with contextlib.suppress(OSError, ValueError), open(f"/proc/{me}/task/{tid}/children") as f:
+            kids.update(int(x) for x in f.read().split())
+    for pid in kids - _awaited:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        comm, _, rest = stat.partition("(")[2].rpartition(")")
+        if rest.split()[:1] != ["Z"] or comm not in comms:
+            continue
+        with contextlib.suppress(ChildProcessError, OSError):
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                n += 1
+    return n
+
+
+def spawn_quick(
+    argv: Sequence[str], out_fd: int, err_fd: int, inherit: Sequence[int] = (), *, stdin_fd: int | None = None
+) -> tuple[int, int]:
+    """Start a helper program; its (pid, pidfd).
+
+    posix_spawn (vfork under glibc) and a pidfd watched by the event loop: no
+    fork of this large process and no child-watcher thread per process, which
+    cost several ms per sandbox start under load (and more under uvloop).
+    """
+    # No stdin is an empty pipe, never the host's /dev/null: the OCI runtime chowns the
+    # container process's stdio to the sandbox's root, and would so hand it the host's
+    # /dev/null (chmod 000 from inside would then break every host program).
+    empty = None
+    if stdin_fd is None:
+        empty = os.pipe2(os.O_CLOEXEC)
+        os.close(empty[1])
+        stdin_fd = empty[0]
+    for fd in inherit:
+        os.set_inheritable(fd, True)
+    try:
+        pid = os.posix_spawnp(
+            argv[0],
+            list(argv),
+            os.environ,
+            file_actions=[
+                (os.POSIX_SPAWN_DUP2, stdin_fd, 0),
+                (os.POSIX_SPAWN_DUP2, out_fd, 1),
+                (os.POSIX_SPAWN_DUP2, err_fd, 2),
+            ],
+        )
+    finally:
+        for fd in inherit:
+            os.set_inheritable(fd, False)
+        if empty is not None:
+            os.close(empty[0])
+    _awaited.add(pid)
+    return pid, os.pidfd_open(pid)
+
+
+async def wait_quick(pid: int, pidfd: int) -> int:
+    """Wait for a process started by spawn_quick (closes its pidfd); its exit code."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    loop.add_reader(pidfd, resolve_once, done)
+    try:
+        await done
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+    try:
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    finally:
+        _awaited.discard(pid)
+
+
+async def run_process_quick(argv: Sequence[str], log_fd: int, inherit: Sequence[int] = ()) -> int:
+    """Run a helper program with stdout and stderr on `log_fd` and wait for it; its exit code."""
+    pid, pidfd = spawn_quick(argv, log_fd, log_fd, inherit)
+    return await wait_quick(pid, pidfd)
+
+
+def resolve_once(fut: asyncio.Future[None]) -> None:
+    """Event-loop callback: mark `fut` done unless it already is."""
+    if not fut.done():
+        fut.set_result(None)
+
+
+def mounts_under(prefix: Path) -> list[str]:
+    out = []
+    p = str(prefix).rstrip("/") + "/"
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            target = line.split()[1].replace("\\040", " ")
+            if target.startswith(p):
+                out.append(target)
+    return out
+
+
+def fs_type(path: Path) -> str:
+    """The file system type of the mount holding `path` (longest mount point prefix)."""
+    p = os.path.realpath(path)
+    best, kind = "", ""
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            fields = line.split()
+            target = fields[1].replace("\\040", " ")
+            inside = p == target or p.startswith(target.rstrip("/") + "/")
+            if inside and len(target) >= len(best):
+                best, kind = target, fields[2]
+    return kind
+
+
+def unmount_all(target: Path) -> None:
+    """Unmount `target` (stacked mounts included); ignore it if nothing is mounted."""
+    for _ in range(8):
+        try:
+            linux.umount(str(target))
+        except OSError as e:
+            if e.errno in (22, 2):  # EINVAL: not a mount point; ENOENT
+                return
+            if e.errno == 16:  # EBUSY: still referenced somewhere; detach lazily
+                linux.umount(str(target), detach=True)
+            else:
+                raise
