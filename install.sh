@@ -49,7 +49,7 @@ ln -sf "$VENV/bin/dsec" /usr/local/bin/dsec
 
 # Memory checkpoints need CRIU >= 4.2 (Debian 12's 3.17 fails on current kernels): unpacked from
 # Debian's next release into /var/lib/dsec/criu with a private apt state (the host's is untouched).
-if ! "$VENV/bin/python" -c 'from pathlib import Path; from dsec.edge.checkpoint import ensure_criu; ensure_criu(Path("/var/lib/dsec"))'; then
+if ! "$VENV/bin/python" -c 'from pathlib import Path; from dsec.backends.criu import ensure_criu; ensure_criu(Path("/var/lib/dsec"))'; then
   log "warning: CRIU >= 4.2 could not be fetched: memory checkpoints stay unavailable (everything else works)"
 fi
 

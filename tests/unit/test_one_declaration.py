@@ -95,9 +95,7 @@ def _requests_in(module_file: str) -> list[tuple[str, str, int]]:
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             return node.value
         if isinstance(node, ast.JoinedStr):
-            return "".join(
-                v.value if isinstance(v, ast.Constant) else "x1" for v in node.values
-            )
+            return "".join(v.value if isinstance(v, ast.Constant) else "x1" for v in node.values)
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in namespace:
             args = [a.value if isinstance(a, ast.Constant) else "x1" for a in node.args]
             return str(namespace[node.func.id](*args))
@@ -147,7 +145,9 @@ def test_both_edge_implementations_take_every_operation_as_declared() -> None:
         assert not impl.__abstractmethods__, impl
         for op in ops:
             declared, actual = getattr(EdgeAPI, op), getattr(impl, op)
-            assert [p[0] for p in _params(actual)] == [p[0] for p in _params(declared)], f"{impl.__name__}.{op}"
+            assert [p[0] for p in _params(actual)] == [p[0] for p in _params(declared)], (
+                f"{impl.__name__}.{op}"
+            )
             assert inspect.iscoroutinefunction(actual) == inspect.iscoroutinefunction(declared) or (
                 inspect.isasyncgenfunction(actual)
             ), f"{impl.__name__}.{op}"
@@ -166,7 +166,9 @@ RENAMED = {"close": "aclose", "__enter__": "__aenter__", "__exit__": "__aexit__"
 def test_sync_and_async_sdk_offer_the_same_calls(sync: type, async_: type) -> None:
     def public(cls: type) -> dict[str, object]:
         return {
-            n: f for n, f in vars(cls).items() if callable(f) and (not n.startswith("_") or n in RENAMED or n in RENAMED.values())
+            n: f
+            for n, f in vars(cls).items()
+            if callable(f) and (not n.startswith("_") or n in RENAMED or n in RENAMED.values())
         }
 
     s, a = public(sync), public(async_)
