@@ -27,6 +27,7 @@ from dsec.client import (
     _base,
     config,
 )
+from dsec.models import Entry, Trajectory
 
 URL = "http://dsec.test"
 REAL_BACKOFF = _base.backoff_delay
@@ -733,3 +734,31 @@ async def test_async_upload_download(aclient: AsyncClient, fake: FakeDsec, tmp_p
     await files.download("/work/f.txt", tmp_path / "back")
     assert (tmp_path / "back" / "f.txt").read_text() == "data"
     assert await files.download_tar("/work/f.txt") == make_tar({"f.txt": b"data"})
+
+
+def test_trajectory_is_typed_and_reads_as_before(client: Client, fake: FakeDsec) -> None:
+    entry = {
+        "sandbox_id": "sb1",
+        "seq": 1,
+        "kind": "exec",
+        "action": {"cmd": "true"},
+        "observation": {"exit_code": 0},
+        "timings": {"total_ms": 1.0},
+        "trajectory": "t",
+        "step": 0,
+        "recorded_at": 1.0,
+    }
+    stats = {"acknowledged": 1, "recorded": 1, "lost": 0, "pending": 0}
+    fake.on("POST", "/v1/sandboxes", httpx.Response(201, json=info()))
+    fake.on(
+        "GET", "/v1/sandboxes/sb1/trajectory", httpx.Response(200, json={"entries": [entry], "stats": stats})
+    )
+    t = client.create("python", backend="container").trajectory()
+    assert body(fake.calls("POST", "/v1/sandboxes")[0])["backend"] == "container"
+    assert isinstance(t, Trajectory) and isinstance(t.entries[0], Entry)
+    assert t.entries[0].seq == t["entries"][0]["seq"] == 1 and t.stats.recorded == t["stats"]["recorded"] == 1
+    assert "seq" in t.entries[0] and "nope" not in t.entries[0]
+    with pytest.raises(KeyError):
+        t["nope"]
+    with pytest.raises(errors.InvalidRequest, match="unknown sandbox option"):
+        client.create("python", colour="red")  # type: ignore[call-arg]

@@ -26,6 +26,7 @@ from dsec.models import (
     SessionInfo,
     SessionResult,
     SnapshotInfo,
+    Trajectory,
 )
 
 
@@ -439,9 +440,9 @@ class AsyncSandbox:
         anything else raises UnsupportedOperation with `details["reason"]`."""
         return await self._client._call(_base.checkpoint(self.id, leave_running))
 
-    async def trajectory(self, *, after_seq: int = 0, limit: int | None = None) -> dict[str, Any]:
-        """The sandbox's logged operations in order (`entries`) and counts (`stats`:
-        acknowledged, recorded, lost, pending)."""
+    async def trajectory(self, *, after_seq: int = 0, limit: int | None = None) -> Trajectory:
+        """The sandbox's logged operations in order (`.entries`, each an `Entry`) and counts
+        (`.stats`: acknowledged, recorded, lost, pending); `t["entries"]` reads as before."""
         return await self._client._call(_base.trajectory(self.id, after_seq, limit))
 
     async def trajectory_export(self, format: str = "jsonl") -> bytes:

@@ -49,6 +49,7 @@ from dsec.models import (
     SessionRun,
     SnapshotInfo,
     SnapshotRequest,
+    Trajectory,
 )
 
 T = TypeVar("T")
@@ -480,9 +481,11 @@ def file_edit(sandbox_id: str, path: str, old: str, new: str, step: StepArg = No
     )
 
 
-def trajectory(sandbox_id: str, after_seq: int, limit: int | None) -> Call[dict[str, Any]]:
+def trajectory(sandbox_id: str, after_seq: int, limit: int | None) -> Call[Trajectory]:
     params = [("after_seq", str(after_seq))] + ([("limit", str(limit))] if limit is not None else [])
-    return Call(Request("GET", _sb(sandbox_id, "trajectory"), params=params, idempotent=True), _json)
+    return Call(
+        Request("GET", _sb(sandbox_id, "trajectory"), params=params, idempotent=True), _model(Trajectory)
+    )
 
 
 def trajectory_export(sandbox_id: str, fmt: str) -> Call[bytes]:

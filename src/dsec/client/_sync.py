@@ -28,6 +28,7 @@ from dsec.models import (
     SessionInfo,
     SessionResult,
     SnapshotInfo,
+    Trajectory,
 )
 
 
@@ -427,9 +428,9 @@ class Sandbox:
         anything else raises UnsupportedOperation with `details["reason"]`."""
         return self._client._call(_base.checkpoint(self.id, leave_running))
 
-    def trajectory(self, *, after_seq: int = 0, limit: int | None = None) -> dict[str, Any]:
-        """The sandbox's logged operations in order (`entries`) and counts (`stats`:
-        acknowledged, recorded, lost, pending)."""
+    def trajectory(self, *, after_seq: int = 0, limit: int | None = None) -> Trajectory:
+        """The sandbox's logged operations in order (`.entries`, each an `Entry`) and counts
+        (`.stats`: acknowledged, recorded, lost, pending); `t["entries"]` reads as before."""
         return self._client._call(_base.trajectory(self.id, after_seq, limit))
 
     def trajectory_export(self, format: str = "jsonl") -> bytes:

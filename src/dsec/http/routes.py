@@ -45,6 +45,7 @@ from dsec.models import (
     SessionRun,
     SnapshotInfo,
     SnapshotRequest,
+    Trajectory,
 )
 
 MAX_ARCHIVE = 512 * 1024 * 1024
@@ -533,7 +534,7 @@ def sandbox_router(observe_exec: ExecObserver | None = None, express: Express | 
         t = await _target(request, sid)
         return model_response(await t.edge.checkpoint(sid, body or CheckpointRequest(), t.projects), 201)
 
-    @r.get("/trajectory")
+    @r.get("/trajectory", response_model=Trajectory)
     async def trajectory(
         sid: str,
         request: Request,

@@ -76,6 +76,8 @@ from dsec.models.sandbox import (
 )
 from dsec.models.trajectory import (
     Entry,
+    Trajectory,
+    TrajectoryStats,
 )
 
 __all__ = [
@@ -136,6 +138,8 @@ __all__ = [
     "SnapshotRequest",
     "Stage",
     "Step",
+    "Trajectory",
+    "TrajectoryStats",
     "Usage",
     "check_env",
 ]

@@ -1,4 +1,4 @@
-"""The trajectory log on the wire: one recorded operation."""
+"""The trajectory log on the wire: recorded operations, and a sandbox's log with its counts."""
 
 from __future__ import annotations
 
@@ -7,7 +7,20 @@ from typing import Any
 from pydantic import BaseModel
 
 
-class Entry(BaseModel):
+class _ItemAccess:
+    """`t["entries"]`, `e["seq"]`: the attributes read as keys too (the log was a plain dict
+    before it was typed; code that indexes it keeps working)."""
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in type(self).model_fields:  # type: ignore[attr-defined]
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in type(self).model_fields  # type: ignore[attr-defined]
+
+
+class Entry(_ItemAccess, BaseModel):
     sandbox_id: str
     seq: int
     kind: str  # "exec" | "session" | "file" | ... | "gap"
@@ -18,3 +31,19 @@ class Entry(BaseModel):
     step: int | None = None
     action_hash: str | None = None
     recorded_at: float
+
+
+class TrajectoryStats(_ItemAccess, BaseModel):
+    """Always ``acknowledged == recorded + lost + pending``."""
+
+    acknowledged: int  # seqs handed out (or covered by a gap)
+    recorded: int  # durable entries that are not gaps
+    lost: int  # seqs inside gap entries (a crash between reservation and write)
+    pending: int  # handed out, not yet durable
+
+
+class Trajectory(_ItemAccess, BaseModel):
+    """A sandbox's logged operations in seq order, gaps included, and its counts."""
+
+    entries: list[Entry]
+    stats: TrajectoryStats
