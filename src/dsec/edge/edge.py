@@ -3,6 +3,14 @@
 Call order: ``await Edge.start()`` (reconcile, re-adopt, start the reaper), then
 any operation, then ``await Edge.close()``. The edge is the source of truth for
 its sandboxes; its durable record is :class:`EdgeStore`.
+
+`Edge` is a facade over collaborators, each in its own module and given what it uses when
+it is made (the shared table of live sandboxes, and the other parts' operations it calls):
+`EdgeLifecycle` (admission, create, lookup, pause, network, stop), `EdgeExec` (execs,
+sessions, the trajectory log), `EdgeFiles` (the file API), `EdgeVault` (protect, verify),
+`EdgeState` (snapshots, forks, checkpoints, image transfer), `EdgeReaper` (idle TTL,
+re-adoption, the reconciler) and `Telemetry` (misbehaviour counters). The backends run the
+sandboxes (`dsec.backends`); the warm pools and the fncall pool take callables.
 """
 
 from __future__ import annotations
@@ -17,41 +25,42 @@ import os
 import secrets
 import shutil
 import tempfile
-import time
-import weakref
 from collections import Counter
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from dsec import errors
 from dsec.backends import registry
-from dsec.backends.base import Backend, BackendHost, Capability, SandboxHandle, SandboxPlan
+from dsec.backends.base import Backend, BackendHost
 from dsec.config import EdgeSettings
 from dsec.edge.execs import EdgeExec
 from dsec.edge.fileops import EdgeFiles
-from dsec.edge.files import SandboxFiles
 from dsec.edge.fncall import FnCallPool, WorkerHost
-from dsec.edge.pools import WarmPools
+from dsec.edge.lifecycle import EdgeLifecycle
 from dsec.edge.process import RawResult
 from dsec.edge.reaper import EdgeReaper
-from dsec.edge.sandbox import Sandbox, _chain
+from dsec.edge.sandbox import Sandbox
 from dsec.edge.sessions import prepare_tools
 from dsec.edge.state import EdgeState
-from dsec.edge.store import EdgeStore, Record
+from dsec.edge.store import EdgeStore
+from dsec.edge.telemetry import Telemetry
 from dsec.edge.vault import EdgeVault
 from dsec.isolation import linux
-from dsec.isolation.cgroups import PID_RESERVE, CgroupHost
-from dsec.isolation.denials import DeniedSyscalls, audit_session
+from dsec.isolation.cgroups import CgroupHost
 from dsec.isolation.idranges import IdRanges
 from dsec.isolation.netpolicy import NetHost
 from dsec.isolation.procs import fs_type, mounts_under, unmount_all
-from dsec.isolation.spec import DEFAULT_PATH, ID_RANGE, Limits
+from dsec.isolation.spec import ID_RANGE
 from dsec.layers import LayerStore, import_dir_layer
-from dsec.layers.store import Image
 from dsec.models import (
-    POOL_PROJECT,
+    Checkpoint,
     EdgeStatus,
     ExecRequest,
+    ExecResult,
+    FileEdit,
+    FileStat,
+    FileWrite,
     FnCallRequest,
     FnCallResult,
     JupyterRequest,
@@ -61,7 +70,11 @@ from dsec.models import (
     PoolSpec,
     SandboxInfo,
     SandboxSpec,
-    SandboxState,
+    SessionCreate,
+    SessionInfo,
+    SessionResult,
+    SessionRun,
+    SnapshotInfo,
 )
 from dsec.native import ensure_copy, ensure_shim
 from dsec.privatefs import seal_data_dir
@@ -71,47 +84,109 @@ log = logging.getLogger("dsec.edge")
 _ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 
 
-class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
+class Edge:
+    """The facade: the edge process's own lifecycle, and every operation, each handed to
+    the part that does it (see the module)."""
+
     def __init__(self, settings: EdgeSettings) -> None:
         self.settings = settings
         self.name = settings.name
         self.layers = LayerStore(settings.layer_root, settings.uid_offset)
         self.cgroups = CgroupHost.detect()
-        self.store: EdgeStore | None = None
+        self.store: EdgeStore | None = None  # opened by start()
         self.backends: dict[str, Backend] = {}  # by name: the ones settings.backends names, started
-        self.sandboxes: dict[str, Sandbox] = {}
-        self._creating: dict[str, SandboxSpec] = {}
-        self._toolkit: list[str] = []
-        self._trusted_tool: Path | None = None  # dsec-trusted, built on the first trusted exec
-        self._vault_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        self.sandboxes: dict[str, Sandbox] = {}  # live ones by id, shared by every part
+        self._toolkit: list[str] = []  # the layers every sandbox gets on top (the shim), at start()
+        self._copy_tool = Path("/nonexistent")  # dsec-copy, built at start()
         self._tasks: list[asyncio.Task[None]] = []
-        # Stops started from exit callbacks; held so they are not garbage-collected mid-run.
-        self._dirty_active: dict[str, float] = {}
-        self.pools = WarmPools(self._create_for_pool, self.stop)
+        # Exec cgroups outlive an edge process when background jobs stay in them:
+        # names carry this process's epoch so a restarted edge never collides.
+        self._epoch = secrets.token_hex(3)
+        self._lock_fd = -1
+        self._lock_path: Path | None = None
+        self.trajlog = TrajectoryLog(settings.data_dir / f"trajlog-{settings.name}.db")
+        # Network policies: nothing is made on the host before the first one.
+        self.net = NetHost(settings.name, platform=settings.platform_addresses)
+
+        # The parts, each given what it uses (late-bound parts of each other as callables).
+        self.monitor = Telemetry(cgroups=self.cgroups, net=self.net, sandboxes=self.sandboxes)
+        self.denials = self.monitor.denials
+        self.life = EdgeLifecycle(
+            settings=settings,
+            layers=self.layers,
+            cgroups=self.cgroups,
+            net=self.net,
+            trajlog=self.trajlog,
+            telemetry=self.monitor,
+            sandboxes=self.sandboxes,
+            backends=self.backends,
+            store=lambda: self.store,
+            toolkit=lambda: self._toolkit,
+            run=lambda *a, **k: self.execs._run(*a, **k),
+            protect=lambda sid, paths: self.vault.protect(sid, paths),
+            vault_dir=lambda sid: self.vault._vault(sid),
+            release_fork_layers=lambda chain: self.state._release_fork_layers(chain),
+        )
+        self.pools = self.life.pools
+        self.execs = EdgeExec(
+            settings=settings,
+            cgroups=self.cgroups,
+            layers=self.layers,
+            sandboxes=self.sandboxes,
+            trajlog=self.trajlog,
+            epoch=self._epoch,
+            dirty_active=self.life._dirty_active,
+            lookup=self.life._lookup,
+            get=self.life._get,
+            image=self.life._image,
+            resolve_user=self.life._resolve_user,
+            misbehaviour=self.monitor.misbehaviour,
+            denied_connections=self.monitor.denied_connections,
+        )
+        self.files = EdgeFiles(get=self.life._get, active=self.execs._active, run=self.execs._run)
+        self.vault = EdgeVault(
+            settings=settings, get=self.life._get, execs=self.execs, misbehaviour=self.monitor.misbehaviour
+        )
+        self.state = EdgeState(
+            name=self.name,
+            settings=settings,
+            layers=self.layers,
+            sandboxes=self.sandboxes,
+            copy_tool=lambda: self._copy_tool,
+            get=self.life._get,
+            check_access=self.life.check_access,
+            backend_for=self.life.backend_for,
+            image=self.life._image,
+            admit=self.life._admit,
+            create=self.life._create,
+            stop=self.life.stop,
+            execs=self.execs,
+        )
+        self.reaper = EdgeReaper(
+            settings=settings,
+            cgroups=self.cgroups,
+            sandboxes=self.sandboxes,
+            backends=self.backends,
+            store=lambda: self.store,
+            dirty_active=self.life._dirty_active,
+            in_progress=self.life.in_progress,
+            default_backend=lambda: self.life.backend,
+            open_sandbox=self.life._open_sandbox,
+            apply_network=self.life._apply_network,
+            watch_exit=self.life._watch_exit,
+            pause=self.life.pause,
+            stop=self.life.stop,
+        )
         self.fncall = FnCallPool(
             WorkerHost(
-                create=self.create,
-                stop=lambda sid: self.stop(sid, wait=False),
+                create=self.life.create,
+                stop=lambda sid: self.life.stop(sid, wait=False),
                 handle=lambda sid: self.sandboxes[sid].handle,
                 cgroups=self.cgroups,
                 check_image=lambda image: self.layers.get_image(image),
             ),
             workers_per_image=settings.fncall_workers,
         )
-        # Exec cgroups outlive an edge process when background jobs stay in them:
-        # names carry this process's epoch so a restarted edge never collides.
-        self._epoch = secrets.token_hex(3)
-        self._lock_fd = -1
-        self._lock_path: Path | None = None
-        self._terminating: dict[str, asyncio.Task[None]] = {}
-        # Sandboxes that died on their own (init killed, e.g. out of memory): their callers get
-        # sandbox_failed with the reason instead of not_found (the most recent 10,000).
-        self._failed: dict[str, Record] = {}
-        self.trajlog = TrajectoryLog(settings.data_dir / f"trajlog-{settings.name}.db")
-        self._inflight: dict[tuple[str, str, int], asyncio.Future[None]] = {}  # (project, trajectory, step)
-        # Network policies: nothing is made on the host before the first one.
-        self.net = NetHost(settings.name, platform=settings.platform_addresses)
-        self.denials = DeniedSyscalls(self._on_denied_syscall)
 
     # --- lifecycle of the edge itself ------------------------------------------
 
@@ -165,16 +240,16 @@ class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
             tools_dir=prepare_tools(s.edge_run_dir / "tools"),
             criu_root=s.criu_root,
         )
-        self.backends = {name: registry.start(name, host) for name in dict.fromkeys(s.backends)}
+        self.backends.update({name: registry.start(name, host) for name in dict.fromkeys(s.backends)})
         self.store = EdgeStore(s.db_path)
         await self.trajlog.start()
         await self.net.remove_leftovers()  # a crashed edge's gateway; policies are re-applied below
         if not self.denials.start():
             log.info("the kernel log is not readable: denied system calls are not counted")
-        await self._readopt()
-        await self.reconcile()
-        self._tasks.append(asyncio.create_task(self._reaper(), name="dsec-reaper"))
-        self._tasks.append(asyncio.create_task(self._reconciler(), name="dsec-reconciler"))
+        await self.reaper._readopt()
+        await self.reaper.reconcile()
+        self._tasks.append(asyncio.create_task(self.reaper._reaper(), name="dsec-reaper"))
+        self._tasks.append(asyncio.create_task(self.reaper._reconciler(), name="dsec-reconciler"))
         self.pools.start()
         if s.fncall_image and self.layers.has_image(s.fncall_image):
             self.fncall.start(s.fncall_image)
@@ -193,18 +268,18 @@ class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
             await asyncio.gather(*(self.stop(sid) for sid in list(self.sandboxes)), return_exceptions=True)
         else:
             for sb in self.sandboxes.values():
-                self._detach(sb)
+                self.life._detach(sb)
             self.sandboxes.clear()
-        await asyncio.gather(*list(self._terminating.values()), return_exceptions=True)
+        await asyncio.gather(*list(self.life._terminating.values()), return_exceptions=True)
         await self.net.close(keep=not stop_sandboxes)
         self.denials.close()
         if self.store is not None:
-            self.store.touch_many(self._dirty_active)
+            self.store.touch_many(self.life._dirty_active)
             self.store.close()
             self.store = None
             await self.trajlog.close()
         self.cgroups.remove_parent_if_empty()
-        self._unmount_forks_if_unused()
+        self.state._unmount_forks_if_unused()
         self._unmount_run_tmpfs_if_unused()
         if self._lock_fd >= 0:
             assert self._lock_path is not None
@@ -246,507 +321,203 @@ class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
                 import_dir_layer(self.layers, "dsec-shim", version, Path(tmp))
         return ref
 
-    # --- create -------------------------------------------------------------------
-
-    def _new_id(self) -> str:
-        return f"{self.name}-" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(12))
+    # --- each operation, handed to its part ---------------------------------------------
+    # EdgeLifecycle (lifecycle.py)
 
     @property
     def backend(self) -> Backend:
         """The default backend (the container one)."""
-        return self.backend_for(registry.DEFAULT)
-
-    def backend_for(self, name: str) -> Backend:
-        b = self.backends.get(name)
-        if b is None:
-            raise errors.InvalidRequest(
-                f"backend {name!r} is not available on edge {self.name}; available: "
-                f"{', '.join(sorted(self.backends)) or 'none (the edge has not started)'}",
-                reason="unknown_backend",
-                available=sorted(self.backends),
-            )
-        return b
-
-    def _admit(self, spec: SandboxSpec) -> None:
-        live = [sb.record.spec for sb in self.sandboxes.values()] + list(self._creating.values())
-        live += [SandboxSpec(cpu=0.01, memory_mb=16)] * len(self._terminating)  # counted until torn down
-        if len(live) >= self.settings.max_sandboxes:
-            raise errors.CapacityExhausted(
-                f"edge {self.name} is full ({len(live)} sandboxes); try another edge"
-            )
-        cpu = sum(s.cpu for s in live) + spec.cpu
-        mem = sum(s.memory_mb for s in live) + spec.memory_mb
-        if cpu > self.settings.capacity_cpu or mem > self.settings.capacity_memory_mb:
-            raise errors.CapacityExhausted(
-                f"edge {self.name} has no room for cpu={spec.cpu} memory_mb={spec.memory_mb}; "
-                "try another edge"
-            )
-
-    def _image(self, name: str) -> Image:
-        return self.layers.get_image(name)
+        return self.life.backend
 
     async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None) -> SandboxInfo:
-        if spec.network is not None:  # a rule to the platform's addresses: 400 before any work
-            await self.net.check(spec.network)
-        info = await self._create_plain(spec, sandbox_id)
-        if spec.protected_paths:
-            try:
-                await self.protect(info.id, spec.protected_paths)
-            except BaseException:
-                await self.stop(info.id)
-                raise
-        return info
+        return await self.life.create(spec, sandbox_id=sandbox_id)
 
-    async def _create_plain(self, spec: SandboxSpec, sandbox_id: str | None) -> SandboxInfo:
-        t0 = time.perf_counter()
-        image = self._image(spec.image)
-        owner = image.source.get("project")  # snapshots belong to a project
-        if owner is not None and owner != spec.project and not spec.project.startswith("_"):
-            raise errors.ImageNotFound(f"there is no snapshot {spec.image!r} in project {spec.project!r}")
-        if sandbox_id is None and spec.project != POOL_PROJECT and spec.network is None:
-            pooled = self._claim_pooled(spec, t0)
-            if pooled is not None:
-                return pooled
-        return await self._create(spec, sandbox_id, t0, image=image)
-
-    async def _create_for_pool(self, spec: SandboxSpec) -> str:
-        info = await self._create(spec, None, time.perf_counter())
-        # Prime it: the first process in a fresh overlay pays for cold lookups of the
-        # shell and its libraries (~1.5 ms); pay it now, not in the claimant's first exec.
-        await self._run(self.sandboxes[info.id], ExecRequest(cmd="true", cwd="/", timeout=10))
-        return info.id
-
-    def _claim_pooled(self, spec: SandboxSpec, t0: float) -> SandboxInfo | None:
-        assert self.store is not None
-        while (sid := self.pools.take(spec)) is not None:
-            sb = self.sandboxes.get(sid)
-            if sb is None or sb.stopping or not sb.handle.alive():
-                continue
-            now = time.time()
-            sb.record.spec = spec
-            sb.record.created_at = sb.record.last_active = now
-            self.store.put(sb.record)
-            sb.handle.timings_ms = {"pool": (time.perf_counter() - t0) * 1000}
-            sb.handle.timings_ms["total"] = sb.handle.timings_ms["pool"]
-            return sb.info(self.name)
-        return None
-
-    async def _create(
-        self,
-        spec: SandboxSpec,
-        sandbox_id: str | None,
-        t0: float,
-        *,
-        extra_lower: str | None = None,
-        layers_ready: asyncio.Future[None] | None = None,
-        image: Image | None = None,
-    ) -> SandboxInfo:
-        """Start a sandbox. `extra_lower`: a fork's layer chain (colon-separated, top first),
-        stacked under the toolkit. `layers_ready`: awaited after the runtime started and before
-        anything reads the sandbox's files (a fork's layer may still be filling; see fork())."""
-        assert self.store is not None
-        backend = self.backend_for(spec.backend)
-        image = image or self._image(spec.image)  # read once per create (a JSON file)
-        self._admit(spec)
-        sid = sandbox_id or self._new_id()
-        self._creating[sid] = spec
-        try:
-            # The toolkit (the shim) stays on top: nothing a sandbox wrote can replace it.
-            lowers = [self.layers.layer_path(r) for r in self._toolkit]
-            lowers += [Path(p) for p in _chain(extra_lower)]
-            lowers += self.layers.lowerdirs(image)
-            env = {"PATH": DEFAULT_PATH, "HOSTNAME": sid, **spec.env}
-            limits = Limits(spec.cpu, spec.memory_mb, spec.pids + PID_RESERVE)
-            plan = SandboxPlan(sid, lowers, limits, spec.disk_mb, env, spec.disk_inodes, spec.pids)
-            # The sandbox's first trajectory reservation (an fsync) overlaps the runtime start
-            # instead of delaying its first operation (~1 ms off the first exec).
-            prepared = asyncio.ensure_future(self.trajlog.prepare(sid))
-            try:
-                handle = await backend.create(plan)
-            finally:
-                try:
-                    await prepared
-                except errors.DsecError as e:  # the first record() retries and reports it
-                    log.warning("trajectory log: could not prepare %s: %s", sid, e)
-            if layers_ready is not None:
-                try:
-                    await asyncio.shield(layers_ready)
-                except BaseException:
-                    await backend.destroy(handle)
-                    raise
-            t_setup = time.perf_counter()
-            ts = time.time()
-            record = Record(
-                sid,
-                spec,
-                SandboxState.RUNNING,
-                handle.pid,
-                handle.start_time,
-                ts,
-                ts,
-                extra_lower=extra_lower,
-            )
-            try:
-                sb = self._open_sandbox(record, backend, handle)
-                sb.files._mkdirs(spec.workdir)
-                if spec.network is not None:
-                    await self._apply_network(sb, spec.network)
-                self.store.put(record)
-            except BaseException:
-                await backend.destroy(handle)
-                raise
-        finally:
-            self._creating.pop(sid, None)
-        self.sandboxes[sid] = sb
-        handle.timings_ms["setup"] = (time.perf_counter() - t_setup) * 1000
-        handle.timings_ms["total"] = (time.perf_counter() - t0) * 1000
-        self._watch_exit(sb)
-        return sb.info(self.name)
-
-    def _track_denials(self, sb: Sandbox) -> None:
-        ses = audit_session(sb.handle.pid)
-        if ses is not None:
-            self.denials.sessions[ses] = sb.id
-            sb.audit_session = ses
-
-    def _open_sandbox(self, record: Record, backend: Backend, handle: SandboxHandle) -> Sandbox:
-        root_fd = handle.open_root()
-        try:
-            base = handle.id_base  # the sandbox's own host id range
-            files = SandboxFiles(
-                root_fd,
-                base,
-                base,
-                base,
-                handle,  # charged writes: copied by a child of the sandbox's init
-            )
-            uid, gid, home = self._resolve_user(files, record.spec.user)
-            files.uid, files.gid = uid + base, gid + base
-        except BaseException:
-            os.close(root_fd)
-            raise
-        sb = Sandbox(record, backend, handle, root_fd, files, uid, gid, home)
-        self._track_denials(sb)
-        return sb
-
-    @staticmethod
-    def _resolve_user(files: SandboxFiles, user: str) -> tuple[int, int, str]:
-        """`root`, a name from the image's /etc/passwd, `uid` or `uid:gid`."""
-        if user == "root":
-            return 0, 0, "/root"
-        name, _, group = user.partition(":")
-        if name.isdigit() and (not group or group.isdigit()):
-            uid = int(name)
-            gid = int(group) if group else uid
-            if not (0 <= uid < 65536 and 0 <= gid < 65536):
-                raise errors.InvalidRequest(f"user {user!r}: ids must be below 65536")
-            return uid, gid, "/"
-        with contextlib.suppress(errors.DsecError):
-            for line in files.read("/etc/passwd", 1 << 20).decode(errors="replace").splitlines():
-                f = line.split(":")
-                if len(f) >= 6 and f[0] == name:
-                    return int(f[2]), int(f[3]), f[5] or "/"
-        raise errors.InvalidRequest(f"user {user!r} does not exist in the image; use root, a uid, or uid:gid")
-
-    def _watch_exit(self, sb: Sandbox) -> None:
-        def on_exit(_: asyncio.Future[None]) -> None:
-            if not sb.stopping and sb.id in self.sandboxes:
-                events = self.cgroups.events(sb.id)
-                reason = f"the sandbox failed: {sb.handle.exit_reason()}"
-                if events["oom_kills"]:
-                    limit = sb.record.spec.memory_mb
-                    reason += f" after {events['oom_kills']} out-of-memory kill(s) (memory_mb={limit})"
-                log.warning("sandbox %s: %s", sb.id, reason)
-                sb.record.state = SandboxState.FAILED
-                sb.record.reason = reason
-                self._failed[sb.id] = sb.record
-                while len(self._failed) > 10_000:
-                    self._failed.pop(next(iter(self._failed)))
-                self._begin_stop(sb.id)
-
-        sb.handle.exited.add_done_callback(on_exit)
-
-    # --- lookup --------------------------------------------------------------------
+    def backend_for(self, name: str) -> Backend:
+        return self.life.backend_for(name)
 
     def check_access(self, sandbox_id: str, projects: set[str] | None) -> None:
-        """Hide sandboxes outside `projects` (None: every project) as if they did not exist."""
-        sb = self.sandboxes.get(sandbox_id)
-        rec = sb.record if sb is not None else self._failed.get(sandbox_id)
-        if projects is not None and (rec is None or rec.spec.project not in projects):
-            raise errors.SandboxNotFound(f"sandbox {sandbox_id} does not exist or is not in your projects")
-
-    def _lookup(self, sandbox_id: str) -> Sandbox:
-        sb = self.sandboxes.get(sandbox_id)
-        if sb is None and sandbox_id in self._failed:
-            raise errors.SandboxFailed(
-                f"sandbox {sandbox_id}: {self._failed[sandbox_id].reason}; this is an environment "
-                "failure, not the task's: create a new sandbox",
-                reason=self._failed[sandbox_id].reason,
-            )
-        if sb is None or sb.stopping or sb.record.spec.project.startswith("_"):
-            raise errors.SandboxNotFound(
-                f"sandbox {sandbox_id} does not exist on edge {self.name} (stopped or never created)"
-            )
-        return sb
-
-    def _get(self, sandbox_id: str) -> Sandbox:
-        """A sandbox for an operation: a paused one is resumed first, transparently."""
-        sb = self._lookup(sandbox_id)
-        if sb.record.state is SandboxState.PAUSED:
-            self._resume(sb)
-        now = time.time()
-        sb.record.last_active = now
-        self._dirty_active[sandbox_id] = now
-        return sb
+        return self.life.check_access(sandbox_id, projects)
 
     def get(self, sandbox_id: str) -> SandboxInfo:
-        """The sandbox with its misbehaviour telemetry (a failed one: its state and reason)."""
-        failed = self._failed.get(sandbox_id)
-        if failed is not None and sandbox_id not in self.sandboxes:
-            return SandboxInfo(
-                id=failed.id,
-                state=SandboxState.FAILED,
-                spec=failed.spec,
-                edge=self.name,
-                created_at=failed.created_at,
-                last_active=failed.last_active,
-                reason=failed.reason,
-            )
-        sb = self._lookup(sandbox_id)
-        info = sb.info(self.name)
-        info.telemetry = self.telemetry(sb)
-        return info
+        return self.life.get(sandbox_id)
 
     async def sandbox_status(self, sandbox_id: str) -> SandboxInfo:
-        """get() plus what takes a kernel round trip: refused connections of its network policy."""
-        info = self.get(sandbox_id)
-        sb = self.sandboxes.get(sandbox_id)
-        if sb is not None and sb.record.spec.network is not None:
-            with contextlib.suppress(Exception):
-                info.telemetry["denied_connections"] = (await self.net.counters(sb.id))["denied_packets"]
-        return info
-
-    def telemetry(self, sb: Sandbox) -> dict[str, int]:
-        out = Counter(self.cgroups.events(sb.id))
-        out.update(sb.stats)  # refused forks of finished calls, timeouts, truncations, full disks
-        used, inodes, _ = sb.handle.disk_usage()
-        return {
-            **{
-                k: 0
-                for k in (
-                    "oom_kills",
-                    "pids_limit_hits",
-                    "timeouts",
-                    "output_truncated",
-                    "disk_full",
-                    "denied_syscalls",
-                )
-            },
-            **out,
-            "disk_used_bytes": used,
-            "disk_used_inodes": inodes,
-        }
-
-    async def _denied_connections(self, sb: Sandbox) -> int:
-        """Packets the network policy refused since the last look (read after failed calls:
-        a refused connection usually makes one fail)."""
-        try:
-            total = (await self.net.counters(sb.id))["denied_packets"]
-        except Exception:
-            return 0
-        new = total - sb.seen_events.get("denied_connections", 0)
-        sb.seen_events["denied_connections"] = total
-        if new > 0:
-            sb.stats["denied_connections"] += new
-        return max(new, 0)
-
-    def _on_denied_syscall(self, sandbox_id: str, syscall: int, comm: str) -> None:
-        sb = self.sandboxes.get(sandbox_id)
-        if sb is not None:
-            sb.stats["denied_syscalls"] += 1
-
-    def _misbehaviour(self, sb: Sandbox, res: RawResult, denied_before: int = 0) -> dict[str, int]:
-        """Limit hits during one call, for its result and the trajectory. Forks refused in
-        the call's own cgroup count whatever its exit status (a program may catch EAGAIN and
-        carry on); the sandbox's kernel counters are read only when the call did not succeed
-        (a clean exit leaves them alone, save a background process's misfortune, which the
-        next failed call or GET reports)."""
-        if res.timed_out:
-            sb.stats["timeouts"] += 1
-        if res.truncated:
-            sb.stats["output_truncated"] += 1
-        self.denials.drain()  # the kernel logged this call's denials already: count them now
-        denied = sb.stats["denied_syscalls"] - denied_before
-        out: dict[str, int] = {"denied_syscalls": denied} if denied else {}
-        if res.pids_limit_hits:
-            sb.stats["pids_limit_hits"] += res.pids_limit_hits
-            out["pids_limit_hits"] = res.pids_limit_hits
-        if res.exit_code == 0 and not res.timed_out:
-            if sb.disk_was_full:  # freed since? then the next fill counts again
-                sb.disk_was_full = sb.handle.disk_usage()[2]
-            return out
-        now = self.cgroups.events(sb.id)
-        for k, v in now.items():
-            if v > sb.seen_events.get(k, 0):
-                out[k] = out.get(k, 0) + v - sb.seen_events.get(k, 0)
-        sb.seen_events.update(now)
-        _, _, full = sb.handle.disk_usage()
-        if full and not sb.disk_was_full:
-            sb.stats["disk_full"] += 1
-            out["disk_full"] = 1
-        sb.disk_was_full = full
-        return out
-
-    # --- pause / resume --------------------------------------------------------------
+        return await self.life.sandbox_status(sandbox_id)
 
     async def pause(self, sandbox_id: str) -> SandboxInfo:
-        """Freeze every process of the sandbox and give back the memory the kernel can take."""
-        sb = self._lookup(sandbox_id)
-        if sb.record.state is not SandboxState.PAUSED:
-            sb.backend.require(Capability.PAUSE, "pause")
-            t0 = time.perf_counter()
-            await sb.backend.freeze(sb.handle)
-            sb.record.state = SandboxState.PAUSED
-            if self.store is not None:
-                self.store.put(sb.record)
-            await sb.backend.reclaim(sb.handle)
-            sb.handle.timings_ms["pause"] = (time.perf_counter() - t0) * 1000
-        return sb.info(self.name)
+        return await self.life.pause(sandbox_id)
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
-        sb = self._lookup(sandbox_id)
-        self._resume(sb)
-        return sb.info(self.name)
-
-    def _resume(self, sb: Sandbox) -> None:
-        if sb.record.state is not SandboxState.PAUSED:
-            return
-        t0 = time.perf_counter()
-        sb.backend.thaw(sb.handle)
-        sb.record.state = SandboxState.RUNNING
-        sb.record.last_active = time.time()
-        if self.store is not None:
-            self.store.put(sb.record)
-        sb.handle.timings_ms["resume"] = (time.perf_counter() - t0) * 1000
-
-    # --- network policy ----------------------------------------------------------------
-
-    async def _apply_network(self, sb: Sandbox, policy: NetworkPolicy, *, check: bool = True) -> None:
-        timings = await self.net.apply(sb.id, sb.handle.pid, policy, check=check)
-        sb.files.write("/etc/resolv.conf", self.net.resolv_conf().encode())
-        sb.handle.timings_ms.update({f"network_{k}": v for k, v in timings.items()})
+        return await self.life.resume(sandbox_id)
 
     async def set_network(self, sandbox_id: str, policy: NetworkPolicy | None) -> dict[str, Any]:
-        """Replace a running sandbox's egress allowlist atomically (None: detach it, back to
-        loopback only). New connections follow it; established ones continue."""
-        sb = self._get(sandbox_id)
-        sb.backend.require(Capability.NETWORK, "network policy")
-        try:
-            if policy is None:
-                await self.net.remove(sb.id)
-            else:
-                await self._apply_network(sb, policy)
-        except (OSError, RuntimeError) as e:
-            raise errors.InternalError(f"network policy of {sb.id}: {e}") from e
-        sb.record.spec = sb.record.spec.model_copy(update={"network": policy})
-        if self.store is not None:
-            self.store.put(sb.record)
-        return await self.network(sandbox_id)
+        return await self.life.set_network(sandbox_id, policy)
 
     async def network(self, sandbox_id: str) -> dict[str, Any]:
-        """The sandbox's policy and its counters (denied packets, DNS answers)."""
-        sb = self._lookup(sandbox_id)
-        policy = sb.record.spec.network
-        return {
-            "policy": policy.model_dump(mode="json") if policy is not None else None,
-            "counters": await self.net.counters(sb.id),
-        }
+        return await self.life.network(sandbox_id)
 
     async def pause_project(self, project: str) -> builtins.list[str]:
-        """Pause every sandbox of a project (a preempted job), concurrently."""
-        ids = [
-            sid for sid, sb in self.sandboxes.items() if sb.record.spec.project == project and not sb.stopping
-        ]
-        await asyncio.gather(*(self.pause(sid) for sid in ids))
-        return ids
+        return await self.life.pause_project(project)
 
     def list(self, labels: dict[str, str] | None = None, project: str | None = None) -> list[SandboxInfo]:
-        out = []
-        for sb in self.sandboxes.values():
-            spec = sb.record.spec
-            if spec.project.startswith("_") or sb.stopping:  # pool and fncall workers are internal
-                continue
-            if project is not None and spec.project != project:
-                continue
-            if labels and any(spec.labels.get(k) != v for k, v in labels.items()):
-                continue
-            out.append(sb.info(self.name))
-        return out
-
-    # --- stop ----------------------------------------------------------------------
+        return self.life.list(labels, project)
 
     async def stop(self, sandbox_id: str, *, wait: bool = True) -> None:
-        """Stop a sandbox. It is gone for every caller at once; with `wait=False` the
-        host resources are torn down in the background (close() waits for them)."""
-        if sandbox_id not in self.sandboxes and self._failed.pop(sandbox_id, None) is not None:
-            task = self._terminating.get(sandbox_id)  # it stopped itself: forget the failure
-        else:
-            task = self._begin_stop(sandbox_id)
-        if wait and task is not None:
-            await asyncio.shield(task)
-
-    def _begin_stop(self, sandbox_id: str) -> asyncio.Task[None] | None:
-        """Forget the sandbox now and start its teardown; the teardown task, if any."""
-        sb = self.sandboxes.get(sandbox_id)
-        if sb is None:
-            if sandbox_id in self._terminating:
-                return self._terminating[sandbox_id]
-            raise errors.SandboxNotFound(f"sandbox {sandbox_id} does not exist on edge {self.name}")
-        if sb.stopping:
-            return self._terminating.get(sandbox_id)
-        sb.stopping = True
-        self.pools.forget(sandbox_id)
-        self.sandboxes.pop(sandbox_id, None)
-        self._dirty_active.pop(sandbox_id, None)
-        if self.store is not None:
-            self.store.delete(sandbox_id)
-        task = asyncio.create_task(self._teardown(sb), name=f"dsec-stop-{sandbox_id}")
-        self._terminating[sandbox_id] = task
-        task.add_done_callback(lambda _: self._terminating.pop(sandbox_id, None))
-        return task
-
-    async def _teardown(self, sb: Sandbox) -> None:
-        if sb.record.state is SandboxState.PAUSED:
-            with contextlib.suppress(OSError):
-                sb.backend.thaw(sb.handle)  # a frozen init would take SIGKILL only after a thaw
-        for s in sb.sessions.values():
-            with contextlib.suppress(Exception):
-                s.close(kill=False)  # the whole pid namespace dies with the shim
-        sb.sessions.clear()
-        os.close(sb.root_fd)
-        shutil.rmtree(self._vault(sb.id), ignore_errors=True)
-        if sb.audit_session is not None:
-            self.denials.drain()  # its last records first
-            self.denials.sessions.pop(sb.audit_session, None)
-        try:
-            await sb.backend.destroy(sb.handle)
-        except Exception:
-            log.exception("tearing down %s failed; the reconciler will retry", sb.id)
-        try:
-            await self.net.remove(sb.id)
-        except Exception:
-            log.exception("removing the network policy of %s failed", sb.id)
-        self._release_fork_layers(sb.record.extra_lower)
-        with contextlib.suppress(errors.DsecError):
-            await self.trajlog.retire(sb.id)
+        return await self.life.stop(sandbox_id, wait=wait)
 
     def _detach(self, sb: Sandbox) -> None:
-        """Forget a sandbox in this process but leave it running (for a later adopt)."""
-        for s in sb.sessions.values():
-            with contextlib.suppress(Exception):
-                s.close()
-        sb.backend.detach(sb.handle)
-        os.close(sb.root_fd)
+        return self.life._detach(sb)
+
+    # EdgeExec (execs.py)
+
+    async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        return await self.execs.exec(sandbox_id, req)
+
+    def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[tuple[str, bytes | ExecResult]]:
+        return self.execs.exec_stream(sandbox_id, req)
+
+    async def session_create(self, sandbox_id: str, req: SessionCreate) -> SessionInfo:
+        return await self.execs.session_create(sandbox_id, req)
+
+    async def session_run(self, sandbox_id: str, session_id: str, req: SessionRun) -> SessionResult:
+        return await self.execs.session_run(sandbox_id, session_id, req)
+
+    async def session_close(self, sandbox_id: str, session_id: str) -> None:
+        return await self.execs.session_close(sandbox_id, session_id)
+
+    def session_list(self, sandbox_id: str) -> builtins.list[SessionInfo]:
+        return self.execs.session_list(sandbox_id)
+
+    async def trajectory(
+        self, sandbox_id: str, *, after_seq: int = 0, limit: int | None = None
+    ) -> dict[str, Any]:
+        return await self.execs.trajectory(sandbox_id, after_seq=after_seq, limit=limit)
+
+    async def trajectory_export(self, sandbox_id: str, fmt: str) -> bytes:
+        return await self.execs.trajectory_export(sandbox_id, fmt)
+
+    async def write_logged(self, sandbox_id: str, req: FileWrite, data: bytes) -> None:
+        return await self.execs.write_logged(sandbox_id, req, data)
+
+    async def edit_logged(self, sandbox_id: str, req: FileEdit) -> int:
+        return await self.execs.edit_logged(sandbox_id, req)
+
+    async def log_event(
+        self, sandbox_id: str, kind: str, action: dict[str, Any], obs: dict[str, Any]
+    ) -> None:
+        return await self.execs.log_event(sandbox_id, kind, action, obs)
+
+    def _run(
+        self,
+        sb: Sandbox,
+        req: ExecRequest,
+        *,
+        stdin: bytes | None = None,
+        cap: int | None = None,
+        sink: Callable[[str, bytes], None] | None = None,
+    ) -> Coroutine[Any, Any, RawResult]:
+        return self.execs._run(sb, req, stdin=stdin, cap=cap, sink=sink)
+
+    # EdgeFiles (fileops.py)
+
+    async def read_file(self, sandbox_id: str, path: str) -> bytes:
+        return await self.files.read_file(sandbox_id, path)
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
+        return await self.files.write_file(sandbox_id, path, data, mode)
+
+    async def edit_file(self, sandbox_id: str, path: str, old: str, new: str) -> int:
+        return await self.files.edit_file(sandbox_id, path, old, new)
+
+    def stat_file(self, sandbox_id: str, path: str) -> FileStat:
+        return self.files.stat_file(sandbox_id, path)
+
+    async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileStat]:
+        return await self.files.list_dir(sandbox_id, path)
+
+    async def delete_file(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+        return await self.files.delete_file(sandbox_id, path, recursive)
+
+    async def upload_tar(self, sandbox_id: str, path: str, data: bytes) -> None:
+        return await self.files.upload_tar(sandbox_id, path, data)
+
+    async def archive(self, sandbox_id: str, path: str) -> IO[bytes]:
+        return await self.files.archive(sandbox_id, path)
+
+    async def download_tar(self, sandbox_id: str, path: str) -> bytes:
+        return await self.files.download_tar(sandbox_id, path)
+
+    # EdgeVault (vault.py)
+
+    async def protect(self, sandbox_id: str, paths: builtins.list[str]) -> builtins.list[str]:
+        return await self.vault.protect(sandbox_id, paths)
+
+    async def verify(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        return await self.vault.verify(sandbox_id, req)
+
+    def _vault(self, sandbox_id: str) -> Path:
+        return self.vault._vault(sandbox_id)
+
+    # EdgeState (state.py)
+
+    async def snapshot(self, sandbox_id: str, scrub_paths: builtins.list[str] | None = None) -> SnapshotInfo:
+        return await self.state.snapshot(sandbox_id, scrub_paths)
+
+    def list_snapshots(self, projects: set[str] | None = None) -> builtins.list[dict[str, Any]]:
+        return self.state.list_snapshots(projects)
+
+    def delete_snapshot(self, name: str, projects: set[str] | None = None) -> None:
+        return self.state.delete_snapshot(name, projects)
+
+    async def fork(self, sandbox_id: str, n: int) -> builtins.list[SandboxInfo]:
+        return await self.state.fork(sandbox_id, n)
+
+    async def checkpoint(self, sandbox_id: str, *, leave_running: bool = True) -> Checkpoint:
+        return await self.state.checkpoint(sandbox_id, leave_running=leave_running)
+
+    async def restore(
+        self,
+        checkpoint_id: str,
+        *,
+        sandbox_id: str | None = None,
+        labels: dict[str, str] | None = None,
+        projects: set[str] | None = None,
+    ) -> SandboxInfo:
+        return await self.state.restore(
+            checkpoint_id, sandbox_id=sandbox_id, labels=labels, projects=projects
+        )
+
+    def list_checkpoints(self, projects: set[str] | None = None) -> builtins.list[Checkpoint]:
+        return self.state.list_checkpoints(projects)
+
+    def delete_checkpoint(self, checkpoint_id: str, projects: set[str] | None = None) -> None:
+        return self.state.delete_checkpoint(checkpoint_id, projects)
+
+    def image_manifest(self, name: str) -> dict[str, Any]:
+        return self.state.image_manifest(name)
+
+    def missing_layers(self, manifest: dict[str, Any]) -> builtins.list[str]:
+        return self.state.missing_layers(manifest)
+
+    async def export_layer(self, ref: str, dest: Path) -> None:
+        return await self.state.export_layer(ref, dest)
+
+    async def import_layer(self, ref: str, digest: str, archive: Path) -> None:
+        return await self.state.import_layer(ref, digest, archive)
+
+    def put_image(self, manifest: dict[str, Any]) -> None:
+        return self.state.put_image(manifest)
+
+    def _checkpoint_dir(self, checkpoint_id: str) -> Path:
+        return self.state._checkpoint_dir(checkpoint_id)
+
+    # EdgeReaper (reaper.py)
+
+    async def reap_idle(self) -> builtins.list[str]:
+        return await self.reaper.reap_idle()
+
+    async def reconcile(self) -> dict[str, int]:
+        return await self.reaper.reconcile()
 
     # --- fncall ---------------------------------------------------------------------
 
@@ -759,11 +530,11 @@ class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
     # --- pools ---------------------------------------------------------------------
 
     def configure_pool(self, spec: PoolSpec) -> PoolInfo:
-        self._image(spec.image)
+        self.life._image(spec.image)
         return self.pools.configure(spec)
 
     def prewarm(self, spec: PoolSpec, count: int) -> PoolInfo:
-        self._image(spec.image)
+        self.life._image(spec.image)
         return self.pools.prewarm(spec, count)
 
     # --- status ----------------------------------------------------------------------
@@ -782,7 +553,7 @@ class Edge(EdgeReaper, EdgeFiles, EdgeExec, EdgeVault, EdgeState):
                 "memory_mb": self.settings.capacity_memory_mb,
             },
             used={
-                "sandboxes": len(self.sandboxes) + len(self._creating),
+                "sandboxes": len(self.sandboxes) + len(self.life._creating),
                 "pooled": self.pools.ready_count(),
                 "cpu": sum(s.cpu for s in specs),
                 "memory_mb": sum(s.memory_mb for s in specs),

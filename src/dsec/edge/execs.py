@@ -1,8 +1,8 @@
 """Execs (plain, streamed, trusted), sessions, and the trajectory log of a sandbox's steps:
 every operation an agent takes, recorded with its observation, replayed by step tag.
 
-A part of `Edge` (edge.py): what it uses of the rest of the edge is declared at the top of
-`EdgeExec`."""
+A collaborator of `Edge` (edge.py): what it needs of the rest of the edge is passed to its
+constructor."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dsec import errors
 from dsec.backends.base import Capability
@@ -49,31 +49,38 @@ log = logging.getLogger("dsec.edge")
 class EdgeExec:
     """exec, sessions and step logging (see the module)."""
 
-    # What this part uses of the edge (set by Edge).
-    settings: EdgeSettings
-    cgroups: CgroupHost
-    layers: LayerStore
-    sandboxes: dict[str, Sandbox]
-    trajlog: TrajectoryLog
-    _trusted_tool: Path | None
-    _inflight: dict[tuple[str, str, int], asyncio.Future[None]]
-    _epoch: str
-    _dirty_active: dict[str, float]
-
-    if TYPE_CHECKING:
-
-        async def _denied_connections(self, sb: Sandbox) -> int: ...
-
-        def _get(self, sandbox_id: str) -> Sandbox: ...
-
-        def _image(self, name: str) -> Image: ...
-
-        def _lookup(self, sandbox_id: str) -> Sandbox: ...
-
-        def _misbehaviour(self, sb: Sandbox, res: RawResult, denied_before: int = 0) -> dict[str, int]: ...
-
-        @staticmethod
-        def _resolve_user(files: SandboxFiles, user: str) -> tuple[int, int, str]: ...
+    def __init__(
+        self,
+        *,
+        settings: EdgeSettings,
+        cgroups: CgroupHost,
+        layers: LayerStore,
+        sandboxes: dict[str, Sandbox],
+        trajlog: TrajectoryLog,
+        epoch: str,
+        dirty_active: dict[str, float],
+        lookup: Callable[[str], Sandbox],
+        get: Callable[[str], Sandbox],
+        image: Callable[[str], Image],
+        resolve_user: Callable[[SandboxFiles, str], tuple[int, int, str]],
+        misbehaviour: Callable[..., dict[str, int]],  # (sandbox, result, denied before)
+        denied_connections: Callable[[Sandbox], Awaitable[int]],
+    ) -> None:
+        self.settings = settings
+        self.cgroups = cgroups
+        self.layers = layers
+        self.sandboxes = sandboxes  # the edge's, shared: its live sandboxes by id
+        self.trajlog = trajlog
+        self._epoch = epoch  # exec cgroup and session names carry it (see Edge.__init__)
+        self._dirty_active = dirty_active  # the edge's, shared: last activity not yet stored
+        self._lookup = lookup
+        self._get = get
+        self._image = image
+        self._resolve_user = resolve_user
+        self._misbehaviour = misbehaviour
+        self._denied_connections = denied_connections
+        self._trusted_tool: Path | None = None  # dsec-trusted, built on the first trusted exec
+        self._inflight: dict[tuple[str, str, int], asyncio.Future[None]] = {}  # (project, trajectory, step)
 
     # --- exec ----------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """File operations on a sandbox through the edge: reads, writes, edits, listings, deletes,
 tar uploads and archives, each logged as a step (the work itself is dsec.edge.files).
 
-A part of `Edge` (edge.py): what it uses of the rest of the edge is declared at the top of
-`EdgeFiles`."""
+A collaborator of `Edge` (edge.py): what it needs of the rest of the edge is passed to its
+constructor."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import contextlib
 import io
 import logging
 import tarfile
-from collections.abc import Callable, Coroutine, Iterator
-from typing import IO, TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine
+from typing import IO, Any
 
 from dsec import errors
 from dsec.backends.base import Capability
@@ -30,24 +30,16 @@ log = logging.getLogger("dsec.edge")
 class EdgeFiles:
     """The file API of the edge (see the module)."""
 
-    # What this part uses of the edge (set by Edge).
-
-    if TYPE_CHECKING:
-
-        @contextlib.contextmanager
-        def _active(self, sb: Sandbox) -> Iterator[None]: ...
-
-        def _get(self, sandbox_id: str) -> Sandbox: ...
-
-        def _run(
-            self,
-            sb: Sandbox,
-            req: ExecRequest,
-            *,
-            stdin: bytes | None = None,
-            cap: int | None = None,
-            sink: Callable[[str, bytes], None] | None = None,
-        ) -> Coroutine[Any, Any, RawResult]: ...
+    def __init__(
+        self,
+        *,
+        get: Callable[[str], Sandbox],
+        active: Callable[[Sandbox], contextlib.AbstractContextManager[None]],
+        run: Callable[..., Coroutine[Any, Any, RawResult]],
+    ) -> None:
+        self._get = get
+        self._active = active  # an operation in flight (EdgeExec._active)
+        self._run = run  # the one path of processes started on request (EdgeExec._run)
 
     # --- files ---------------------------------------------------------------------
 

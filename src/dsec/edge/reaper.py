@@ -1,8 +1,8 @@
 """The edge's background care: the idle-TTL reaper, re-adoption of sandboxes an earlier edge
 process started, and the reconciler that removes what no record claims.
 
-A part of `Edge` (edge.py): what it uses of the rest of the edge is declared at the top of
-`EdgeReaper`."""
+A collaborator of `Edge` (edge.py): what it needs of the rest of the edge is passed to its
+constructor."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import asyncio
 import builtins
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from dsec.backends.base import Backend, SandboxHandle
 from dsec.config import EdgeSettings
@@ -23,9 +23,6 @@ from dsec.isolation.procs import (
     unmount_all,
 )
 from dsec.models import (
-    NetworkPolicy,
-    SandboxInfo,
-    SandboxSpec,
     SandboxState,
 )
 
@@ -35,31 +32,41 @@ log = logging.getLogger("dsec.edge")
 class EdgeReaper:
     """Reaping, re-adoption and reconciliation (see the module)."""
 
-    # What this part uses of the edge (set by Edge).
-    settings: EdgeSettings
-    name: str
-    cgroups: CgroupHost
-    sandboxes: dict[str, Sandbox]
-    backends: dict[str, Backend]
-    store: EdgeStore | None
-    _dirty_active: dict[str, float]
-    _terminating: dict[str, asyncio.Task[None]]
-    _creating: dict[str, SandboxSpec]
+    def __init__(
+        self,
+        *,
+        settings: EdgeSettings,
+        cgroups: CgroupHost,
+        sandboxes: dict[str, Sandbox],
+        backends: dict[str, Backend],
+        store: Callable[[], EdgeStore | None],
+        dirty_active: dict[str, float],
+        in_progress: Callable[[], set[str]],
+        default_backend: Callable[[], Backend],
+        open_sandbox: Callable[[Record, Backend, SandboxHandle], Sandbox],
+        apply_network: Callable[..., Awaitable[None]],
+        watch_exit: Callable[[Sandbox], None],
+        pause: Callable[[str], Awaitable[object]],
+        stop: Callable[[str], Awaitable[None]],
+    ) -> None:
+        self.settings = settings
+        self.name = settings.name
+        self.cgroups = cgroups
+        self.sandboxes = sandboxes  # the edge's, shared
+        self.backends = backends  # the edge's, shared (filled when it starts)
+        self._store = store  # open while the edge runs
+        self._dirty_active = dirty_active  # the edge's, shared
+        self._in_progress = in_progress  # ids being created or torn down: not orphans
+        self._default_backend = default_backend
+        self._open_sandbox = open_sandbox
+        self._apply_network = apply_network
+        self._watch_exit = watch_exit
+        self.pause = pause
+        self.stop = stop
 
-    if TYPE_CHECKING:
-
-        async def _apply_network(self, sb: Sandbox, policy: NetworkPolicy, *, check: bool = True) -> None: ...
-
-        def _open_sandbox(self, record: Record, backend: Backend, handle: SandboxHandle) -> Sandbox: ...
-
-        @property
-        def backend(self) -> Backend: ...
-
-        def _watch_exit(self, sb: Sandbox) -> None: ...
-
-        async def pause(self, sandbox_id: str) -> SandboxInfo: ...
-
-        async def stop(self, sandbox_id: str, *, wait: bool = True) -> None: ...
+    @property
+    def store(self) -> EdgeStore | None:
+        return self._store()
 
     # --- reaping, re-adoption, reconciliation ----------------------------------------
 
@@ -70,7 +77,8 @@ class EdgeReaper:
                 reap_strays()  # runtime processes exited since the last create
                 await self.reap_idle()
                 if self.store is not None and self._dirty_active:
-                    dirty, self._dirty_active = self._dirty_active, {}
+                    dirty = dict(self._dirty_active)
+                    self._dirty_active.clear()
                     self.store.touch_many(dirty)
             except Exception:  # keep reaping whatever one failure was
                 log.exception("idle reaper failed")
@@ -140,14 +148,14 @@ class EdgeReaper:
 
     async def reconcile(self) -> dict[str, int]:
         """Remove host resources of this edge that no live sandbox claims."""
-        known = set(self.sandboxes) | set(self._creating) | set(self._terminating)
+        known = set(self.sandboxes) | self._in_progress()
         mine = f"{self.name}-"
         orphans: dict[str, Backend] = {}
         for backend in self.backends.values():
             orphans.update(dict.fromkeys(backend.leftover_ids() - known, backend))
         for c in self.cgroups.listed_sandboxes():  # a cgroup is every backend's; the default removes it
             if c.startswith(mine) and c not in known:
-                orphans.setdefault(c, self.backend)
+                orphans.setdefault(c, self._default_backend())
         for sid, backend in orphans.items():
             log.info("reconciler: removing orphan %s", sid)
             await backend.remove_orphan(sid)

@@ -15,12 +15,14 @@ import re
 import secrets
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dsec import errors
 from dsec.backends.base import Backend, Capability
 from dsec.config import EdgeSettings
+from dsec.edge.execs import EdgeExec
 from dsec.edge.sandbox import MAX_FORK_CHAIN, Sandbox, _chain
 from dsec.edge.snapshots import (
     check_fork_room,
@@ -31,7 +33,6 @@ from dsec.edge.snapshots import (
     start_copy,
     strip_setid,
 )
-from dsec.isolation.cgroups import CgroupHost
 from dsec.isolation.procs import (
     run_process_quick,
     spawn_quick,
@@ -56,44 +57,41 @@ log = logging.getLogger("dsec.edge")
 class EdgeState:
     """Snapshot, fork, checkpoint and restore, image transfer (see the module)."""
 
-    # What this part uses of the edge (set by Edge).
-    name: str
-    settings: EdgeSettings
-    layers: LayerStore
-    cgroups: CgroupHost
-    sandboxes: dict[str, Sandbox]
-    _copy_tool: Path
+    def __init__(
+        self,
+        *,
+        name: str,
+        settings: EdgeSettings,
+        layers: LayerStore,
+        sandboxes: dict[str, Sandbox],
+        copy_tool: Callable[[], Path],
+        get: Callable[[str], Sandbox],
+        check_access: Callable[[str, set[str] | None], None],
+        backend_for: Callable[[str], Backend],
+        image: Callable[[str], Image],
+        admit: Callable[[SandboxSpec], None],
+        create: Callable[..., Awaitable[SandboxInfo]],  # Edge._create: (spec, id, t0, *, extra_lower...)
+        stop: Callable[[str], Awaitable[None]],
+        execs: EdgeExec,
+    ) -> None:
+        self.name = name
+        self.settings = settings
+        self.layers = layers
+        self.sandboxes = sandboxes  # the edge's, shared
+        self._copy_tool_of = copy_tool  # dsec-copy, built when the edge starts
+        self._get = get
+        self.check_access = check_access
+        self.backend_for = backend_for
+        self._image = image
+        self._admit = admit
+        self._create = create
+        self.stop = stop
+        self._group_name = execs._group_name
+        self.log_event = execs.log_event
 
-    if TYPE_CHECKING:
-
-        def _get(self, sandbox_id: str) -> Sandbox: ...
-
-        def backend_for(self, name: str) -> Backend: ...
-
-        def _image(self, name: str) -> Image: ...
-
-        def _admit(self, spec: SandboxSpec) -> None: ...
-
-        def _group_name(self, sb: Sandbox) -> str: ...
-
-        def check_access(self, sandbox_id: str, projects: set[str] | None) -> None: ...
-
-        async def stop(self, sandbox_id: str, *, wait: bool = True) -> None: ...
-
-        async def log_event(
-            self, sandbox_id: str, kind: str, action: dict[str, Any], obs: dict[str, Any]
-        ) -> None: ...
-
-        async def _create(
-            self,
-            spec: SandboxSpec,
-            sandbox_id: str | None,
-            t0: float,
-            *,
-            extra_lower: str | None = None,
-            layers_ready: asyncio.Future[None] | None = None,
-            image: Image | None = None,
-        ) -> SandboxInfo: ...
+    @property
+    def _copy_tool(self) -> Path:
+        return self._copy_tool_of()
 
     # --- memory checkpoints -----------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """Protected paths (graders, reference answers): moved out of a sandbox into a vault on the host,
 bound read-only into verify's trusted root only.
 
-A part of `Edge` (edge.py): what it uses of the rest of the edge is declared at the top of
-`EdgeVault`."""
+A collaborator of `Edge` (edge.py): what it needs of the rest of the edge is passed to its
+constructor."""
 
 from __future__ import annotations
 
@@ -14,21 +14,19 @@ import logging
 import os
 import shutil
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dsec import errors
 from dsec.config import EdgeSettings
 from dsec.edge import trusted
+from dsec.edge.execs import EdgeExec
 from dsec.edge.files import SandboxFiles
-from dsec.edge.process import RawResult
 from dsec.edge.sandbox import Sandbox
-from dsec.isolation.cgroups import CgroupHost
 from dsec.models import (
     ExecRequest,
     ExecResult,
-    Step,
 )
 
 log = logging.getLogger("dsec.edge")
@@ -37,43 +35,22 @@ log = logging.getLogger("dsec.edge")
 class EdgeVault:
     """protect() and verify() (see the module)."""
 
-    # What this part uses of the edge (set by Edge).
-    settings: EdgeSettings
-    cgroups: CgroupHost
-    _vault_locks: weakref.WeakValueDictionary[str, asyncio.Lock]
-
-    if TYPE_CHECKING:
-
-        def _get(self, sandbox_id: str) -> Sandbox: ...
-
-        async def _logged(
-            self,
-            sb: Sandbox,
-            kind: str,
-            action: dict[str, Any],
-            step: Step | None,
-            run: Callable[[], Awaitable[dict[str, Any]]],
-        ) -> tuple[dict[str, Any], int | None, bool]: ...
-
-        def _misbehaviour(self, sb: Sandbox, res: RawResult, denied_before: int = 0) -> dict[str, int]: ...
-
-        async def _run_trusted(
-            self,
-            sb: Sandbox,
-            req: ExecRequest,
-            *,
-            protected: builtins.list[trusted.Protected] | None = None,
-            stdin: bytes | None = None,
-            cap: int | None = None,
-            sink: Callable[[str, bytes], None] | None = None,
-        ) -> RawResult: ...
-
-        @staticmethod
-        def _trusted_checks(sb: Sandbox, req: ExecRequest) -> builtins.list[str]: ...
-
-        async def log_event(
-            self, sandbox_id: str, kind: str, action: dict[str, Any], obs: dict[str, Any]
-        ) -> None: ...
+    def __init__(
+        self,
+        *,
+        settings: EdgeSettings,
+        get: Callable[[str], Sandbox],
+        execs: EdgeExec,
+        misbehaviour: Callable[..., dict[str, int]],
+    ) -> None:
+        self.settings = settings
+        self._get = get
+        self._logged = execs._logged
+        self._run_trusted = execs._run_trusted
+        self._trusted_checks = execs._trusted_checks
+        self.log_event = execs.log_event
+        self._misbehaviour = misbehaviour
+        self._vault_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
 
     # --- protected paths (graders, reference answers) -------------------------------
 
