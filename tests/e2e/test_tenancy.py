@@ -236,6 +236,10 @@ def _slow_image(svc: Service, tenant: Tenant) -> tuple[str, list[str]]:
     r = tenant.http.post(f"/v1/sandboxes/{sid}/snapshot", json={})
     assert r.status_code == 201, r.text
     tenant.http.delete(f"/v1/sandboxes/{sid}")
+    # A stop's quota release runs right after its response is written; a create on another
+    # connection can come first, and then the slow create below would be refused (429) and a
+    # probe admitted in its place. Give the release the moment it takes.
+    time.sleep(0.5)
     return r.json()["id"], [f"/work/big{i}" for i in range(1, SLOW_FILES + 1)]
 
 

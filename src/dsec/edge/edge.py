@@ -106,7 +106,7 @@ class Edge:
         self._lock_path: Path | None = None
         self.trajlog = TrajectoryLog(settings.data_dir / f"trajlog-{settings.name}.db")
         # Network policies: nothing is made on the host before the first one.
-        self.net = NetHost(settings.name, platform=settings.platform_addresses)
+        self._net = NetHost(settings.name, platform=settings.platform_addresses)
 
         # The parts, each given what it uses (late-bound parts of each other as callables).
         self.monitor = Telemetry(cgroups=self.cgroups, net=self.net, sandboxes=self.sandboxes)
@@ -187,6 +187,16 @@ class Edge:
             ),
             workers_per_image=settings.fncall_workers,
         )
+
+    @property
+    def net(self) -> NetHost:
+        """The host's network policy machinery, shared by the parts."""
+        return self._net
+
+    @net.setter
+    def net(self, host: NetHost) -> None:
+        """Use another one (before start: a host with other platform addresses, say)."""
+        self._net = self.life.net = self.monitor.net = host
 
     # --- lifecycle of the edge itself ------------------------------------------
 
@@ -510,6 +520,9 @@ class Edge:
 
     def _checkpoint_dir(self, checkpoint_id: str) -> Path:
         return self.state._checkpoint_dir(checkpoint_id)
+
+    def _checkpoints_dir(self) -> Path:
+        return self.state._checkpoints_dir()
 
     # EdgeReaper (reaper.py)
 
