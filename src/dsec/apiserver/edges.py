@@ -9,34 +9,8 @@ from typing import Any
 import httpx
 
 from dsec import errors
+from dsec import models as wire
 from dsec.edgeapi import EdgeAPI, Projects
-from dsec.models import (
-    Checkpoint,
-    CheckpointRequest,
-    EdgeStatus,
-    ExecRequest,
-    ExecResult,
-    FileContent,
-    FileEdit,
-    FileStat,
-    FileWrite,
-    FnCallRequest,
-    FnCallResult,
-    JupyterRequest,
-    JupyterResult,
-    NetworkPolicy,
-    PoolInfo,
-    PoolSpec,
-    RestoreRequest,
-    SandboxInfo,
-    SandboxSpec,
-    SessionCreate,
-    SessionInfo,
-    SessionResult,
-    SessionRun,
-    SnapshotInfo,
-    SnapshotRequest,
-)
 
 
 class HttpEdge(EdgeAPI):
@@ -81,35 +55,35 @@ class HttpEdge(EdgeAPI):
             raise errors.error_from_wire(r.status_code, body)
         return r
 
-    async def create(self, spec: SandboxSpec) -> SandboxInfo:
+    async def create(self, spec: wire.SandboxSpec) -> wire.SandboxInfo:
         r = await self._call("POST", "/v1/sandboxes", json_body=spec.model_dump(mode="json"))
-        return SandboxInfo.model_validate_json(r.content)
+        return wire.SandboxInfo.model_validate_json(r.content)
 
-    async def get(self, sid: str, projects: Projects) -> SandboxInfo:
-        return SandboxInfo.model_validate_json(
+    async def get(self, sid: str, projects: Projects) -> wire.SandboxInfo:
+        return wire.SandboxInfo.model_validate_json(
             (await self._call("GET", f"/v1/sandboxes/{sid}", projects)).content
         )
 
     async def list(
         self, labels: dict[str, str], project: str | None, projects: Projects
-    ) -> list[SandboxInfo]:
+    ) -> list[wire.SandboxInfo]:
         params: dict[str, Any] = {"label": [f"{k}={v}" for k, v in labels.items()]}
         if project is not None:
             params["project"] = project
         r = await self._call("GET", "/v1/sandboxes", projects, params=params)
-        return [SandboxInfo.model_validate(x) for x in r.json()["sandboxes"]]
+        return [wire.SandboxInfo.model_validate(x) for x in r.json()["sandboxes"]]
 
     async def stop(self, sid: str, projects: Projects) -> None:
         await self._call("DELETE", f"/v1/sandboxes/{sid}", projects)
 
-    async def exec(self, sid: str, req: ExecRequest, projects: Projects) -> ExecResult:
+    async def exec(self, sid: str, req: wire.ExecRequest, projects: Projects) -> wire.ExecResult:
         r = await self._call(
             "POST", f"/v1/sandboxes/{sid}/exec", projects, json_body=req.model_dump(mode="json")
         )
-        return ExecResult.model_validate_json(r.content)
+        return wire.ExecResult.model_validate_json(r.content)
 
     async def exec_stream(
-        self, sid: str, req: ExecRequest, projects: Projects
+        self, sid: str, req: wire.ExecRequest, projects: Projects
     ) -> AsyncIterator[tuple[str, Any]]:
         async with self.http.stream(
             "POST",
@@ -127,51 +101,53 @@ class HttpEdge(EdgeAPI):
                 elif line.startswith("data:"):
                     data = json.loads(line[5:].strip())
                     if event == "result":
-                        yield "result", ExecResult.model_validate(data)
+                        yield "result", wire.ExecResult.model_validate(data)
                     elif event == "error":
                         raise errors.error_from_wire(500, data)
                     else:
                         yield event, data
 
-    async def session_create(self, sid: str, req: SessionCreate, projects: Projects) -> SessionInfo:
+    async def session_create(self, sid: str, req: wire.SessionCreate, projects: Projects) -> wire.SessionInfo:
         r = await self._call(
             "POST", f"/v1/sandboxes/{sid}/sessions", projects, json_body=req.model_dump(mode="json")
         )
-        return SessionInfo.model_validate_json(r.content)
+        return wire.SessionInfo.model_validate_json(r.content)
 
-    async def session_list(self, sid: str, projects: Projects) -> builtins.list[SessionInfo]:
+    async def session_list(self, sid: str, projects: Projects) -> builtins.list[wire.SessionInfo]:
         r = await self._call("GET", f"/v1/sandboxes/{sid}/sessions", projects)
-        return [SessionInfo.model_validate(x) for x in r.json()["sessions"]]
+        return [wire.SessionInfo.model_validate(x) for x in r.json()["sessions"]]
 
-    async def session_run(self, sid: str, ses: str, req: SessionRun, projects: Projects) -> SessionResult:
+    async def session_run(
+        self, sid: str, ses: str, req: wire.SessionRun, projects: Projects
+    ) -> wire.SessionResult:
         r = await self._call(
             "POST", f"/v1/sandboxes/{sid}/sessions/{ses}/run", projects, json_body=req.model_dump(mode="json")
         )
-        return SessionResult.model_validate_json(r.content)
+        return wire.SessionResult.model_validate_json(r.content)
 
     async def session_close(self, sid: str, ses: str, projects: Projects) -> None:
         await self._call("DELETE", f"/v1/sandboxes/{sid}/sessions/{ses}", projects)
 
-    async def read_file(self, sid: str, path: str, projects: Projects) -> FileContent:
+    async def read_file(self, sid: str, path: str, projects: Projects) -> wire.FileContent:
         r = await self._call("GET", f"/v1/sandboxes/{sid}/files", projects, params={"path": path})
-        return FileContent.model_validate_json(r.content)
+        return wire.FileContent.model_validate_json(r.content)
 
-    async def write_file(self, sid: str, req: FileWrite, projects: Projects) -> None:
+    async def write_file(self, sid: str, req: wire.FileWrite, projects: Projects) -> None:
         await self._call("PUT", f"/v1/sandboxes/{sid}/files", projects, json_body=req.model_dump(mode="json"))
 
-    async def edit_file(self, sid: str, req: FileEdit, projects: Projects) -> int:
+    async def edit_file(self, sid: str, req: wire.FileEdit, projects: Projects) -> int:
         r = await self._call(
             "POST", f"/v1/sandboxes/{sid}/files/edit", projects, json_body=req.model_dump(mode="json")
         )
         return int(r.json()["size"])
 
-    async def stat_file(self, sid: str, path: str, projects: Projects) -> FileStat:
+    async def stat_file(self, sid: str, path: str, projects: Projects) -> wire.FileStat:
         r = await self._call("GET", f"/v1/sandboxes/{sid}/files/stat", projects, params={"path": path})
-        return FileStat.model_validate_json(r.content)
+        return wire.FileStat.model_validate_json(r.content)
 
-    async def list_dir(self, sid: str, path: str, projects: Projects) -> builtins.list[FileStat]:
+    async def list_dir(self, sid: str, path: str, projects: Projects) -> builtins.list[wire.FileStat]:
         r = await self._call("GET", f"/v1/sandboxes/{sid}/files/list", projects, params={"path": path})
-        return [FileStat.model_validate(x) for x in r.json()["entries"]]
+        return [wire.FileStat.model_validate(x) for x in r.json()["entries"]]
 
     async def delete_file(self, sid: str, path: str, recursive: bool, projects: Projects) -> None:
         params = {"path": path, "recursive": str(recursive).lower()}
@@ -194,41 +170,43 @@ class HttpEdge(EdgeAPI):
             async for chunk in r.aiter_bytes(1 << 20):
                 yield chunk
 
-    async def status(self) -> EdgeStatus:
+    async def status(self) -> wire.EdgeStatus:
         r = await self._call("GET", "/v1/edge/status")
-        return EdgeStatus.model_validate_json(r.content).model_copy(update={"url": self.url})
+        return wire.EdgeStatus.model_validate_json(r.content).model_copy(update={"url": self.url})
 
-    async def configure_pool(self, spec: PoolSpec) -> PoolInfo:
+    async def configure_pool(self, spec: wire.PoolSpec) -> wire.PoolInfo:
         r = await self._call("POST", "/v1/pools", json_body=spec.model_dump(mode="json"))
-        return PoolInfo.model_validate_json(r.content)
+        return wire.PoolInfo.model_validate_json(r.content)
 
-    async def prewarm(self, spec: PoolSpec, count: int) -> PoolInfo:
+    async def prewarm(self, spec: wire.PoolSpec, count: int) -> wire.PoolInfo:
         r = await self._call(
             "POST", "/v1/pools/prewarm", json_body={"spec": spec.model_dump(mode="json"), "count": count}
         )
-        return PoolInfo.model_validate_json(r.content)
+        return wire.PoolInfo.model_validate_json(r.content)
 
-    async def pools(self) -> builtins.list[PoolInfo]:
-        return [PoolInfo.model_validate(x) for x in (await self._call("GET", "/v1/pools")).json()["pools"]]
+    async def pools(self) -> builtins.list[wire.PoolInfo]:
+        return [
+            wire.PoolInfo.model_validate(x) for x in (await self._call("GET", "/v1/pools")).json()["pools"]
+        ]
 
-    async def pause(self, sid: str, projects: Projects) -> SandboxInfo:
+    async def pause(self, sid: str, projects: Projects) -> wire.SandboxInfo:
         r = await self._call("POST", f"/v1/sandboxes/{sid}/pause", projects)
-        return SandboxInfo.model_validate_json(r.content)
+        return wire.SandboxInfo.model_validate_json(r.content)
 
-    async def resume(self, sid: str, projects: Projects) -> SandboxInfo:
+    async def resume(self, sid: str, projects: Projects) -> wire.SandboxInfo:
         r = await self._call("POST", f"/v1/sandboxes/{sid}/resume", projects)
-        return SandboxInfo.model_validate_json(r.content)
+        return wire.SandboxInfo.model_validate_json(r.content)
 
     async def pause_project(self, project: str) -> builtins.list[str]:
         return list((await self._call("POST", f"/v1/projects/{project}/pause")).json()["paused"])
 
-    async def snapshot(self, sid: str, req: SnapshotRequest, projects: Projects) -> SnapshotInfo:
+    async def snapshot(self, sid: str, req: wire.SnapshotRequest, projects: Projects) -> wire.SnapshotInfo:
         r = await self._call("POST", f"/v1/sandboxes/{sid}/snapshot", projects, json_body=req.model_dump())
-        return SnapshotInfo.model_validate_json(r.content)
+        return wire.SnapshotInfo.model_validate_json(r.content)
 
-    async def fork(self, sid: str, n: int, projects: Projects) -> builtins.list[SandboxInfo]:
+    async def fork(self, sid: str, n: int, projects: Projects) -> builtins.list[wire.SandboxInfo]:
         r = await self._call("POST", f"/v1/sandboxes/{sid}/fork", projects, json_body={"n": n})
-        return [SandboxInfo.model_validate(x) for x in r.json()["sandboxes"]]
+        return [wire.SandboxInfo.model_validate(x) for x in r.json()["sandboxes"]]
 
     async def snapshots(self, projects: Projects = None) -> builtins.list[dict[str, Any]]:
         return list((await self._call("GET", "/v1/snapshots", projects)).json()["snapshots"])
@@ -237,13 +215,15 @@ class HttpEdge(EdgeAPI):
         r = await self._call("POST", f"/v1/sandboxes/{sid}/protect", projects, json_body={"paths": paths})
         return list(r.json()["protected"])
 
-    async def verify(self, sid: str, req: ExecRequest, projects: Projects) -> ExecResult:
+    async def verify(self, sid: str, req: wire.ExecRequest, projects: Projects) -> wire.ExecResult:
         r = await self._call(
             "POST", f"/v1/sandboxes/{sid}/verify", projects, json_body=req.model_dump(mode="json")
         )
-        return ExecResult.model_validate_json(r.content)
+        return wire.ExecResult.model_validate_json(r.content)
 
-    async def set_network(self, sid: str, policy: NetworkPolicy | None, projects: Projects) -> dict[str, Any]:
+    async def set_network(
+        self, sid: str, policy: wire.NetworkPolicy | None, projects: Projects
+    ) -> dict[str, Any]:
         if policy is None:
             r = await self._call("DELETE", f"/v1/sandboxes/{sid}/network", projects)
         else:
@@ -295,19 +275,19 @@ class HttpEdge(EdgeAPI):
     async def put_image(self, manifest: dict[str, Any]) -> None:
         await self._call("POST", "/v1/images/manifest", json_body=manifest)
 
-    async def checkpoint(self, sid: str, req: CheckpointRequest, projects: Projects) -> Checkpoint:
+    async def checkpoint(self, sid: str, req: wire.CheckpointRequest, projects: Projects) -> wire.Checkpoint:
         r = await self._call("POST", f"/v1/sandboxes/{sid}/checkpoint", projects, json_body=req.model_dump())
-        return Checkpoint.model_validate_json(r.content)
+        return wire.Checkpoint.model_validate_json(r.content)
 
-    async def checkpoints(self, projects: Projects) -> builtins.list[Checkpoint]:
+    async def checkpoints(self, projects: Projects) -> builtins.list[wire.Checkpoint]:
         r = await self._call("GET", "/v1/checkpoints", projects)
-        return [Checkpoint.model_validate(x) for x in r.json()["checkpoints"]]
+        return [wire.Checkpoint.model_validate(x) for x in r.json()["checkpoints"]]
 
-    async def restore(self, cid: str, req: RestoreRequest, projects: Projects) -> SandboxInfo:
+    async def restore(self, cid: str, req: wire.RestoreRequest, projects: Projects) -> wire.SandboxInfo:
         r = await self._call(
             "POST", f"/v1/checkpoints/{cid}/restore", projects, json_body=req.model_dump(mode="json")
         )
-        return SandboxInfo.model_validate_json(r.content)
+        return wire.SandboxInfo.model_validate_json(r.content)
 
     async def delete_checkpoint(self, cid: str, projects: Projects) -> None:
         await self._call("DELETE", f"/v1/checkpoints/{cid}", projects)
@@ -331,13 +311,13 @@ class HttpEdge(EdgeAPI):
         )
         return r.content
 
-    async def fncall_run(self, req: FnCallRequest) -> FnCallResult:
+    async def fncall_run(self, req: wire.FnCallRequest) -> wire.FnCallResult:
         r = await self._call("POST", "/v1/fncall/run", json_body=req.model_dump(mode="json"))
-        return FnCallResult.model_validate_json(r.content)
+        return wire.FnCallResult.model_validate_json(r.content)
 
-    async def fncall_jupyter(self, req: JupyterRequest) -> JupyterResult:
+    async def fncall_jupyter(self, req: wire.JupyterRequest) -> wire.JupyterResult:
         r = await self._call("POST", "/v1/fncall/jupyter", json_body=req.model_dump(mode="json"))
-        return JupyterResult.model_validate_json(r.content)
+        return wire.JupyterResult.model_validate_json(r.content)
 
     async def images(self) -> builtins.list[dict[str, Any]]:
         return list((await self._call("GET", "/v1/images")).json()["images"])

@@ -1,11 +1,12 @@
 """What a backend is: the one interface the edge runs sandboxes through.
 
-A backend turns a `SandboxPlan` (composed layers, limits, environment, network policy) into
-a running sandbox and gives the edge a `SandboxHandle` to it. The edge never reaches past
-these two classes: it starts processes with `handle.spawn`, reaches the files through
+A backend turns a `SandboxPlan` (composed layers, limits, environment) into a running
+sandbox and gives the edge a `SandboxHandle` to it. The edge never reaches past these two
+classes and the shim protocol (`dsec.backends.shim`, which every backend's init or guest
+agent speaks): it starts processes through `handle.channel`, reaches the files through
 `handle.open_root()`, snapshots and forks from `handle.writable_layer()`, applies network
-policy in `handle.netns_pid`'s namespace, and asks the backend to pause, resume, checkpoint,
-restore, adopt and destroy.
+policy in the network namespace of `handle.pid`, and asks the backend to freeze, thaw,
+checkpoint, restore, adopt and destroy.
 
 Every backend declares what it can do (`capabilities`); the edge asks before each operation
 (`backend.require(Capability.CHECKPOINT, "checkpoint")`) and a sandbox on a backend that
@@ -23,6 +24,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from dsec.backends.shim import ShimChannel
 from dsec.errors import UnsupportedOperation
 from dsec.isolation.spec import Limits
 
@@ -104,6 +106,9 @@ class SandboxHandle(ABC):
     id_base: int  # the host uid and gid the sandbox's root is
     exited: asyncio.Future[None]  # done when the sandbox's init is gone
     timings_ms: dict[str, float]
+    # Processes inside are started, signalled and fed through the shim's protocol, whatever
+    # carries it (a socket to the container's init; a virtio-serial port to a guest agent).
+    channel: ShimChannel
 
     @abstractmethod
     def alive(self) -> bool: ...
@@ -123,28 +128,6 @@ class SandboxHandle(ABC):
     @abstractmethod
     def disk_usage(self) -> tuple[int, int, bool]:
         """(bytes, inodes) used in the writable layer, and whether either is exhausted."""
-
-    @abstractmethod
-    async def spawn(
-        self,
-        argv: Sequence[str],
-        env: dict[str, str],
-        *,
-        cwd: str,
-        uid: int,
-        gid: int,
-        stdio: tuple[int, int, int],
-        cgroup_fds: Sequence[int] = (),
-    ) -> tuple[int, int, asyncio.Future[int]]:
-        """Start a process inside; (its message id, its pid inside, a future of its wait status)."""
-
-    @abstractmethod
-    async def fill(self, src: int, dst: int, timeout: float = 5.0) -> tuple[int, asyncio.Future[int]]:
-        """Copy pipe `src` into the file `dst` from inside the sandbox's limits (a charged write)."""
-
-    @abstractmethod
-    def signal(self, ident: int, sig: int) -> None:
-        """Send `sig` to the process started as message `ident`."""
 
     @abstractmethod
     def seccomp_program(self) -> Path | None:

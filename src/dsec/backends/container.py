@@ -27,7 +27,7 @@ import shutil
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,27 +106,6 @@ class Container(SandboxHandle):
     def seccomp_program(self) -> Path | None:
         bpf = self.runtime_state / "seccomp.bpf"
         return bpf if bpf.exists() else None
-
-    async def spawn(
-        self,
-        argv: Sequence[str],
-        env: dict[str, str],
-        *,
-        cwd: str,
-        uid: int,
-        gid: int,
-        stdio: tuple[int, int, int],
-        cgroup_fds: Sequence[int] = (),
-    ) -> tuple[int, int, asyncio.Future[int]]:
-        return await self.channel.spawn(
-            argv, env, cwd=cwd, uid=uid, gid=gid, stdio=stdio, cgroup_fds=cgroup_fds
-        )
-
-    async def fill(self, src: int, dst: int, timeout: float = 5.0) -> tuple[int, asyncio.Future[int]]:
-        return await self.channel.fill(src, dst, timeout)
-
-    def signal(self, ident: int, sig: int) -> None:
-        self.channel.signal(ident, sig)
 
     def release(self) -> None:
         """Close this process's descriptors on the sandbox (it keeps running)."""

@@ -24,33 +24,9 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from dsec import errors
+from dsec import models as wire
 from dsec.client import config
 from dsec.client._wire import Endpoint
-from dsec.models import (
-    Checkpoint,
-    CheckpointRequest,
-    EdgeStatus,
-    ExecRequest,
-    ExecResult,
-    FileContent,
-    FileEdit,
-    FileStat,
-    FileWrite,
-    ForkRequest,
-    MiB,
-    NetworkPolicy,
-    ProtectRequest,
-    RestoreRequest,
-    SandboxInfo,
-    SandboxSpec,
-    SessionCreate,
-    SessionInfo,
-    SessionResult,
-    SessionRun,
-    SnapshotInfo,
-    SnapshotRequest,
-    Trajectory,
-)
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -62,7 +38,7 @@ BACKOFF_CAP_S = 2.0
 EXEC_TIMEOUT_MARGIN_S = 30.0  # HTTP read timeout beyond a command's own timeout
 MAX_CONNECTIONS = 512
 MAX_KEEPALIVE = 128
-WRITE_MAX = 128 * MiB  # FileWrite.content: characters on the wire (base64 for bytes)
+WRITE_MAX = 128 * wire.MiB  # FileWrite.content: characters on the wire (base64 for bytes)
 
 try:
     _VERSION = metadata.version("dsec")
@@ -161,27 +137,27 @@ class SpecOptions(TypedDict, total=False):
     disk_inodes: int
     max_output_bytes: int
     protected_paths: list[str] | None
-    network: NetworkPolicy | dict[str, Any] | None
+    network: wire.NetworkPolicy | dict[str, Any] | None
 
 
-def snapshot_image(snapshot: SnapshotInfo | str | None) -> str | None:
+def snapshot_image(snapshot: wire.SnapshotInfo | str | None) -> str | None:
     """The image name a snapshot restores from: a SnapshotInfo (what Sandbox.snapshot()
     returns) or its id."""
     if snapshot is None or isinstance(snapshot, str):
         return snapshot
-    if isinstance(snapshot, SnapshotInfo):
+    if isinstance(snapshot, wire.SnapshotInfo):
         return snapshot.id
     raise errors.InvalidRequest(
         f"snapshot= takes what Sandbox.snapshot() returned or its id, not {type(snapshot).__name__}"
     )
 
 
-def build_spec(image: str, opts: SpecOptions) -> SandboxSpec:
+def build_spec(image: str, opts: SpecOptions) -> wire.SandboxSpec:
     values: dict[str, Any] = {k: v for k, v in opts.items() if v is not None}
     unknown = set(values) - set(SpecOptions.__annotations__)
     if unknown:
         raise errors.InvalidRequest(f"unknown sandbox option(s): {', '.join(sorted(unknown))}")
-    return _validated(SandboxSpec, image=image, **values)
+    return _validated(wire.SandboxSpec, image=image, **values)
 
 
 def chunk_sizes(n: int, size: int = BATCH_MAX) -> list[int]:
@@ -195,7 +171,7 @@ def chunk_sizes(n: int, size: int = BATCH_MAX) -> list[int]:
 
 @dataclass(frozen=True, slots=True)
 class BatchCreated:
-    sandboxes: list[SandboxInfo]
+    sandboxes: list[wire.SandboxInfo]
     errors: list[errors.DsecError]
 
 
@@ -203,14 +179,14 @@ def _wire_error(item: Any, status: int = 500) -> errors.DsecError:
     return errors.error_from_wire(status, {"error": item} if isinstance(item, dict) else item)
 
 
-def create(spec: SandboxSpec) -> Call[SandboxInfo]:
-    return Call(Request("POST", "/v1/sandboxes", json=_dump(spec)), _model(SandboxInfo))
+def create(spec: wire.SandboxSpec) -> Call[wire.SandboxInfo]:
+    return Call(Request("POST", "/v1/sandboxes", json=_dump(spec)), _model(wire.SandboxInfo))
 
 
-def create_batch(count: int, spec: SandboxSpec) -> Call[BatchCreated]:
+def create_batch(count: int, spec: wire.SandboxSpec) -> Call[BatchCreated]:
     def parse(response: httpx.Response) -> BatchCreated:
         body = response.json()
-        infos = [SandboxInfo.model_validate(s) for s in body.get("sandboxes", [])]
+        infos = [wire.SandboxInfo.model_validate(s) for s in body.get("sandboxes", [])]
         errs = [_wire_error(e) for e in body.get("errors") or []]
         if len(infos) < count and not errs:
             errs.append(errors.InternalError(f"the batch created {len(infos)} of {count} sandboxes"))
@@ -219,18 +195,18 @@ def create_batch(count: int, spec: SandboxSpec) -> Call[BatchCreated]:
     return Call(Request("POST", "/v1/sandboxes/batch", json={"count": count, "spec": _dump(spec)}), parse)
 
 
-def get(sandbox_id: str) -> Call[SandboxInfo]:
-    return Call(Request("GET", _sb(sandbox_id), idempotent=True), _model(SandboxInfo))
+def get(sandbox_id: str) -> Call[wire.SandboxInfo]:
+    return Call(Request("GET", _sb(sandbox_id), idempotent=True), _model(wire.SandboxInfo))
 
 
-def list_sandboxes(project: str | None, labels: dict[str, str] | None) -> Call[list[SandboxInfo]]:
+def list_sandboxes(project: str | None, labels: dict[str, str] | None) -> Call[list[wire.SandboxInfo]]:
     params: list[tuple[str, str]] = []
     if project is not None:
         params.append(("project", project))
     params.extend(("label", f"{k}={v}") for k, v in (labels or {}).items())
     return Call(
         Request("GET", "/v1/sandboxes", params=params or None, idempotent=True),
-        _models(SandboxInfo, "sandboxes"),
+        _models(wire.SandboxInfo, "sandboxes"),
     )
 
 
@@ -281,9 +257,9 @@ def exec_request(
     step: StepArg = None,
     trusted: bool = False,
     task_dirs: list[str] | None = None,
-) -> ExecRequest:
+) -> wire.ExecRequest:
     return _validated(
-        ExecRequest,
+        wire.ExecRequest,
         cmd=cmd,
         timeout=timeout,
         stdin=stdin,
@@ -297,7 +273,7 @@ def exec_request(
     )
 
 
-def exec_(sandbox_id: str, req: ExecRequest) -> Call[ExecResult]:
+def exec_(sandbox_id: str, req: wire.ExecRequest) -> Call[wire.ExecResult]:
     return Call(
         # A tagged step is deduplicated by the edge's trajectory log: safe to retry.
         Request(
@@ -307,11 +283,11 @@ def exec_(sandbox_id: str, req: ExecRequest) -> Call[ExecResult]:
             op_timeout=req.timeout,
             idempotent=req.step is not None,
         ),
-        _model(ExecResult),
+        _model(wire.ExecResult),
     )
 
 
-def exec_stream(sandbox_id: str, req: ExecRequest) -> Request:
+def exec_stream(sandbox_id: str, req: wire.ExecRequest) -> Request:
     return Request(
         "POST",
         _sb(sandbox_id, "exec", "stream"),
@@ -356,7 +332,7 @@ class SSEDecoder:
         return event
 
 
-ExecEvent = tuple[str, str | ExecResult]
+ExecEvent = tuple[str, str | wire.ExecResult]
 
 
 def exec_event(event: SSEEvent) -> ExecEvent | None:
@@ -368,7 +344,7 @@ def exec_event(event: SSEEvent) -> ExecEvent | None:
                 raise ValueError(f"{event.event} data must be a JSON string")
             return event.event, chunk
         if event.event == "result":
-            return "result", ExecResult.model_validate_json(event.data)
+            return "result", wire.ExecResult.model_validate_json(event.data)
         if event.event == "error":
             body = json.loads(event.data)
             raise _wire_error(body.get("error", body) if isinstance(body, dict) else body)
@@ -388,22 +364,22 @@ def stream_ended_early() -> errors.DsecError:
 
 def session_create(
     sandbox_id: str, kind: str, env: dict[str, str] | None, cwd: str | None
-) -> Call[SessionInfo]:
-    body = _validated(SessionCreate, kind=kind, env=env or {}, cwd=cwd)
-    return Call(Request("POST", _sb(sandbox_id, "sessions"), json=_dump(body)), _model(SessionInfo))
+) -> Call[wire.SessionInfo]:
+    body = _validated(wire.SessionCreate, kind=kind, env=env or {}, cwd=cwd)
+    return Call(Request("POST", _sb(sandbox_id, "sessions"), json=_dump(body)), _model(wire.SessionInfo))
 
 
-def session_list(sandbox_id: str) -> Call[list[SessionInfo]]:
+def session_list(sandbox_id: str) -> Call[list[wire.SessionInfo]]:
     return Call(
-        Request("GET", _sb(sandbox_id, "sessions"), idempotent=True), _models(SessionInfo, "sessions")
+        Request("GET", _sb(sandbox_id, "sessions"), idempotent=True), _models(wire.SessionInfo, "sessions")
     )
 
 
 def session_run(
     sandbox_id: str, session_id: str, code: str, timeout: float, max_output_bytes: int, step: StepArg = None
-) -> Call[SessionResult]:
+) -> Call[wire.SessionResult]:
     body = _validated(
-        SessionRun, code=code, timeout=timeout, max_output_bytes=max_output_bytes, step=_step(step)
+        wire.SessionRun, code=code, timeout=timeout, max_output_bytes=max_output_bytes, step=_step(step)
     )
     # A tagged step is deduplicated by the edge's trajectory log: safe to retry.
     return Call(
@@ -414,7 +390,7 @@ def session_run(
             op_timeout=timeout,
             idempotent=step is not None,
         ),
-        _model(SessionResult),
+        _model(wire.SessionResult),
     )
 
 
@@ -425,20 +401,20 @@ def session_close(sandbox_id: str, session_id: str) -> Call[None]:
 # --------------------------------------------------------------------------- files
 
 
-def file_read(sandbox_id: str, path: str) -> Call[FileContent]:
+def file_read(sandbox_id: str, path: str) -> Call[wire.FileContent]:
     return Call(
         Request("GET", _sb(sandbox_id, "files"), params=[("path", path)], idempotent=True),
-        _model(FileContent),
+        _model(wire.FileContent),
     )
 
 
-def content_text(fc: FileContent) -> str:
+def content_text(fc: wire.FileContent) -> str:
     if fc.encoding != "utf-8":
         raise errors.InvalidRequest(f"{fc.path} is not utf-8 text ({fc.size} bytes); use files.read_bytes()")
     return fc.content
 
 
-def content_bytes(fc: FileContent) -> bytes:
+def content_bytes(fc: wire.FileContent) -> bytes:
     return base64.b64decode(fc.content) if fc.encoding == "base64" else fc.content.encode("utf-8")
 
 
@@ -450,12 +426,12 @@ def file_write(
         unit = "bytes" if isinstance(content, bytes) else "characters"
         raise errors.PayloadTooLarge(
             f"writing {len(content)} {unit} to {path} exceeds "
-            f"the {WRITE_MAX // MiB} MiB limit of files.write ({wire_len} on the wire); "
+            f"the {WRITE_MAX // wire.MiB} MiB limit of files.write ({wire_len} on the wire); "
             "use files.upload or files.upload_tar for large files"
         )
     if isinstance(content, bytes):
         body = _validated(
-            FileWrite,
+            wire.FileWrite,
             path=path,
             content=base64.b64encode(content).decode("ascii"),
             encoding="base64",
@@ -464,13 +440,13 @@ def file_write(
         )
     else:
         body = _validated(
-            FileWrite, path=path, content=content, encoding="utf-8", mode=mode, step=_step(step)
+            wire.FileWrite, path=path, content=content, encoding="utf-8", mode=mode, step=_step(step)
         )
     return Call(Request("PUT", _sb(sandbox_id, "files"), json=_dump(body), idempotent=True), _none)
 
 
 def file_edit(sandbox_id: str, path: str, old: str, new: str, step: StepArg = None) -> Call[int]:
-    body = _validated(FileEdit, path=path, old=old, new=new, step=_step(step))
+    body = _validated(wire.FileEdit, path=path, old=old, new=new, step=_step(step))
 
     def parse(response: httpx.Response) -> int:
         return int(response.json()["size"])
@@ -481,10 +457,10 @@ def file_edit(sandbox_id: str, path: str, old: str, new: str, step: StepArg = No
     )
 
 
-def trajectory(sandbox_id: str, after_seq: int, limit: int | None) -> Call[Trajectory]:
+def trajectory(sandbox_id: str, after_seq: int, limit: int | None) -> Call[wire.Trajectory]:
     params = [("after_seq", str(after_seq))] + ([("limit", str(limit))] if limit is not None else [])
     return Call(
-        Request("GET", _sb(sandbox_id, "trajectory"), params=params, idempotent=True), _model(Trajectory)
+        Request("GET", _sb(sandbox_id, "trajectory"), params=params, idempotent=True), _model(wire.Trajectory)
     )
 
 
@@ -496,17 +472,17 @@ def trajectory_export(sandbox_id: str, fmt: str) -> Call[bytes]:
     return Call(req, parse)
 
 
-def file_stat(sandbox_id: str, path: str) -> Call[FileStat]:
+def file_stat(sandbox_id: str, path: str) -> Call[wire.FileStat]:
     return Call(
         Request("GET", _sb(sandbox_id, "files", "stat"), params=[("path", path)], idempotent=True),
-        _model(FileStat),
+        _model(wire.FileStat),
     )
 
 
-def file_list(sandbox_id: str, path: str) -> Call[list[FileStat]]:
+def file_list(sandbox_id: str, path: str) -> Call[list[wire.FileStat]]:
     return Call(
         Request("GET", _sb(sandbox_id, "files", "list"), params=[("path", path)], idempotent=True),
-        _models(FileStat, "entries"),
+        _models(wire.FileStat, "entries"),
     )
 
 
@@ -567,8 +543,8 @@ def images() -> Call[list[dict[str, Any]]]:
     return Call(Request("GET", "/v1/images", idempotent=True), parse)
 
 
-def edges() -> Call[list[EdgeStatus]]:
-    return Call(Request("GET", "/v1/edges", idempotent=True), _models(EdgeStatus, "edges"))
+def edges() -> Call[list[wire.EdgeStatus]]:
+    return Call(Request("GET", "/v1/edges", idempotent=True), _models(wire.EdgeStatus, "edges"))
 
 
 def health() -> Call[dict[str, Any]]:
@@ -582,12 +558,12 @@ def version() -> Call[str]:
     return Call(Request("GET", "/v1/version", idempotent=True), parse)
 
 
-def pause(sandbox_id: str) -> Call[SandboxInfo]:
-    return Call(Request("POST", _sb(sandbox_id, "pause"), idempotent=True), _model(SandboxInfo))
+def pause(sandbox_id: str) -> Call[wire.SandboxInfo]:
+    return Call(Request("POST", _sb(sandbox_id, "pause"), idempotent=True), _model(wire.SandboxInfo))
 
 
-def resume(sandbox_id: str) -> Call[SandboxInfo]:
-    return Call(Request("POST", _sb(sandbox_id, "resume"), idempotent=True), _model(SandboxInfo))
+def resume(sandbox_id: str) -> Call[wire.SandboxInfo]:
+    return Call(Request("POST", _sb(sandbox_id, "resume"), idempotent=True), _model(wire.SandboxInfo))
 
 
 def pause_project(project: str) -> Call[list[str]]:
@@ -597,21 +573,21 @@ def pause_project(project: str) -> Call[list[str]]:
     return Call(Request("POST", f"/v1/projects/{project}/pause", idempotent=True), parse)
 
 
-def snapshot(sandbox_id: str, scrub: list[str]) -> Call[SnapshotInfo]:
-    body = _dump(_validated(SnapshotRequest, scrub=scrub))
-    return Call(Request("POST", _sb(sandbox_id, "snapshot"), json=body), _model(SnapshotInfo))
+def snapshot(sandbox_id: str, scrub: list[str]) -> Call[wire.SnapshotInfo]:
+    body = _dump(_validated(wire.SnapshotRequest, scrub=scrub))
+    return Call(Request("POST", _sb(sandbox_id, "snapshot"), json=body), _model(wire.SnapshotInfo))
 
 
-def fork(sandbox_id: str, n: int) -> Call[list[SandboxInfo]]:
-    body = _dump(_validated(ForkRequest, n=n))
-    return Call(Request("POST", _sb(sandbox_id, "fork"), json=body), _models(SandboxInfo, "sandboxes"))
+def fork(sandbox_id: str, n: int) -> Call[list[wire.SandboxInfo]]:
+    body = _dump(_validated(wire.ForkRequest, n=n))
+    return Call(Request("POST", _sb(sandbox_id, "fork"), json=body), _models(wire.SandboxInfo, "sandboxes"))
 
 
-def validated_policy(policy: dict[str, Any]) -> NetworkPolicy:
-    return _validated(NetworkPolicy, **policy)
+def validated_policy(policy: dict[str, Any]) -> wire.NetworkPolicy:
+    return _validated(wire.NetworkPolicy, **policy)
 
 
-def set_network(sandbox_id: str, policy: NetworkPolicy | None) -> Call[dict[str, Any]]:
+def set_network(sandbox_id: str, policy: wire.NetworkPolicy | None) -> Call[dict[str, Any]]:
     if policy is None:
         return Call(Request("DELETE", _sb(sandbox_id, "network"), idempotent=True), _json)
     return Call(Request("PUT", _sb(sandbox_id, "network"), json=_dump(policy), idempotent=True), _json)
@@ -622,7 +598,7 @@ def network(sandbox_id: str) -> Call[dict[str, Any]]:
 
 
 def protect(sandbox_id: str, paths: list[str]) -> Call[list[str]]:
-    body = _dump(_validated(ProtectRequest, paths=paths))
+    body = _dump(_validated(wire.ProtectRequest, paths=paths))
 
     def parse(response: httpx.Response) -> list[str]:
         return list(response.json()["protected"])
@@ -630,22 +606,26 @@ def protect(sandbox_id: str, paths: list[str]) -> Call[list[str]]:
     return Call(Request("POST", _sb(sandbox_id, "protect"), json=body), parse)
 
 
-def verify(sandbox_id: str, req: ExecRequest) -> Call[ExecResult]:
-    return Call(Request("POST", _sb(sandbox_id, "verify"), json=_dump(req)), _model(ExecResult))
+def verify(sandbox_id: str, req: wire.ExecRequest) -> Call[wire.ExecResult]:
+    return Call(Request("POST", _sb(sandbox_id, "verify"), json=_dump(req)), _model(wire.ExecResult))
 
 
-def checkpoint(sandbox_id: str, leave_running: bool) -> Call[Checkpoint]:
-    body = _dump(_validated(CheckpointRequest, leave_running=leave_running))
-    return Call(Request("POST", _sb(sandbox_id, "checkpoint"), json=body), _model(Checkpoint))
+def checkpoint(sandbox_id: str, leave_running: bool) -> Call[wire.Checkpoint]:
+    body = _dump(_validated(wire.CheckpointRequest, leave_running=leave_running))
+    return Call(Request("POST", _sb(sandbox_id, "checkpoint"), json=body), _model(wire.Checkpoint))
 
 
-def checkpoints() -> Call[list[Checkpoint]]:
-    return Call(Request("GET", "/v1/checkpoints", idempotent=True), _models(Checkpoint, "checkpoints"))
+def checkpoints() -> Call[list[wire.Checkpoint]]:
+    return Call(Request("GET", "/v1/checkpoints", idempotent=True), _models(wire.Checkpoint, "checkpoints"))
 
 
-def restore(checkpoint_id: str, sandbox_id: str | None, labels: dict[str, str] | None) -> Call[SandboxInfo]:
-    body = _dump(_validated(RestoreRequest, sandbox_id=sandbox_id, labels=labels or {}))
-    return Call(Request("POST", f"/v1/checkpoints/{checkpoint_id}/restore", json=body), _model(SandboxInfo))
+def restore(
+    checkpoint_id: str, sandbox_id: str | None, labels: dict[str, str] | None
+) -> Call[wire.SandboxInfo]:
+    body = _dump(_validated(wire.RestoreRequest, sandbox_id=sandbox_id, labels=labels or {}))
+    return Call(
+        Request("POST", f"/v1/checkpoints/{checkpoint_id}/restore", json=body), _model(wire.SandboxInfo)
+    )
 
 
 def delete_checkpoint(checkpoint_id: str) -> Call[None]:
@@ -663,7 +643,7 @@ def delete_snapshot(name: str) -> Call[None]:
     return Call(Request("DELETE", f"/v1/snapshots/{name}", idempotent=True), _none)
 
 
-def prewarm(count: int, spec: SandboxSpec) -> Call[dict[str, Any]]:
+def prewarm(count: int, spec: wire.SandboxSpec) -> Call[dict[str, Any]]:
     if count < 0:
         raise errors.InvalidRequest(f"count must be >= 0, got {count}")
     return Call(Request("POST", "/v1/pools/prewarm", json={"spec": _dump(spec), "count": count}), _json)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from dsec import errors
+from dsec import models as wire
 from dsec.backends import registry
 from dsec.backends.base import Backend, BackendHost
 from dsec.config import EdgeSettings
@@ -53,29 +54,6 @@ from dsec.isolation.netpolicy import NetHost
 from dsec.isolation.procs import fs_type, mounts_under, unmount_all
 from dsec.isolation.spec import ID_RANGE
 from dsec.layers import LayerStore, import_dir_layer
-from dsec.models import (
-    Checkpoint,
-    EdgeStatus,
-    ExecRequest,
-    ExecResult,
-    FileEdit,
-    FileStat,
-    FileWrite,
-    FnCallRequest,
-    FnCallResult,
-    JupyterRequest,
-    JupyterResult,
-    NetworkPolicy,
-    PoolInfo,
-    PoolSpec,
-    SandboxInfo,
-    SandboxSpec,
-    SessionCreate,
-    SessionInfo,
-    SessionResult,
-    SessionRun,
-    SnapshotInfo,
-)
 from dsec.native import ensure_copy, ensure_shim
 from dsec.privatefs import seal_data_dir
 from dsec.trajlog import TrajectoryLog
@@ -339,7 +317,7 @@ class Edge:
         """The default backend (the container one)."""
         return self.life.backend
 
-    async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None) -> SandboxInfo:
+    async def create(self, spec: wire.SandboxSpec, *, sandbox_id: str | None = None) -> wire.SandboxInfo:
         return await self.life.create(spec, sandbox_id=sandbox_id)
 
     def backend_for(self, name: str) -> Backend:
@@ -348,19 +326,19 @@ class Edge:
     def check_access(self, sandbox_id: str, projects: set[str] | None) -> None:
         return self.life.check_access(sandbox_id, projects)
 
-    def get(self, sandbox_id: str) -> SandboxInfo:
+    def get(self, sandbox_id: str) -> wire.SandboxInfo:
         return self.life.get(sandbox_id)
 
-    async def sandbox_status(self, sandbox_id: str) -> SandboxInfo:
+    async def sandbox_status(self, sandbox_id: str) -> wire.SandboxInfo:
         return await self.life.sandbox_status(sandbox_id)
 
-    async def pause(self, sandbox_id: str) -> SandboxInfo:
+    async def pause(self, sandbox_id: str) -> wire.SandboxInfo:
         return await self.life.pause(sandbox_id)
 
-    async def resume(self, sandbox_id: str) -> SandboxInfo:
+    async def resume(self, sandbox_id: str) -> wire.SandboxInfo:
         return await self.life.resume(sandbox_id)
 
-    async def set_network(self, sandbox_id: str, policy: NetworkPolicy | None) -> dict[str, Any]:
+    async def set_network(self, sandbox_id: str, policy: wire.NetworkPolicy | None) -> dict[str, Any]:
         return await self.life.set_network(sandbox_id, policy)
 
     async def network(self, sandbox_id: str) -> dict[str, Any]:
@@ -369,7 +347,9 @@ class Edge:
     async def pause_project(self, project: str) -> builtins.list[str]:
         return await self.life.pause_project(project)
 
-    def list(self, labels: dict[str, str] | None = None, project: str | None = None) -> list[SandboxInfo]:
+    def list(
+        self, labels: dict[str, str] | None = None, project: str | None = None
+    ) -> list[wire.SandboxInfo]:
         return self.life.list(labels, project)
 
     async def stop(self, sandbox_id: str, *, wait: bool = True) -> None:
@@ -380,22 +360,24 @@ class Edge:
 
     # EdgeExec (execs.py)
 
-    async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+    async def exec(self, sandbox_id: str, req: wire.ExecRequest) -> wire.ExecResult:
         return await self.execs.exec(sandbox_id, req)
 
-    def exec_stream(self, sandbox_id: str, req: ExecRequest) -> AsyncIterator[tuple[str, bytes | ExecResult]]:
+    def exec_stream(
+        self, sandbox_id: str, req: wire.ExecRequest
+    ) -> AsyncIterator[tuple[str, bytes | wire.ExecResult]]:
         return self.execs.exec_stream(sandbox_id, req)
 
-    async def session_create(self, sandbox_id: str, req: SessionCreate) -> SessionInfo:
+    async def session_create(self, sandbox_id: str, req: wire.SessionCreate) -> wire.SessionInfo:
         return await self.execs.session_create(sandbox_id, req)
 
-    async def session_run(self, sandbox_id: str, session_id: str, req: SessionRun) -> SessionResult:
+    async def session_run(self, sandbox_id: str, session_id: str, req: wire.SessionRun) -> wire.SessionResult:
         return await self.execs.session_run(sandbox_id, session_id, req)
 
     async def session_close(self, sandbox_id: str, session_id: str) -> None:
         return await self.execs.session_close(sandbox_id, session_id)
 
-    def session_list(self, sandbox_id: str) -> builtins.list[SessionInfo]:
+    def session_list(self, sandbox_id: str) -> builtins.list[wire.SessionInfo]:
         return self.execs.session_list(sandbox_id)
 
     async def trajectory(
@@ -406,10 +388,10 @@ class Edge:
     async def trajectory_export(self, sandbox_id: str, fmt: str) -> bytes:
         return await self.execs.trajectory_export(sandbox_id, fmt)
 
-    async def write_logged(self, sandbox_id: str, req: FileWrite, data: bytes) -> None:
+    async def write_logged(self, sandbox_id: str, req: wire.FileWrite, data: bytes) -> None:
         return await self.execs.write_logged(sandbox_id, req, data)
 
-    async def edit_logged(self, sandbox_id: str, req: FileEdit) -> int:
+    async def edit_logged(self, sandbox_id: str, req: wire.FileEdit) -> int:
         return await self.execs.edit_logged(sandbox_id, req)
 
     async def log_event(
@@ -420,7 +402,7 @@ class Edge:
     def _run(
         self,
         sb: Sandbox,
-        req: ExecRequest,
+        req: wire.ExecRequest,
         *,
         stdin: bytes | None = None,
         cap: int | None = None,
@@ -439,10 +421,10 @@ class Edge:
     async def edit_file(self, sandbox_id: str, path: str, old: str, new: str) -> int:
         return await self.files.edit_file(sandbox_id, path, old, new)
 
-    def stat_file(self, sandbox_id: str, path: str) -> FileStat:
+    def stat_file(self, sandbox_id: str, path: str) -> wire.FileStat:
         return self.files.stat_file(sandbox_id, path)
 
-    async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileStat]:
+    async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[wire.FileStat]:
         return await self.files.list_dir(sandbox_id, path)
 
     async def delete_file(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
@@ -462,7 +444,7 @@ class Edge:
     async def protect(self, sandbox_id: str, paths: builtins.list[str]) -> builtins.list[str]:
         return await self.vault.protect(sandbox_id, paths)
 
-    async def verify(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+    async def verify(self, sandbox_id: str, req: wire.ExecRequest) -> wire.ExecResult:
         return await self.vault.verify(sandbox_id, req)
 
     def _vault(self, sandbox_id: str) -> Path:
@@ -470,7 +452,9 @@ class Edge:
 
     # EdgeState (state.py)
 
-    async def snapshot(self, sandbox_id: str, scrub_paths: builtins.list[str] | None = None) -> SnapshotInfo:
+    async def snapshot(
+        self, sandbox_id: str, scrub_paths: builtins.list[str] | None = None
+    ) -> wire.SnapshotInfo:
         return await self.state.snapshot(sandbox_id, scrub_paths)
 
     def list_snapshots(self, projects: set[str] | None = None) -> builtins.list[dict[str, Any]]:
@@ -479,10 +463,10 @@ class Edge:
     def delete_snapshot(self, name: str, projects: set[str] | None = None) -> None:
         return self.state.delete_snapshot(name, projects)
 
-    async def fork(self, sandbox_id: str, n: int) -> builtins.list[SandboxInfo]:
+    async def fork(self, sandbox_id: str, n: int) -> builtins.list[wire.SandboxInfo]:
         return await self.state.fork(sandbox_id, n)
 
-    async def checkpoint(self, sandbox_id: str, *, leave_running: bool = True) -> Checkpoint:
+    async def checkpoint(self, sandbox_id: str, *, leave_running: bool = True) -> wire.Checkpoint:
         return await self.state.checkpoint(sandbox_id, leave_running=leave_running)
 
     async def restore(
@@ -492,12 +476,12 @@ class Edge:
         sandbox_id: str | None = None,
         labels: dict[str, str] | None = None,
         projects: set[str] | None = None,
-    ) -> SandboxInfo:
+    ) -> wire.SandboxInfo:
         return await self.state.restore(
             checkpoint_id, sandbox_id=sandbox_id, labels=labels, projects=projects
         )
 
-    def list_checkpoints(self, projects: set[str] | None = None) -> builtins.list[Checkpoint]:
+    def list_checkpoints(self, projects: set[str] | None = None) -> builtins.list[wire.Checkpoint]:
         return self.state.list_checkpoints(projects)
 
     def delete_checkpoint(self, checkpoint_id: str, projects: set[str] | None = None) -> None:
@@ -534,29 +518,29 @@ class Edge:
 
     # --- fncall ---------------------------------------------------------------------
 
-    async def fncall_run(self, req: FnCallRequest) -> FnCallResult:
+    async def fncall_run(self, req: wire.FnCallRequest) -> wire.FnCallResult:
         return await self.fncall.run(req)
 
-    async def fncall_jupyter(self, req: JupyterRequest) -> JupyterResult:
+    async def fncall_jupyter(self, req: wire.JupyterRequest) -> wire.JupyterResult:
         return await self.fncall.jupyter(req)
 
     # --- pools ---------------------------------------------------------------------
 
-    def configure_pool(self, spec: PoolSpec) -> PoolInfo:
+    def configure_pool(self, spec: wire.PoolSpec) -> wire.PoolInfo:
         self.life._image(spec.image)
         return self.pools.configure(spec)
 
-    def prewarm(self, spec: PoolSpec, count: int) -> PoolInfo:
+    def prewarm(self, spec: wire.PoolSpec, count: int) -> wire.PoolInfo:
         self.life._image(spec.image)
         return self.pools.prewarm(spec, count)
 
     # --- status ----------------------------------------------------------------------
 
-    def status(self) -> EdgeStatus:
+    def status(self) -> wire.EdgeStatus:
         specs = [
             sb.record.spec for sb in self.sandboxes.values() if not sb.record.spec.project.startswith("_")
         ]
-        return EdgeStatus(
+        return wire.EdgeStatus(
             name=self.name,
             healthy=True,
             backends=sorted(self.backends),

@@ -51,7 +51,7 @@ from dsec.isolation import linux
 from dsec.models import FileStat
 
 if TYPE_CHECKING:
-    from dsec.backends.base import SandboxHandle
+    from dsec.backends.shim import ShimChannel
 
 RESOLVE = linux.RESOLVE_IN_ROOT | linux.RESOLVE_NO_MAGICLINKS | linux.RESOLVE_NO_XDEV
 # Inside a tree being deleted or archived: never follow anything, never leave the mount.
@@ -137,7 +137,7 @@ class SandboxFiles:
     (tests of this module alone) writes are done by this process."""
 
     def __init__(
-        self, root_fd: int, uid: int, gid: int, id_offset: int, channel: SandboxHandle | None = None
+        self, root_fd: int, uid: int, gid: int, id_offset: int, channel: ShimChannel | None = None
     ) -> None:
         self.root_fd = root_fd
         self.uid = uid
@@ -565,7 +565,7 @@ def _resolve(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-async def _start_fill(channel: SandboxHandle, r: int, fd: int, path: str) -> tuple[int, asyncio.Future[int]]:
+async def _start_fill(channel: ShimChannel, r: int, fd: int, path: str) -> tuple[int, asyncio.Future[int]]:
     try:
         return await channel.fill(r, fd)
     except TimeoutError as e:
@@ -579,7 +579,7 @@ async def _start_fill(channel: SandboxHandle, r: int, fd: int, path: str) -> tup
         raise _map_error(e, path) from e
 
 
-async def charged_fill(channel: SandboxHandle, fd: int, path: str, data: bytes) -> None:
+async def charged_fill(channel: ShimChannel, fd: int, path: str, data: bytes) -> None:
     """Copy `data` into the open file `fd` from a child of the sandbox's init (charged to the
     sandbox). Maps the copier's end to an error: ENOSPC disk full, SIGKILL memory full."""
     r, w = os.pipe2(os.O_CLOEXEC)

@@ -277,7 +277,7 @@ class EdgeLifecycle:
                 base,
                 base,
                 base,
-                handle,  # charged writes: copied by a child of the sandbox's init
+                handle.channel,  # charged writes: copied by a child of the sandbox's init
             )
             uid, gid, home = self._resolve_user(files, record.spec.user)
             files.uid, files.gid = uid + base, gid + base

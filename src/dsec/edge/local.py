@@ -8,37 +8,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from dsec import models as wire
 from dsec.edge import Edge
 from dsec.edge.edge import encode_content
 from dsec.edge.files import off_loop
 from dsec.edgeapi import EdgeAPI, Projects, decode_write
-from dsec.models import (
-    Checkpoint,
-    CheckpointRequest,
-    EdgeStatus,
-    ExecRequest,
-    ExecResult,
-    FileContent,
-    FileEdit,
-    FileStat,
-    FileWrite,
-    FnCallRequest,
-    FnCallResult,
-    JupyterRequest,
-    JupyterResult,
-    NetworkPolicy,
-    PoolInfo,
-    PoolSpec,
-    RestoreRequest,
-    SandboxInfo,
-    SandboxSpec,
-    SessionCreate,
-    SessionInfo,
-    SessionResult,
-    SessionRun,
-    SnapshotInfo,
-    SnapshotRequest,
-)
 
 
 class LocalEdge(EdgeAPI):
@@ -52,42 +26,44 @@ class LocalEdge(EdgeAPI):
     def _check(self, sid: str, projects: Projects) -> None:
         self.edge.check_access(sid, projects)
 
-    async def create(self, spec: SandboxSpec) -> SandboxInfo:
+    async def create(self, spec: wire.SandboxSpec) -> wire.SandboxInfo:
         return await self.edge.create(spec)
 
-    async def get(self, sid: str, projects: Projects) -> SandboxInfo:
+    async def get(self, sid: str, projects: Projects) -> wire.SandboxInfo:
         self._check(sid, projects)
         return await self.edge.sandbox_status(sid)
 
     async def list(
         self, labels: dict[str, str], project: str | None, projects: Projects
-    ) -> list[SandboxInfo]:
+    ) -> list[wire.SandboxInfo]:
         return [i for i in self.edge.list(labels, project) if projects is None or i.spec.project in projects]
 
     async def stop(self, sid: str, projects: Projects) -> None:
         self._check(sid, projects)
         await self.edge.stop(sid, wait=False)  # gone at once; teardown continues in the background
 
-    async def exec(self, sid: str, req: ExecRequest, projects: Projects) -> ExecResult:
+    async def exec(self, sid: str, req: wire.ExecRequest, projects: Projects) -> wire.ExecResult:
         self._check(sid, projects)
         return await self.edge.exec(sid, req)
 
     async def exec_stream(
-        self, sid: str, req: ExecRequest, projects: Projects
+        self, sid: str, req: wire.ExecRequest, projects: Projects
     ) -> AsyncIterator[tuple[str, Any]]:
         self._check(sid, projects)
         async for kind, item in self.edge.exec_stream(sid, req):
             yield kind, (item.decode(errors="replace") if isinstance(item, bytes) else item)
 
-    async def session_create(self, sid: str, req: SessionCreate, projects: Projects) -> SessionInfo:
+    async def session_create(self, sid: str, req: wire.SessionCreate, projects: Projects) -> wire.SessionInfo:
         self._check(sid, projects)
         return await self.edge.session_create(sid, req)
 
-    async def session_list(self, sid: str, projects: Projects) -> builtins.list[SessionInfo]:
+    async def session_list(self, sid: str, projects: Projects) -> builtins.list[wire.SessionInfo]:
         self._check(sid, projects)
         return self.edge.session_list(sid)
 
-    async def session_run(self, sid: str, ses: str, req: SessionRun, projects: Projects) -> SessionResult:
+    async def session_run(
+        self, sid: str, ses: str, req: wire.SessionRun, projects: Projects
+    ) -> wire.SessionResult:
         self._check(sid, projects)
         return await self.edge.session_run(sid, ses, req)
 
@@ -95,25 +71,25 @@ class LocalEdge(EdgeAPI):
         self._check(sid, projects)
         await self.edge.session_close(sid, ses)
 
-    async def read_file(self, sid: str, path: str, projects: Projects) -> FileContent:
+    async def read_file(self, sid: str, path: str, projects: Projects) -> wire.FileContent:
         self._check(sid, projects)
         data = await self.edge.read_file(sid, path)
         content, encoding = encode_content(data)
-        return FileContent(path=path, content=content, encoding=encoding, size=len(data))  # type: ignore[arg-type]
+        return wire.FileContent(path=path, content=content, encoding=encoding, size=len(data))  # type: ignore[arg-type]
 
-    async def write_file(self, sid: str, req: FileWrite, projects: Projects) -> None:
+    async def write_file(self, sid: str, req: wire.FileWrite, projects: Projects) -> None:
         self._check(sid, projects)
         await self.edge.write_logged(sid, req, decode_write(req))
 
-    async def edit_file(self, sid: str, req: FileEdit, projects: Projects) -> int:
+    async def edit_file(self, sid: str, req: wire.FileEdit, projects: Projects) -> int:
         self._check(sid, projects)
         return await self.edge.edit_logged(sid, req)
 
-    async def stat_file(self, sid: str, path: str, projects: Projects) -> FileStat:
+    async def stat_file(self, sid: str, path: str, projects: Projects) -> wire.FileStat:
         self._check(sid, projects)
         return self.edge.stat_file(sid, path)
 
-    async def list_dir(self, sid: str, path: str, projects: Projects) -> builtins.list[FileStat]:
+    async def list_dir(self, sid: str, path: str, projects: Projects) -> builtins.list[wire.FileStat]:
         self._check(sid, projects)
         return await self.edge.list_dir(sid, path)
 
@@ -139,45 +115,45 @@ class LocalEdge(EdgeAPI):
         finally:
             spool.close()
 
-    async def status(self) -> EdgeStatus:
+    async def status(self) -> wire.EdgeStatus:
         return self.edge.status().model_copy(update={"url": self.url})
 
-    async def configure_pool(self, spec: PoolSpec) -> PoolInfo:
+    async def configure_pool(self, spec: wire.PoolSpec) -> wire.PoolInfo:
         return self.edge.configure_pool(spec)
 
-    async def prewarm(self, spec: PoolSpec, count: int) -> PoolInfo:
+    async def prewarm(self, spec: wire.PoolSpec, count: int) -> wire.PoolInfo:
         return self.edge.prewarm(spec, count)
 
-    async def pools(self) -> builtins.list[PoolInfo]:
+    async def pools(self) -> builtins.list[wire.PoolInfo]:
         return self.edge.pools.list()
 
-    async def pause(self, sid: str, projects: Projects) -> SandboxInfo:
+    async def pause(self, sid: str, projects: Projects) -> wire.SandboxInfo:
         self._check(sid, projects)
         return await self.edge.pause(sid)
 
-    async def resume(self, sid: str, projects: Projects) -> SandboxInfo:
+    async def resume(self, sid: str, projects: Projects) -> wire.SandboxInfo:
         self._check(sid, projects)
         return await self.edge.resume(sid)
 
     async def pause_project(self, project: str) -> builtins.list[str]:
         return await self.edge.pause_project(project)
 
-    async def snapshot(self, sid: str, req: SnapshotRequest, projects: Projects) -> SnapshotInfo:
+    async def snapshot(self, sid: str, req: wire.SnapshotRequest, projects: Projects) -> wire.SnapshotInfo:
         self._check(sid, projects)
         return await self.edge.snapshot(sid, req.scrub)
 
-    async def fork(self, sid: str, n: int, projects: Projects) -> builtins.list[SandboxInfo]:
+    async def fork(self, sid: str, n: int, projects: Projects) -> builtins.list[wire.SandboxInfo]:
         self._check(sid, projects)
         return await self.edge.fork(sid, n)
 
-    async def checkpoint(self, sid: str, req: CheckpointRequest, projects: Projects) -> Checkpoint:
+    async def checkpoint(self, sid: str, req: wire.CheckpointRequest, projects: Projects) -> wire.Checkpoint:
         self._check(sid, projects)
         return await self.edge.checkpoint(sid, leave_running=req.leave_running)
 
-    async def checkpoints(self, projects: Projects) -> builtins.list[Checkpoint]:
+    async def checkpoints(self, projects: Projects) -> builtins.list[wire.Checkpoint]:
         return self.edge.list_checkpoints(projects)
 
-    async def restore(self, cid: str, req: RestoreRequest, projects: Projects) -> SandboxInfo:
+    async def restore(self, cid: str, req: wire.RestoreRequest, projects: Projects) -> wire.SandboxInfo:
         return await self.edge.restore(cid, sandbox_id=req.sandbox_id, labels=req.labels, projects=projects)
 
     async def delete_checkpoint(self, cid: str, projects: Projects) -> None:
@@ -190,11 +166,13 @@ class LocalEdge(EdgeAPI):
         self._check(sid, projects)
         return await self.edge.protect(sid, paths)
 
-    async def verify(self, sid: str, req: ExecRequest, projects: Projects) -> ExecResult:
+    async def verify(self, sid: str, req: wire.ExecRequest, projects: Projects) -> wire.ExecResult:
         self._check(sid, projects)
         return await self.edge.verify(sid, req)
 
-    async def set_network(self, sid: str, policy: NetworkPolicy | None, projects: Projects) -> dict[str, Any]:
+    async def set_network(
+        self, sid: str, policy: wire.NetworkPolicy | None, projects: Projects
+    ) -> dict[str, Any]:
         self._check(sid, projects)
         return await self.edge.set_network(sid, policy)
 
@@ -230,10 +208,10 @@ class LocalEdge(EdgeAPI):
         self._check(sid, projects)
         return await self.edge.trajectory_export(sid, fmt)
 
-    async def fncall_run(self, req: FnCallRequest) -> FnCallResult:
+    async def fncall_run(self, req: wire.FnCallRequest) -> wire.FnCallResult:
         return await self.edge.fncall_run(req)
 
-    async def fncall_jupyter(self, req: JupyterRequest) -> JupyterResult:
+    async def fncall_jupyter(self, req: wire.JupyterRequest) -> wire.JupyterResult:
         return await self.edge.fncall_jupyter(req)
 
     async def images(self) -> builtins.list[dict[str, Any]]:

@@ -143,7 +143,7 @@ async def spawn(
             os.close(fd)
         raise InternalError(f"cannot create an exec cgroup: {e}") from e
     try:
-        ident, pid, exited = await container.spawn(
+        ident, pid, exited = await container.channel.spawn(
             argv, env, cwd=cwd, uid=uid, gid=gid, stdio=stdio, cgroup_fds=[group.procs_fd]
         )
     except OSError as e:

@@ -26,27 +26,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute
 
 from dsec import errors
+from dsec import models as wire
 from dsec.edgeapi import EdgeAPI, Projects
-from dsec.models import (
-    Checkpoint,
-    CheckpointRequest,
-    ExecRequest,
-    ExecResult,
-    FileContent,
-    FileEdit,
-    FileStat,
-    FileWrite,
-    NetworkPolicy,
-    ProtectRequest,
-    SandboxInfo,
-    SessionCreate,
-    SessionInfo,
-    SessionResult,
-    SessionRun,
-    SnapshotInfo,
-    SnapshotRequest,
-    Trajectory,
-)
 
 MAX_ARCHIVE = 512 * 1024 * 1024
 
@@ -58,7 +39,7 @@ class Target:
 
 
 Resolver = Callable[[Request, str], Awaitable[Target]]
-ExecObserver = Callable[[float, ExecResult], None]
+ExecObserver = Callable[[float, wire.ExecResult], None]
 
 
 async def _target(request: Request, sid: str) -> Target:
@@ -465,7 +446,7 @@ def sse(events: AsyncIterator[tuple[str, Any]]) -> StreamingResponse:
     async def body() -> AsyncIterator[bytes]:
         try:
             async for kind, item in events:
-                data = item.model_dump_json() if isinstance(item, ExecResult) else json.dumps(item)
+                data = item.model_dump_json() if isinstance(item, wire.ExecResult) else json.dumps(item)
                 yield f"event: {kind}\ndata: {data}\n\n".encode()
         except errors.DsecError as e:
             yield f"event: error\ndata: {json.dumps(e.to_wire())}\n\n".encode()
@@ -484,28 +465,28 @@ def sandbox_router(observe_exec: ExecObserver | None = None, express: Express | 
     r = APIRouter(prefix="/v1/sandboxes/{sid}")
     lanes = express if express is not None else Express()  # a throwaway: no lanes
 
-    @r.get("", response_model=SandboxInfo)
+    @r.get("", response_model=wire.SandboxInfo)
     async def get_sandbox(sid: str, request: Request) -> Response:
         t = await _target(request, sid)
         return model_response(await t.edge.get(sid, t.projects))
 
-    @r.post("/pause", response_model=SandboxInfo)
+    @r.post("/pause", response_model=wire.SandboxInfo)
     async def pause(sid: str, request: Request) -> Response:
         t = await _target(request, sid)
         return model_response(await t.edge.pause(sid, t.projects))
 
-    @r.post("/resume", response_model=SandboxInfo)
+    @r.post("/resume", response_model=wire.SandboxInfo)
     async def resume(sid: str, request: Request) -> Response:
         t = await _target(request, sid)
         return model_response(await t.edge.resume(sid, t.projects))
 
-    @r.post("/snapshot", response_model=SnapshotInfo, status_code=201)
-    async def snapshot(sid: str, body: SnapshotRequest, request: Request) -> Response:
+    @r.post("/snapshot", response_model=wire.SnapshotInfo, status_code=201)
+    async def snapshot(sid: str, body: wire.SnapshotRequest, request: Request) -> Response:
         t = await _target(request, sid)
         return model_response(await t.edge.snapshot(sid, body, t.projects), 201)
 
     @r.put("/network")
-    async def set_network(sid: str, body: NetworkPolicy, request: Request) -> dict[str, Any]:
+    async def set_network(sid: str, body: wire.NetworkPolicy, request: Request) -> dict[str, Any]:
         t = await _target(request, sid)
         return await t.edge.set_network(sid, body, t.projects)
 
@@ -520,21 +501,21 @@ def sandbox_router(observe_exec: ExecObserver | None = None, express: Express | 
         return await t.edge.network(sid, t.projects)
 
     @r.post("/protect")
-    async def protect(sid: str, body: ProtectRequest, request: Request) -> dict[str, Any]:
+    async def protect(sid: str, body: wire.ProtectRequest, request: Request) -> dict[str, Any]:
         t = await _target(request, sid)
         return {"protected": await t.edge.protect(sid, body.paths, t.projects)}
 
-    @r.post("/verify", response_model=ExecResult)
-    async def verify(sid: str, body: ExecRequest, request: Request) -> Response:
+    @r.post("/verify", response_model=wire.ExecResult)
+    async def verify(sid: str, body: wire.ExecRequest, request: Request) -> Response:
         t = await _target(request, sid)
         return model_response(await t.edge.verify(sid, body, t.projects))
 
-    @r.post("/checkpoint", response_model=Checkpoint, status_code=201)
-    async def checkpoint(sid: str, request: Request, body: CheckpointRequest | None = None) -> Response:
+    @r.post("/checkpoint", response_model=wire.Checkpoint, status_code=201)
+    async def checkpoint(sid: str, request: Request, body: wire.CheckpointRequest | None = None) -> Response:
         t = await _target(request, sid)
-        return model_response(await t.edge.checkpoint(sid, body or CheckpointRequest(), t.projects), 201)
+        return model_response(await t.edge.checkpoint(sid, body or wire.CheckpointRequest(), t.projects), 201)
 
-    @r.get("/trajectory", response_model=Trajectory)
+    @r.get("/trajectory", response_model=wire.Trajectory)
     async def trajectory(
         sid: str,
         request: Request,
@@ -559,8 +540,8 @@ def sandbox_router(observe_exec: ExecObserver | None = None, express: Express | 
 
 
 def _add_exec_routes(r: APIRouter, observe_exec: ExecObserver | None, lanes: Express) -> None:
-    @r.post("/exec", response_model=ExecResult)
-    async def exec_(sid: str, body: ExecRequest, request: Request) -> Response:
+    @r.post("/exec", response_model=wire.ExecResult)
+    async def exec_(sid: str, body: wire.ExecRequest, request: Request) -> Response:
         t0 = time.perf_counter()
         t = await _target(request, sid)
         res = await t.edge.exec(sid, body, t.projects)
@@ -569,7 +550,7 @@ def _add_exec_routes(r: APIRouter, observe_exec: ExecObserver | None, lanes: Exp
         return model_response(res)
 
     @r.post("/exec/stream")
-    async def exec_stream(sid: str, body: ExecRequest, request: Request) -> StreamingResponse:
+    async def exec_stream(sid: str, body: wire.ExecRequest, request: Request) -> StreamingResponse:
         t = await _target(request, sid)
         await t.edge.get(sid, t.projects)  # fail before the stream starts
         return sse(t.edge.exec_stream(sid, body, t.projects))
@@ -578,18 +559,18 @@ def _add_exec_routes(r: APIRouter, observe_exec: ExecObserver | None, lanes: Exp
 
 
 def _add_session_routes(r: APIRouter, lanes: Express) -> None:
-    @r.post("/sessions", response_model=SessionInfo, status_code=201)
-    async def session_create(sid: str, body: SessionCreate, request: Request) -> Response:
+    @r.post("/sessions", response_model=wire.SessionInfo, status_code=201)
+    async def session_create(sid: str, body: wire.SessionCreate, request: Request) -> Response:
         t = await _target(request, sid)
         return model_response(await t.edge.session_create(sid, body, t.projects), 201)
 
     @r.get("/sessions")
-    async def session_list(sid: str, request: Request) -> dict[str, list[SessionInfo]]:
+    async def session_list(sid: str, request: Request) -> dict[str, list[wire.SessionInfo]]:
         t = await _target(request, sid)
         return {"sessions": await t.edge.session_list(sid, t.projects)}
 
-    @r.post("/sessions/{ses}/run", response_model=SessionResult)
-    async def session_run(sid: str, ses: str, body: SessionRun, request: Request) -> Response:
+    @r.post("/sessions/{ses}/run", response_model=wire.SessionResult)
+    async def session_run(sid: str, ses: str, body: wire.SessionRun, request: Request) -> Response:
         t = await _target(request, sid)
         return model_response(await t.edge.session_run(sid, ses, body, t.projects))
 
@@ -603,29 +584,29 @@ def _add_session_routes(r: APIRouter, lanes: Express) -> None:
 
 
 def _add_file_routes(r: APIRouter, lanes: Express) -> None:
-    @r.get("/files", response_model=FileContent)
+    @r.get("/files", response_model=wire.FileContent)
     async def read_file(sid: str, path: str, request: Request) -> Response:
         t = await _target(request, sid)
         return model_response(await t.edge.read_file(sid, path, t.projects))
 
     @r.put("/files", status_code=204)
-    async def write_file(sid: str, body: FileWrite, request: Request) -> Response:
+    async def write_file(sid: str, body: wire.FileWrite, request: Request) -> Response:
         t = await _target(request, sid)
         await t.edge.write_file(sid, body, t.projects)
         return Response(status_code=204)
 
     @r.post("/files/edit")
-    async def edit_file(sid: str, body: FileEdit, request: Request) -> dict[str, int]:
+    async def edit_file(sid: str, body: wire.FileEdit, request: Request) -> dict[str, int]:
         t = await _target(request, sid)
         return {"size": await t.edge.edit_file(sid, body, t.projects)}
 
-    @r.get("/files/stat", response_model=FileStat)
+    @r.get("/files/stat", response_model=wire.FileStat)
     async def stat_file(sid: str, path: str, request: Request) -> Response:
         t = await _target(request, sid)
         return model_response(await t.edge.stat_file(sid, path, t.projects))
 
     @r.get("/files/list")
-    async def list_dir(sid: str, path: str, request: Request) -> dict[str, list[FileStat]]:
+    async def list_dir(sid: str, path: str, request: Request) -> dict[str, list[wire.FileStat]]:
         t = await _target(request, sid)
         return {"entries": await t.edge.list_dir(sid, path, t.projects)}
 

@@ -329,7 +329,7 @@ class PythonSession(Session):
         try:
             if not await wait(timeout):
                 timed_out = True
-                self.runner.handle.signal(self.proc.ident, signal.SIGINT)
+                self.runner.handle.channel.signal(self.proc.ident, signal.SIGINT)
                 if not await wait(2.0):
                     self.closed = True
                     await asyncio.get_running_loop().run_in_executor(None, self.proc.group.kill)
