@@ -57,12 +57,14 @@ async def test_an_operation_the_backend_lacks_names_backend_and_operation(lite_e
     r = await edge.exec(sb.id, ExecRequest(cmd="echo hi > /work/a; cat /work/a"))
     assert r.exit_code == 0 and r.stdout == "hi\n"
     assert await edge.read_file(sb.id, "/work/a") == b"hi\n"
+    bg = await edge.exec(sb.id, ExecRequest(cmd="sleep 300 > /dev/null 2>&1 & echo $!"))
     for op, call in [
         ("fork", lambda: edge.fork(sb.id, 2)),
         ("pause", lambda: edge.pause(sb.id)),
         ("snapshot", lambda: edge.snapshot(sb.id)),
         ("checkpoint", lambda: edge.checkpoint(sb.id)),
         ("trusted exec", lambda: edge.exec(sb.id, ExecRequest(cmd="true", trusted=True))),
+        ("trusted exec", lambda: edge.verify(sb.id, ExecRequest(cmd="true"))),
     ]:
         with pytest.raises(errors.UnsupportedOperation) as ei:
             await call()
@@ -73,6 +75,9 @@ async def test_an_operation_the_backend_lacks_names_backend_and_operation(lite_e
     # Nothing was left half-done: no fork children, the sandbox still runs and answers.
     assert [s.id for s in edge.list()] == [sb.id]
     assert (await edge.exec(sb.id, ExecRequest(cmd="cat /work/a"))).stdout == "hi\n"
+    # verify was refused before it killed anything: the background process still runs
+    alive = await edge.exec(sb.id, ExecRequest(cmd=f"kill -0 {bg.stdout.strip()} && echo alive"))
+    assert alive.stdout == "alive\n", alive
     # The same operations on the default backend work.
     full = await edge.create(SandboxSpec(image="python"))
     assert len(await edge.fork(full.id, 1)) == 1

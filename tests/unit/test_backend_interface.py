@@ -19,3 +19,13 @@ def test_registry_and_interface():
     assert ContainerBackend.capabilities == frozenset(Capability)
     assert not ContainerBackend.__abstractmethods__
     assert BackendHost.__dataclass_fields__.keys() >= {"run_dir", "shim", "cgroups", "net"}
+
+
+def test_the_default_backend_is_left_out_of_specs_sent_and_stored() -> None:
+    from dsec.models import SandboxSpec
+
+    assert "backend" not in SandboxSpec().model_dump() and '"backend"' not in SandboxSpec().model_dump_json()
+    assert SandboxSpec.model_validate_json(SandboxSpec().model_dump_json()).backend == "container"
+    assert SandboxSpec(backend="gvisor").model_dump()["backend"] == "gvisor"
+    with pytest.raises(ValueError):
+        SandboxSpec(backend="Not A Name")

@@ -148,7 +148,9 @@ class Edge:
             store=lambda: self.store,
             dirty_active=self.life._dirty_active,
             in_progress=self.life.in_progress,
-            default_backend=lambda: self.life.backend,
+            default_backend=lambda: (
+                self.backends.get(registry.DEFAULT) or next(iter(self.backends.values()), None)
+            ),
             open_sandbox=self.life._open_sandbox,
             apply_network=self.life._apply_network,
             watch_exit=self.life._watch_exit,

@@ -253,6 +253,7 @@ class EdgeExec:
 
     async def session_create(self, sandbox_id: str, req: SessionCreate) -> SessionInfo:
         sb = self._get(sandbox_id)
+        sb.backend.require(Capability.EXEC, "sessions")
         if len(sb.sessions) >= 64:
             raise errors.QuotaExceeded("a sandbox holds at most 64 sessions; close one first")
         uid, gid = self._user(sb, req.user)
@@ -365,6 +366,7 @@ class EdgeExec:
 
     async def write_logged(self, sandbox_id: str, req: FileWrite, data: bytes) -> None:
         sb = self._get(sandbox_id)
+        sb.backend.require(Capability.FILES, "file operations")
         digest = hashlib.sha256(data).hexdigest()
         action = {"op": "write", "path": req.path, "sha256": digest, "size": len(data), "mode": req.mode}
 
@@ -376,6 +378,7 @@ class EdgeExec:
 
     async def edit_logged(self, sandbox_id: str, req: FileEdit) -> int:
         sb = self._get(sandbox_id)
+        sb.backend.require(Capability.FILES, "file operations")
         action = {"op": "edit", "path": req.path, "old": req.old, "new": req.new}
 
         async def run() -> dict[str, Any]:

@@ -67,7 +67,7 @@ class EdgeFiles:
             return await sb.files.edit(path, old, new)
 
     def stat_file(self, sandbox_id: str, path: str) -> FileStat:
-        return self._get(sandbox_id).files.stat(path)
+        return self._with_files(sandbox_id).files.stat(path)
 
     async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileStat]:
         sb = self._with_files(sandbox_id)

@@ -42,7 +42,7 @@ class EdgeReaper:
         store: Callable[[], EdgeStore | None],
         dirty_active: dict[str, float],
         in_progress: Callable[[], set[str]],
-        default_backend: Callable[[], Backend],
+        default_backend: Callable[[], Backend | None],
         open_sandbox: Callable[[Record, Backend, SandboxHandle], Sandbox],
         apply_network: Callable[..., Awaitable[None]],
         watch_exit: Callable[[Sandbox], None],
@@ -153,9 +153,10 @@ class EdgeReaper:
         orphans: dict[str, Backend] = {}
         for backend in self.backends.values():
             orphans.update(dict.fromkeys(backend.leftover_ids() - known, backend))
+        default = self._default_backend()
         for c in self.cgroups.listed_sandboxes():  # a cgroup is every backend's; the default removes it
-            if c.startswith(mine) and c not in known:
-                orphans.setdefault(c, self._default_backend())
+            if default is not None and c.startswith(mine) and c not in known:
+                orphans.setdefault(c, default)
         for sid, backend in orphans.items():
             log.info("reconciler: removing orphan %s", sid)
             await backend.remove_orphan(sid)

@@ -181,17 +181,17 @@ class EdgeState:
         if sandbox_id is not None:
             self.check_access(sandbox_id, projects)
             sb = self._get(sandbox_id)
-            for s in list(sb.sessions.values()):
-                with contextlib.suppress(Exception):
-                    s.close(kill=False)
-            sb.sessions.clear()
-            if sb.record.spec.backend != spec.backend:
+            if sb.record.spec.backend != spec.backend:  # refused before anything is touched
                 raise errors.UnsupportedOperation(
                     f"checkpoint {checkpoint_id} was taken on the {spec.backend} backend; sandbox "
                     f"{sb.id} runs on {sb.record.spec.backend}: restore it into a new sandbox",
                     reason="backend",
                 )
             sb.backend.require_checkpoint("restore")
+            for s in list(sb.sessions.values()):
+                with contextlib.suppress(Exception):
+                    s.close(kill=False)
+            sb.sessions.clear()
             await sb.backend.kill_user_processes(sb.handle)
             roots = await sb.backend.restore(sb.handle, d, group_name=self._group_name(sb))
             info = sb.info(self.name)

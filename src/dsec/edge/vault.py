@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec import errors
+from dsec.backends.base import Capability
 from dsec.config import EdgeSettings
 from dsec.edge import trusted
 from dsec.edge.execs import EdgeExec
@@ -100,6 +101,7 @@ class EdgeVault:
         descriptors that follow nothing below each path's parent; no program of the sandbox
         runs. verify() binds them read-only into its trusted root, never into the sandbox's."""
         sb = self._get(sandbox_id)
+        sb.backend.require(Capability.FILES, "protected paths")
         owner = trusted.trusted_host_id(self.settings.uid_offset)
         for raw in paths:
             if not raw.startswith("/") or "\0" in raw or os.path.normpath(raw) == "/":
@@ -152,6 +154,7 @@ class EdgeVault:
         directories as the agent left them, the protected paths bound read-only from the
         vault; see dsec.edge.trusted); whatever it started is killed after it."""
         sb = self._get(sandbox_id)
+        sb.backend.require(Capability.TRUSTED_EXEC, "trusted exec")  # before anything is killed
         req = req.model_copy(update={"trusted": True})
         dirs = self._trusted_checks(sb, req)  # a 400 before anything is killed
         for s in list(sb.sessions.values()):

@@ -71,6 +71,9 @@ class SandboxSpec(_Model):
     backend: str = Field(
         "container",
         pattern=r"^[a-z][a-z0-9-]{0,31}$",
+        # Left out of what is sent and stored when it is the default: older apiservers, edges and
+        # records (which forbid unknown fields) keep reading specs of the default backend.
+        exclude_if=lambda v: v == "container",
         description="the backend (isolation tier) that runs it: container; GET /v1/backends lists them",
     )
     network: NetworkPolicy | None = Field(

@@ -16,6 +16,9 @@ class _ItemAccess:
             raise KeyError(key)
         return getattr(self, key)
 
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key) if key in type(self).model_fields else default  # type: ignore[attr-defined]
+
     def __contains__(self, key: object) -> bool:
         return key in type(self).model_fields  # type: ignore[attr-defined]
 
