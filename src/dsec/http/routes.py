@@ -129,12 +129,14 @@ class Express:
             if len(methods) != 1 or len(dep.body_params) > 1:
                 raise RuntimeError(f"{route.path}: a lane needs one method and at most one body")
             (method,) = methods
-            body, arg = None, "body"
+            body: type[BaseModel] | None = None
+            arg = "body"
             if dep.body_params:
                 field = dep.body_params[0]
-                body, arg = field.field_info.annotation, field.name
-                if not (isinstance(body, type) and issubclass(body, BaseModel)):
+                annotation = field.field_info.annotation
+                if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
                     raise RuntimeError(f"{route.path}: a lane's body must be a pydantic model")
+                body, arg = annotation, field.name
             self.add(method, route.path_format, endpoint, body, arg)
 
     def match(self, scope: dict[str, Any]) -> tuple[Lane, dict[str, str]] | None:
