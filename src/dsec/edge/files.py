@@ -338,22 +338,26 @@ class SandboxFiles:
         """The entries of a directory, sorted by name; more than `max_entries` is refused."""
         path = _norm(path)
         with self._open(path, os.O_RDONLY | os.O_DIRECTORY) as fd:
-            out: list[FileStat] = []
+            # Names first (plain strings, which the garbage collector does not track), then the
+            # stats: refusing a huge directory allocates no objects that would make a full
+            # collection stall the event loop.
+            names: list[str] = []
             with os.scandir(fd) as it:
                 for entry in it:
-                    if len(out) >= max_entries:
+                    if len(names) >= max_entries:
                         raise errors.PayloadTooLarge(
                             f"{path} has more than {max_entries} entries; list a subdirectory, or use "
                             f"exec (e.g. `ls {path} | head`) or the archive download"
                         )
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    out.append(
-                        _to_stat(str(PurePosixPath(path) / entry.name), entry.name, st, self.id_offset)
-                    )
-        out.sort(key=lambda s: s.name)
+                    names.append(entry.name)
+            names.sort()
+            out: list[FileStat] = []
+            for name in names:
+                try:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                out.append(_to_stat(str(PurePosixPath(path) / name), name, st, self.id_offset))
         return out
 
     def delete(self, path: str, recursive: bool = False) -> None:
@@ -635,12 +639,14 @@ def _rmtree_at(dfd: int, name: str, shown: str) -> None:
         e.filename = shown
         raise
     try:
+        # Entries go as they are read, never as one list: a directory of 200,000 files would
+        # otherwise make 200,000 long-lived objects and a full collection that stalls the loop.
         with os.scandir(fd) as it:
-            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
-        for child, is_dir in entries:
-            if is_dir:
-                _rmtree_at(fd, child, f"{shown}/{child}")
-            else:
+            for entry in it:
+                child = entry.name
+                if entry.is_dir(follow_symlinks=False):
+                    _rmtree_at(fd, child, f"{shown}/{child}")
+                    continue
                 try:
                     os.unlink(child, dir_fd=fd)
                 except FileNotFoundError:
