@@ -30,12 +30,13 @@ import contextlib
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType, TracebackType
-from typing import Any, Self, TypedDict
+from types import MappingProxyType
+from typing import Any, TypedDict
 
 from dsec import errors
 from dsec.adapters._output import render
 from dsec.client import Client, Sandbox, Session
+from dsec.client._base import EndsOnExit
 
 __all__ = [
     "Observation",
@@ -75,7 +76,7 @@ class ShellTask:
     image: str = "python"
 
 
-class SandboxEnv:
+class SandboxEnv(EndsOnExit):
     """A Gymnasium-style env: one fresh sandbox per episode, one bash session per sandbox.
 
     ``client`` is shared if given; otherwise the env opens one with the SDK defaults
@@ -175,13 +176,7 @@ class SandboxEnv:
             self._client.close()
             self._client = None
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
+    _end = close  # what leaving a `with` block does
 
     # ------------------------------------------------------------------ internals
 

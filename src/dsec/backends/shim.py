@@ -13,11 +13,24 @@ import random
 import socket
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from dsec.errors import CapacityExhausted, InternalError, InvalidRequest
 
 _HDR = struct.Struct("<IiiHHB")
 _REPLY = struct.Struct("<Ii")
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """A process to start in a sandbox: its command line and environment, where, as whom
+    (ids inside the sandbox)."""
+
+    argv: Sequence[str]
+    env: dict[str, str]
+    cwd: str
+    uid: int
+    gid: int
 
 
 class ShimChannel:
@@ -91,23 +104,17 @@ class ShimChannel:
             self._pongs.pop(ident, None)
 
     async def spawn(
-        self,
-        argv: Sequence[str],
-        env: dict[str, str],
-        *,
-        cwd: str,
-        uid: int,
-        gid: int,
-        stdio: tuple[int, int, int],
-        cgroup_fds: Sequence[int] = (),
+        self, launch: Launch, *, stdio: tuple[int, int, int], cgroup_fds: Sequence[int] = ()
     ) -> tuple[int, int, asyncio.Future[int]]:
         """Start a process; returns (message id, pid inside, future of its wait status)."""
-        env_items = [f"{k}={v}" for k, v in env.items()]
+        env_items = [f"{k}={v}" for k, v in launch.env.items()]
         ident = self._new_id()
-        strings = [cwd, *argv, *env_items]
+        strings = [launch.cwd, *launch.argv, *env_items]
         if any("\0" in s for s in strings):
             raise InvalidRequest("arguments, environment and cwd must not contain NUL bytes")
-        payload = b"S" + _HDR.pack(ident, uid, gid, len(argv), len(env_items), len(cgroup_fds))
+        payload = b"S" + _HDR.pack(
+            ident, launch.uid, launch.gid, len(launch.argv), len(env_items), len(cgroup_fds)
+        )
         payload += b"".join(s.encode() + b"\0" for s in strings)
         if len(payload) > 262_000:
             raise InvalidRequest(

@@ -7,8 +7,7 @@ import builtins
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self, Unpack
+from typing import Any, Unpack
 
 import httpx
 
@@ -30,7 +29,7 @@ from dsec.models import (
 )
 
 
-class AsyncClient:
+class AsyncClient(_base.AsyncEndsOnExit):
     """An asyncio connection to dsec. One pooled ``httpx.AsyncClient`` per instance.
 
     ``url`` / ``token`` default to ``DSEC_URL`` / ``DSEC_TOKEN``, then the config file of
@@ -252,16 +251,10 @@ class AsyncClient:
             await self._wire.aclose()
         await self._http.aclose()
 
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
+    _end = aclose  # what leaving a `with` block does
 
 
-class AsyncSandbox:
+class AsyncSandbox(_base.AsyncEndsOnExit):
     """A handle on one sandbox. ``async with await client.create() as sb:`` stops it on exit."""
 
     def __init__(self, client: AsyncClient, sandbox_id: str, info: SandboxInfo | None = None) -> None:
@@ -274,20 +267,7 @@ class AsyncSandbox:
         state = self.info.state.value if self.info else "?"
         return f"AsyncSandbox(id={self.id!r}, state={state!r})"
 
-    async def exec(
-        self,
-        cmd: str | list[str],
-        *,
-        timeout: float = 60,
-        stdin: str | None = None,
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        user: str | None = None,
-        max_output_bytes: int = 1 << 20,
-        step: StepArg = None,
-        trusted: bool = False,
-        task_dirs: list[str] | None = None,
-    ) -> ExecResult:
+    async def exec(self, cmd: str | list[str], **opts: Unpack[_base.ExecOptions]) -> ExecResult:
         """Run a command (a shell string or an argv list) to completion.
 
         With `step=(trajectory id, index)` the call is logged under that tag: sent again
@@ -295,38 +275,17 @@ class AsyncSandbox:
         without running twice. Untagged calls are never retried. With `trusted=True` it runs
         with the image's own toolchain (read-only), the sandbox's files only in `task_dirs`
         (default /work and the workdir), as a platform uid, in a clean environment."""
-        req = _base.exec_request(
-            cmd,
-            timeout=timeout,
-            stdin=stdin,
-            env=env,
-            cwd=cwd,
-            user=user,
-            max_output_bytes=max_output_bytes,
-            step=step,
-            trusted=trusted,
-            task_dirs=task_dirs,
-        )
+        req = _base.exec_request(cmd, opts, _base.ExecOptions)
         return await self._client._call(_base.exec_(self.id, req))
 
     def exec_stream(
-        self,
-        cmd: str | list[str],
-        *,
-        timeout: float = 60,
-        stdin: str | None = None,
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        user: str | None = None,
-        max_output_bytes: int = 1 << 20,
+        self, cmd: str | list[str], **opts: Unpack[_base.StreamOptions]
     ) -> AsyncIterator[tuple[str, str | ExecResult]]:
         """Run a command, yielding ``("stdout"/"stderr", chunk)`` as it runs, then ``("result", ExecResult)``.
 
         Never retried. Closing the iterator early closes the HTTP stream.
         """
-        req = _base.exec_request(
-            cmd, timeout=timeout, stdin=stdin, env=env, cwd=cwd, user=user, max_output_bytes=max_output_bytes
-        )
+        req = _base.exec_request(cmd, opts, _base.StreamOptions)
         return self._stream(_base.exec_stream(self.id, req))
 
     async def _stream(self, req: Request) -> AsyncIterator[tuple[str, str | ExecResult]]:
@@ -405,32 +364,11 @@ class AsyncSandbox:
         read them any more; `verify()` runs one command with them back."""
         return await self._client._call(_base.protect(self.id, list(paths)))
 
-    async def verify(
-        self,
-        cmd: str | list[str],
-        *,
-        timeout: float = 300,
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        user: str | None = None,
-        max_output_bytes: int = 1 << 20,
-        step: StepArg = None,
-        task_dirs: list[str] | None = None,
-    ) -> ExecResult:
+    async def verify(self, cmd: str | list[str], **opts: Unpack[_base.VerifyOptions]) -> ExecResult:
         """The platform's verification step: every process of the sandbox is killed, then
         `cmd` runs trusted (the image's own toolchain, the sandbox's files only in `task_dirs`,
         the protected paths read-only, as the platform's uid; `user` is refused)."""
-        req = _base.exec_request(
-            cmd,
-            timeout=timeout,
-            stdin=None,
-            env=env,
-            cwd=cwd,
-            user=user,
-            max_output_bytes=max_output_bytes,
-            step=step,
-            task_dirs=task_dirs,
-        )
+        req = _base.exec_request(cmd, opts, _base.VerifyOptions, timeout=300)
         return await self._client._call(_base.verify(self.id, req))
 
     async def checkpoint(self, *, leave_running: bool = True) -> Checkpoint:
@@ -458,16 +396,10 @@ class AsyncSandbox:
         with contextlib.suppress(errors.SandboxNotFound):
             await self._client._call(_base.stop(self.id))
 
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.stop()
+    _end = stop  # what leaving a `with` block does
 
 
-class AsyncSession:
+class AsyncSession(_base.AsyncEndsOnExit):
     """A persistent bash or Python process inside a sandbox; state survives between runs."""
 
     def __init__(self, client: AsyncClient, sandbox_id: str, info: SessionInfo) -> None:
@@ -493,13 +425,7 @@ class AsyncSession:
         with contextlib.suppress(errors.SessionNotFound):
             await self._client._call(_base.session_close(self.sandbox_id, self.id))
 
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.close()
+    _end = close  # what leaving a `with` block does
 
 
 class AsyncFiles:

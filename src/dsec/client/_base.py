@@ -13,11 +13,11 @@ import json
 import random
 import tarfile
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Generic, TypedDict, TypeVar
+from typing import Any, Generic, Self, TypedDict, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -45,6 +45,33 @@ try:
 except metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
     _VERSION = "0"
 USER_AGENT = f"dsec-python/{_VERSION}"
+
+
+class EndsOnExit:
+    """`with obj:` ends obj on exit by its `_end` (a client or session closes, a sandbox
+    stops)."""
+
+    def _end(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._end()
+
+
+class AsyncEndsOnExit:
+    """`async with obj:` ends obj on exit by its `_end`."""
+
+    async def _end(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._end()
 
 
 # --------------------------------------------------------------------------- requests
@@ -245,32 +272,50 @@ def _step(step: StepArg) -> dict[str, Any] | None:
     return {"trajectory": trajectory, "index": index}
 
 
+class _RunOptions(TypedDict, total=False):
+    timeout: float  # seconds (default 60; verify: 300)
+    env: dict[str, str] | None  # added to the sandbox's environment
+    cwd: str | None  # default: the sandbox's workdir
+    user: str | None  # a user of the image (default: the sandbox's)
+    max_output_bytes: int  # cap per stream (default 1 MiB)
+
+
+class StreamOptions(_RunOptions, total=False):
+    """Keyword arguments of `exec_stream()`."""
+
+    stdin: str | None
+
+
+class VerifyOptions(_RunOptions, total=False):
+    """Keyword arguments of `verify()`."""
+
+    step: StepArg  # (trajectory id, step index): logged, replayed when sent again
+    task_dirs: list[str] | None  # the sandbox's directories the command sees (default /work, workdir)
+
+
+class ExecOptions(StreamOptions, total=False):
+    """Keyword arguments of `exec()`."""
+
+    step: StepArg
+    task_dirs: list[str] | None  # trusted only
+    trusted: bool  # the image's own toolchain, a platform uid, a clean environment
+
+
 def exec_request(
-    cmd: str | list[str],
-    *,
-    timeout: float,
-    stdin: str | None,
-    env: dict[str, str] | None,
-    cwd: str | None,
-    user: str | None,
-    max_output_bytes: int,
-    step: StepArg = None,
-    trusted: bool = False,
-    task_dirs: list[str] | None = None,
+    cmd: str | list[str], opts: Mapping[str, Any], allowed: type, *, timeout: float = 60
 ) -> wire.ExecRequest:
-    return _validated(
-        wire.ExecRequest,
-        cmd=cmd,
-        timeout=timeout,
-        stdin=stdin,
-        env=env or {},
-        cwd=cwd,
-        user=user,
-        max_output_bytes=max_output_bytes,
-        step=_step(step),
-        trusted=trusted,
-        task_dirs=task_dirs,
-    )
+    """The request of an exec, a stream or a verify from its keyword arguments (`allowed`:
+    the TypedDict naming those the call takes)."""
+    unknown = set(opts) - allowed.__required_keys__ - allowed.__optional_keys__  # type: ignore[attr-defined]
+    if unknown:
+        raise errors.InvalidRequest(
+            f"unknown option(s): {', '.join(sorted(unknown))}; this call takes "
+            + ", ".join(sorted(allowed.__optional_keys__))  # type: ignore[attr-defined]
+        )
+    values = {k: v for k, v in opts.items() if v is not None}
+    values.setdefault("timeout", timeout)
+    values["step"] = _step(values.get("step"))
+    return _validated(wire.ExecRequest, cmd=cmd, **values)
 
 
 def exec_(sandbox_id: str, req: wire.ExecRequest) -> Call[wire.ExecResult]:

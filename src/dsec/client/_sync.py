@@ -9,8 +9,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self, Unpack
+from typing import Any, Unpack
 
 import httpx
 
@@ -32,7 +31,7 @@ from dsec.models import (
 )
 
 
-class Client:
+class Client(_base.EndsOnExit):
     """A connection to dsec. One pooled ``httpx.Client`` per instance; thread-safe.
 
     ``url`` / ``token`` default to ``DSEC_URL`` / ``DSEC_TOKEN``, then the config file of
@@ -242,16 +241,10 @@ class Client:
             self._wire.close()
         self._http.close()
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
+    _end = close  # what leaving a `with` block does
 
 
-class Sandbox:
+class Sandbox(_base.EndsOnExit):
     """A handle on one sandbox. ``with client.create() as sb:`` stops it on exit."""
 
     def __init__(self, client: Client, sandbox_id: str, info: SandboxInfo | None = None) -> None:
@@ -264,20 +257,7 @@ class Sandbox:
         state = self.info.state.value if self.info else "?"
         return f"Sandbox(id={self.id!r}, state={state!r})"
 
-    def exec(
-        self,
-        cmd: str | list[str],
-        *,
-        timeout: float = 60,
-        stdin: str | None = None,
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        user: str | None = None,
-        max_output_bytes: int = 1 << 20,
-        step: StepArg = None,
-        trusted: bool = False,
-        task_dirs: list[str] | None = None,
-    ) -> ExecResult:
+    def exec(self, cmd: str | list[str], **opts: Unpack[_base.ExecOptions]) -> ExecResult:
         """Run a command (a shell string or an argv list) to completion.
 
         With `step=(trajectory id, index)` the call is logged under that tag: sent again
@@ -285,38 +265,17 @@ class Sandbox:
         without running twice. Untagged calls are never retried. With `trusted=True` it runs
         with the image's own toolchain (read-only), the sandbox's files only in `task_dirs`
         (default /work and the workdir), as a platform uid, in a clean environment."""
-        req = _base.exec_request(
-            cmd,
-            timeout=timeout,
-            stdin=stdin,
-            env=env,
-            cwd=cwd,
-            user=user,
-            max_output_bytes=max_output_bytes,
-            step=step,
-            trusted=trusted,
-            task_dirs=task_dirs,
-        )
+        req = _base.exec_request(cmd, opts, _base.ExecOptions)
         return self._client._call(_base.exec_(self.id, req))
 
     def exec_stream(
-        self,
-        cmd: str | list[str],
-        *,
-        timeout: float = 60,
-        stdin: str | None = None,
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        user: str | None = None,
-        max_output_bytes: int = 1 << 20,
+        self, cmd: str | list[str], **opts: Unpack[_base.StreamOptions]
     ) -> Iterator[tuple[str, str | ExecResult]]:
         """Run a command, yielding ``("stdout"/"stderr", chunk)`` as it runs, then ``("result", ExecResult)``.
 
         Never retried. Closing the iterator early closes the HTTP stream.
         """
-        req = _base.exec_request(
-            cmd, timeout=timeout, stdin=stdin, env=env, cwd=cwd, user=user, max_output_bytes=max_output_bytes
-        )
+        req = _base.exec_request(cmd, opts, _base.StreamOptions)
         return self._stream(_base.exec_stream(self.id, req))
 
     def _stream(self, req: Request) -> Iterator[tuple[str, str | ExecResult]]:
@@ -393,32 +352,11 @@ class Sandbox:
         read them any more; `verify()` runs one command with them back."""
         return self._client._call(_base.protect(self.id, list(paths)))
 
-    def verify(
-        self,
-        cmd: str | list[str],
-        *,
-        timeout: float = 300,
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        user: str | None = None,
-        max_output_bytes: int = 1 << 20,
-        step: StepArg = None,
-        task_dirs: list[str] | None = None,
-    ) -> ExecResult:
+    def verify(self, cmd: str | list[str], **opts: Unpack[_base.VerifyOptions]) -> ExecResult:
         """The platform's verification step: every process of the sandbox is killed, then
         `cmd` runs trusted (the image's own toolchain, the sandbox's files only in `task_dirs`,
         the protected paths read-only, as the platform's uid; `user` is refused)."""
-        req = _base.exec_request(
-            cmd,
-            timeout=timeout,
-            stdin=None,
-            env=env,
-            cwd=cwd,
-            user=user,
-            max_output_bytes=max_output_bytes,
-            step=step,
-            task_dirs=task_dirs,
-        )
+        req = _base.exec_request(cmd, opts, _base.VerifyOptions, timeout=300)
         return self._client._call(_base.verify(self.id, req))
 
     def checkpoint(self, *, leave_running: bool = True) -> Checkpoint:
@@ -446,16 +384,10 @@ class Sandbox:
         with contextlib.suppress(errors.SandboxNotFound):
             self._client._call(_base.stop(self.id))
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
+    _end = stop  # what leaving a `with` block does
 
 
-class Session:
+class Session(_base.EndsOnExit):
     """A persistent bash or Python process inside a sandbox; state survives between runs."""
 
     def __init__(self, client: Client, sandbox_id: str, info: SessionInfo) -> None:
@@ -481,13 +413,7 @@ class Session:
         with contextlib.suppress(errors.SessionNotFound):
             self._client._call(_base.session_close(self.sandbox_id, self.id))
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
+    _end = close  # what leaving a `with` block does
 
 
 class Files:

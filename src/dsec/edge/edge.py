@@ -35,6 +35,7 @@ from dsec import models as wire
 from dsec.backends import registry
 from dsec.backends.base import Backend, BackendHost
 from dsec.config import EdgeSettings
+from dsec.edge.core import EdgeCore
 from dsec.edge.execs import EdgeExec
 from dsec.edge.fileops import EdgeFiles
 from dsec.edge.fncall import FnCallPool, WorkerHost
@@ -69,11 +70,18 @@ class Edge:
     def __init__(self, settings: EdgeSettings) -> None:
         self.settings = settings
         self.name = settings.name
-        self.layers = LayerStore(settings.layer_root, settings.uid_offset)
-        self.cgroups = CgroupHost.detect()
-        self.store: EdgeStore | None = None  # opened by start()
-        self.backends: dict[str, Backend] = {}  # by name: the ones settings.backends names, started
-        self.sandboxes: dict[str, Sandbox] = {}  # live ones by id, shared by every part
+        # What every part shares (see core.py); the network: nothing is made on the host
+        # before the first policy.
+        self.core = EdgeCore(
+            settings=settings,
+            layers=LayerStore(settings.layer_root, settings.uid_offset),
+            cgroups=CgroupHost.detect(),
+            trajlog=TrajectoryLog(settings.data_dir / f"trajlog-{settings.name}.db"),
+            net=NetHost(settings.name, platform=settings.platform_addresses),
+        )
+        self.layers, self.cgroups, self.trajlog = self.core.layers, self.core.cgroups, self.core.trajlog
+        self.sandboxes = self.core.sandboxes  # live ones by id, shared by every part
+        self.backends = self.core.backends  # by name: the ones settings.backends names, started
         self._toolkit: list[str] = []  # the layers every sandbox gets on top (the shim), at start()
         self._copy_tool = Path("/nonexistent")  # dsec-copy, built at start()
         self._tasks: list[asyncio.Task[None]] = []
@@ -82,23 +90,15 @@ class Edge:
         self._epoch = secrets.token_hex(3)
         self._lock_fd = -1
         self._lock_path: Path | None = None
-        self.trajlog = TrajectoryLog(settings.data_dir / f"trajlog-{settings.name}.db")
-        # Network policies: nothing is made on the host before the first one.
-        self._net = NetHost(settings.name, platform=settings.platform_addresses)
 
-        # The parts, each given what it uses (late-bound parts of each other as callables).
-        self.monitor = Telemetry(cgroups=self.cgroups, net=self.net, sandboxes=self.sandboxes)
+        # The parts, each given the core and, by name, what it calls of the others
+        # (late-bound ones as callables).
+        core = self.core
+        self.monitor = Telemetry(core)
         self.denials = self.monitor.denials
         self.life = EdgeLifecycle(
-            settings=settings,
-            layers=self.layers,
-            cgroups=self.cgroups,
-            net=self.net,
-            trajlog=self.trajlog,
+            core,
             telemetry=self.monitor,
-            sandboxes=self.sandboxes,
-            backends=self.backends,
-            store=lambda: self.store,
             toolkit=lambda: self._toolkit,
             run=lambda *a, **k: self.execs._run(*a, **k),
             protect=lambda sid, paths: self.vault.protect(sid, paths),
@@ -106,57 +106,13 @@ class Edge:
             release_fork_layers=lambda chain: self.state._release_fork_layers(chain),
         )
         self.pools = self.life.pools
-        self.execs = EdgeExec(
-            settings=settings,
-            cgroups=self.cgroups,
-            layers=self.layers,
-            sandboxes=self.sandboxes,
-            trajlog=self.trajlog,
-            epoch=self._epoch,
-            dirty_active=self.life._dirty_active,
-            lookup=self.life._lookup,
-            get=self.life._get,
-            image=self.life._image,
-            resolve_user=self.life._resolve_user,
-            misbehaviour=self.monitor.misbehaviour,
-            denied_connections=self.monitor.denied_connections,
-        )
+        self.execs = EdgeExec(core, life=self.life, monitor=self.monitor, epoch=self._epoch)
         self.files = EdgeFiles(get=self.life._get, active=self.execs._active, run=self.execs._run)
         self.vault = EdgeVault(
             settings=settings, get=self.life._get, execs=self.execs, misbehaviour=self.monitor.misbehaviour
         )
-        self.state = EdgeState(
-            name=self.name,
-            settings=settings,
-            layers=self.layers,
-            sandboxes=self.sandboxes,
-            copy_tool=lambda: self._copy_tool,
-            get=self.life._get,
-            check_access=self.life.check_access,
-            backend_for=self.life.backend_for,
-            image=self.life._image,
-            admit=self.life._admit,
-            create=self.life._create,
-            stop=self.life.stop,
-            execs=self.execs,
-        )
-        self.reaper = EdgeReaper(
-            settings=settings,
-            cgroups=self.cgroups,
-            sandboxes=self.sandboxes,
-            backends=self.backends,
-            store=lambda: self.store,
-            dirty_active=self.life._dirty_active,
-            in_progress=self.life.in_progress,
-            default_backend=lambda: (
-                self.backends.get(registry.DEFAULT) or next(iter(self.backends.values()), None)
-            ),
-            open_sandbox=self.life._open_sandbox,
-            apply_network=self.life._apply_network,
-            watch_exit=self.life._watch_exit,
-            pause=self.life.pause,
-            stop=self.life.stop,
-        )
+        self.state = EdgeState(core, life=self.life, execs=self.execs, copy_tool=lambda: self._copy_tool)
+        self.reaper = EdgeReaper(core, life=self.life)
         self.fncall = FnCallPool(
             WorkerHost(
                 create=self.life.create,
@@ -171,12 +127,21 @@ class Edge:
     @property
     def net(self) -> NetHost:
         """The host's network policy machinery, shared by the parts."""
-        return self._net
+        return self.core.net
 
     @net.setter
     def net(self, host: NetHost) -> None:
         """Use another one (before start: a host with other platform addresses, say)."""
-        self._net = self.life.net = self.monitor.net = host
+        self.core.net = host
+
+    @property
+    def store(self) -> EdgeStore | None:
+        """The sandbox records, open while the edge runs."""
+        return self.core.store
+
+    @store.setter
+    def store(self, store: EdgeStore | None) -> None:
+        self.core.store = store
 
     # --- lifecycle of the edge itself ------------------------------------------
 
@@ -264,7 +229,7 @@ class Edge:
         await self.net.close(keep=not stop_sandboxes)
         self.denials.close()
         if self.store is not None:
-            self.store.touch_many(self.life._dirty_active)
+            self.store.touch_many(self.core.dirty_active)
             self.store.close()
             self.store = None
             await self.trajlog.close()

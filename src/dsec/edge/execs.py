@@ -19,16 +19,15 @@ from typing import Any
 
 from dsec import errors
 from dsec.backends.base import Capability
-from dsec.config import EdgeSettings
+from dsec.backends.shim import Launch
 from dsec.edge import trusted
-from dsec.edge.files import SandboxFiles
+from dsec.edge.core import EdgeCore, EdgePart
+from dsec.edge.lifecycle import EdgeLifecycle
 from dsec.edge.process import RawResult, run_process
 from dsec.edge.sandbox import Sandbox
 from dsec.edge.sessions import Runner, Session, open_session
-from dsec.isolation.cgroups import CgroupHost
+from dsec.edge.telemetry import Telemetry
 from dsec.isolation.spec import DEFAULT_PATH
-from dsec.layers import LayerStore
-from dsec.layers.store import Image
 from dsec.models import (
     ExecRequest,
     ExecResult,
@@ -41,44 +40,19 @@ from dsec.models import (
     Step,
 )
 from dsec.native import ensure_trusted
-from dsec.trajlog import StepTag, TrajectoryLog, action_hash
+from dsec.trajlog import StepTag, action_hash
 
 log = logging.getLogger("dsec.edge")
 
 
-class EdgeExec:
+class EdgeExec(EdgePart):
     """exec, sessions and step logging (see the module)."""
 
-    def __init__(
-        self,
-        *,
-        settings: EdgeSettings,
-        cgroups: CgroupHost,
-        layers: LayerStore,
-        sandboxes: dict[str, Sandbox],
-        trajlog: TrajectoryLog,
-        epoch: str,
-        dirty_active: dict[str, float],
-        lookup: Callable[[str], Sandbox],
-        get: Callable[[str], Sandbox],
-        image: Callable[[str], Image],
-        resolve_user: Callable[[SandboxFiles, str], tuple[int, int, str]],
-        misbehaviour: Callable[..., dict[str, int]],  # (sandbox, result, denied before)
-        denied_connections: Callable[[Sandbox], Awaitable[int]],
-    ) -> None:
-        self.settings = settings
-        self.cgroups = cgroups
-        self.layers = layers
-        self.sandboxes = sandboxes  # the edge's, shared: its live sandboxes by id
-        self.trajlog = trajlog
+    def __init__(self, core: EdgeCore, *, life: EdgeLifecycle, monitor: Telemetry, epoch: str) -> None:
+        super().__init__(core)
+        self.life = life  # sandboxes by id, their images and users
+        self.monitor = monitor  # misbehaviour and denied connections after each exec
         self._epoch = epoch  # exec cgroup and session names carry it (see Edge.__init__)
-        self._dirty_active = dirty_active  # the edge's, shared: last activity not yet stored
-        self._lookup = lookup
-        self._get = get
-        self._image = image
-        self._resolve_user = resolve_user
-        self._misbehaviour = misbehaviour
-        self._denied_connections = denied_connections
         self._trusted_tool: Path | None = None  # dsec-trusted, built on the first trusted exec
         self._inflight: dict[tuple[str, str, int], asyncio.Future[None]] = {}  # (project, trajectory, step)
 
@@ -100,7 +74,7 @@ class EdgeExec:
     def _user(self, sb: Sandbox, user: str | None) -> tuple[int, int]:
         if user is None:
             return sb.uid, sb.gid
-        uid, gid, _ = self._resolve_user(sb.files, user)
+        uid, gid, _ = self.life._resolve_user(sb.files, user)
         return uid, gid
 
     def _run(
@@ -124,11 +98,7 @@ class EdgeExec:
             sb.handle,
             self.cgroups,
             self._group_name(sb),
-            argv,
-            self._env(sb, req.env),
-            cwd=req.cwd or sb.record.spec.workdir,
-            uid=uid,
-            gid=gid,
+            Launch(argv, self._env(sb, req.env), cwd=req.cwd or sb.record.spec.workdir, uid=uid, gid=gid),
             stdin=stdin,
             timeout=req.timeout,
             cap=min(req.max_output_bytes, sb.record.spec.max_output_bytes) if cap is None else cap,
@@ -159,7 +129,7 @@ class EdgeExec:
             raise errors.InternalError(f"sandbox {sb.id} has no compiled seccomp program for a trusted exec")
         spec = trusted.TrustedSpec(
             tool=self._trusted_tool,
-            lowers=trusted.trusted_lowers(self.layers, self._image(sb.record.spec.image)),
+            lowers=trusted.trusted_lowers(self.layers, self.life._image(sb.record.spec.image)),
             task_dirs=dirs,
             protected=protected or [],
             scratch=self.settings.edge_run_dir / "trusted",
@@ -201,7 +171,7 @@ class EdgeExec:
         return trusted.task_dirs(req.task_dirs, sb.record.spec.workdir)
 
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
-        sb = self._get(sandbox_id)
+        sb = self.life._get(sandbox_id)
         action = {"op": "exec", **req.model_dump(include={"cmd", "stdin", "env", "cwd", "user"})}
         if req.trusted:  # another action than the same command untrusted (a replay must not mix them)
             action.update(trusted=True, task_dirs=req.task_dirs)
@@ -210,9 +180,9 @@ class EdgeExec:
             denied_before = sb.stats["denied_syscalls"]
             raw = await self._run(sb, req)
             result = raw.to_exec_result()
-            result.misbehaviour = self._misbehaviour(sb, raw, denied_before)
+            result.misbehaviour = self.monitor.misbehaviour(sb, raw, denied_before)
             if (raw.exit_code != 0 or raw.timed_out) and sb.record.spec.network is not None:
-                refused = await self._denied_connections(sb)
+                refused = await self.monitor.denied_connections(sb)
                 if refused:
                     result.misbehaviour["denied_connections"] = refused
             return result.model_dump()
@@ -224,7 +194,7 @@ class EdgeExec:
         self, sandbox_id: str, req: ExecRequest
     ) -> AsyncIterator[tuple[str, bytes | ExecResult]]:
         """Like exec, yielding ("stdout" | "stderr", chunk) as output arrives, then ("result", ExecResult)."""
-        sb = self._get(sandbox_id)
+        sb = self.life._get(sandbox_id)
         queue: asyncio.Queue[tuple[str, bytes | ExecResult]] = asyncio.Queue()
         task = asyncio.create_task(
             self._run(sb, req, sink=lambda kind, chunk: queue.put_nowait((kind, chunk)))
@@ -252,7 +222,7 @@ class EdgeExec:
     # --- sessions ------------------------------------------------------------------
 
     async def session_create(self, sandbox_id: str, req: SessionCreate) -> SessionInfo:
-        sb = self._get(sandbox_id)
+        sb = self.life._get(sandbox_id)
         sb.backend.require(Capability.EXEC, "sessions")
         if len(sb.sessions) >= 64:
             raise errors.QuotaExceeded("a sandbox holds at most 64 sessions; close one first")
@@ -267,7 +237,7 @@ class EdgeExec:
         )
         if len(sb.sessions) >= 64 or self.sandboxes.get(sb.id) is not sb:  # changed meanwhile
             session.close()
-            self._get(sandbox_id)  # gone: not found
+            self.life._get(sandbox_id)  # gone: not found
             raise errors.QuotaExceeded("a sandbox holds at most 64 sessions; close one first")
         sb.sessions[sid] = session
         return SessionInfo(id=sid, kind=req.kind, created_at=session.created_at)
@@ -281,7 +251,7 @@ class EdgeExec:
         return s
 
     async def session_run(self, sandbox_id: str, session_id: str, req: SessionRun) -> SessionResult:
-        sb = self._get(sandbox_id)
+        sb = self.life._get(sandbox_id)
         s = self._session(sb, session_id)
         # The session id is left out of the action: after a client restart the same step
         # may come through a new session of the same kind.
@@ -365,7 +335,7 @@ class EdgeExec:
             self._dirty_active[sb.id] = now
 
     async def write_logged(self, sandbox_id: str, req: FileWrite, data: bytes) -> None:
-        sb = self._get(sandbox_id)
+        sb = self.life._get(sandbox_id)
         sb.backend.require(Capability.FILES, "file operations")
         digest = hashlib.sha256(data).hexdigest()
         action = {"op": "write", "path": req.path, "sha256": digest, "size": len(data), "mode": req.mode}
@@ -377,7 +347,7 @@ class EdgeExec:
         await self._logged(sb, "file", action, req.step, run)
 
     async def edit_logged(self, sandbox_id: str, req: FileEdit) -> int:
-        sb = self._get(sandbox_id)
+        sb = self.life._get(sandbox_id)
         sb.backend.require(Capability.FILES, "file operations")
         action = {"op": "edit", "path": req.path, "old": req.old, "new": req.new}
 
@@ -397,7 +367,7 @@ class EdgeExec:
         self, sandbox_id: str, *, after_seq: int = 0, limit: int | None = None
     ) -> dict[str, Any]:
         """The logged operations in seq order (flushed first), gaps included, and the counts."""
-        self._lookup(sandbox_id)
+        self.life._lookup(sandbox_id)
         await self.trajlog.flush()
         entries = self.trajlog.read(sandbox_id, after_seq=after_seq, limit=limit)
         return {
@@ -406,7 +376,7 @@ class EdgeExec:
         }
 
     async def trajectory_export(self, sandbox_id: str, fmt: str) -> bytes:
-        self._lookup(sandbox_id)
+        self.life._lookup(sandbox_id)
         if fmt not in ("jsonl", "parquet"):
             raise errors.InvalidRequest(f"unknown export format {fmt!r}: use jsonl or parquet")
         await self.trajlog.flush()
@@ -419,11 +389,11 @@ class EdgeExec:
             return path.read_bytes()
 
     def session_list(self, sandbox_id: str) -> builtins.list[SessionInfo]:
-        sb = self._get(sandbox_id)
+        sb = self.life._get(sandbox_id)
         return [SessionInfo(id=s.id, kind=s.kind, created_at=s.created_at) for s in sb.sessions.values()]
 
     async def session_close(self, sandbox_id: str, session_id: str) -> None:
-        sb = self._get(sandbox_id)
+        sb = self.life._get(sandbox_id)
         s = self._session(sb, session_id)
         sb.sessions.pop(session_id, None)
         await asyncio.get_running_loop().run_in_executor(None, s.close)

@@ -71,6 +71,19 @@ _T = TypeVar("_T")
 _pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="dsec-files")
 
 
+def stats_sorted(dirfd: int, names: list[str] | None = None) -> Iterator[tuple[str, os.stat_result]]:
+    """The entries of a directory (or the given `names` in it), sorted by name, with their
+    own stats (links not followed); an entry gone meanwhile is left out."""
+    if names is None:
+        with os.scandir(dirfd) as it:
+            names = [e.name for e in it]
+    for name in sorted(names):
+        try:
+            yield name, os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+
+
 async def off_loop(fn: Callable[[], _T]) -> _T:
     return await asyncio.get_running_loop().run_in_executor(_pool, fn)
 
@@ -350,15 +363,10 @@ class SandboxFiles:
                             f"exec (e.g. `ls {path} | head`) or the archive download"
                         )
                     names.append(entry.name)
-            names.sort()
-            out: list[FileStat] = []
-            for name in names:
-                try:
-                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                out.append(_to_stat(str(PurePosixPath(path) / name), name, st, self.id_offset))
-        return out
+            return [
+                _to_stat(str(PurePosixPath(path) / name), name, st, self.id_offset)
+                for name, st in stats_sorted(fd, names)
+            ]
 
     def delete(self, path: str, recursive: bool = False) -> None:
         path = _norm(path)
@@ -430,13 +438,7 @@ class SandboxFiles:
         st = os.fstat(fd)
         tf.addfile(self._info(arcname, st, tarfile.DIRTYPE))
         budget.entry(arcname)
-        with os.scandir(fd) as it:
-            names = sorted(e.name for e in it)
-        for name in names:
-            try:
-                est = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
+        for name, est in stats_sorted(fd):
             self._tar_entry(tf, fd, name, f"{arcname}/{name}", est, budget)  # "./a/b", as tar -C dir .
 
     def _tar_entry(

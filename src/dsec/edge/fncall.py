@@ -39,6 +39,7 @@ from typing import Any
 
 from dsec import errors
 from dsec.backends.base import SandboxHandle
+from dsec.backends.shim import Launch
 from dsec.edge.process import PipeReader, Spawned, spawn
 from dsec.isolation.cgroups import CgroupHost, ExecGroup
 from dsec.models import (
@@ -435,11 +436,7 @@ class FnCallPool:
                 handle,
                 self.host.cgroups,
                 f"dsec-fncall-{sandbox_id[-6:]}",
-                ["python3", "-u", "-c", runner_source()],
-                env,
-                cwd="/",
-                uid=0,
-                gid=0,
+                Launch(["python3", "-u", "-c", runner_source()], env, cwd="/", uid=0, gid=0),
                 stdio=(theirs_fd, err_w, err_w),
             )
         except BaseException:

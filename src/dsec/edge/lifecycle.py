@@ -21,18 +21,16 @@ from typing import Any
 from dsec import errors
 from dsec.backends import registry
 from dsec.backends.base import Backend, Capability, SandboxHandle, SandboxPlan
-from dsec.config import EdgeSettings
+from dsec.edge.core import EdgeCore, EdgePart
 from dsec.edge.files import SandboxFiles
 from dsec.edge.pools import WarmPools
 from dsec.edge.process import RawResult
 from dsec.edge.sandbox import Sandbox, _chain
-from dsec.edge.store import EdgeStore, Record
+from dsec.edge.store import Record
 from dsec.edge.telemetry import Telemetry
-from dsec.isolation.cgroups import PID_RESERVE, CgroupHost
+from dsec.isolation.cgroups import PID_RESERVE
 from dsec.isolation.denials import audit_session
-from dsec.isolation.netpolicy import NetHost
 from dsec.isolation.spec import DEFAULT_PATH, Limits
-from dsec.layers import LayerStore
 from dsec.layers.store import Image
 from dsec.models import (
     POOL_PROJECT,
@@ -42,44 +40,28 @@ from dsec.models import (
     SandboxSpec,
     SandboxState,
 )
-from dsec.trajlog import TrajectoryLog
 
 log = logging.getLogger("dsec.edge")
 _ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 
 
-class EdgeLifecycle:
+class EdgeLifecycle(EdgePart):
     """Admission, create, lookup, pause, network, stop (see the module)."""
 
     def __init__(
         self,
+        core: EdgeCore,
         *,
-        settings: EdgeSettings,
-        layers: LayerStore,
-        cgroups: CgroupHost,
-        net: NetHost,
-        trajlog: TrajectoryLog,
         telemetry: Telemetry,
-        sandboxes: dict[str, Sandbox],
-        backends: dict[str, Backend],
-        store: Callable[[], EdgeStore | None],
         toolkit: Callable[[], list[str]],
         run: Callable[..., Coroutine[Any, Any, RawResult]],
         protect: Callable[[str, list[str]], Awaitable[object]],
         vault_dir: Callable[[str], Path],
         release_fork_layers: Callable[[str | None], None],
     ) -> None:
-        self.settings = settings
-        self.name = settings.name
-        self.layers = layers
-        self.cgroups = cgroups
-        self.net = net
-        self.trajlog = trajlog
+        super().__init__(core)
         self.telemetry = telemetry.counters
         self.denials = telemetry.denials
-        self.sandboxes = sandboxes  # the edge's, shared: its live sandboxes by id
-        self.backends = backends  # the edge's, shared (filled when it starts)
-        self._store = store  # open while the edge runs
         self._toolkit_of = toolkit  # the layers every sandbox gets on top (the shim)
         self._run = run  # EdgeExec._run
         self.protect = protect  # EdgeVault.protect
@@ -90,12 +72,7 @@ class EdgeLifecycle:
         # Sandboxes that died on their own (init killed, e.g. out of memory): their callers get
         # sandbox_failed with the reason instead of not_found (the most recent 10,000).
         self._failed: dict[str, Record] = {}
-        self._dirty_active: dict[str, float] = {}  # last activity not yet written to the store
         self.pools = WarmPools(self._create_for_pool, self.stop)
-
-    @property
-    def store(self) -> EdgeStore | None:
-        return self._store()
 
     @property
     def _toolkit(self) -> list[str]:

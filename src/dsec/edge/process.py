@@ -8,10 +8,11 @@ import errno
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from dsec.backends.base import SandboxHandle
+from dsec.backends.shim import Launch
 from dsec.errors import InternalError, InvalidRequest, QuotaExceeded
 from dsec.isolation.cgroups import CgroupHost, ExecGroup, keyed_value
 from dsec.isolation.procs import resolve_once
@@ -127,15 +128,11 @@ async def spawn(
     container: SandboxHandle,
     cgroups: CgroupHost,
     group_name: str,
-    argv: Sequence[str],
-    env: dict[str, str],
+    launch: Launch,
     *,
-    cwd: str,
-    uid: int,
-    gid: int,
     stdio: tuple[int, int, int],
 ) -> Spawned:
-    """Start `argv` in its own cgroup under the sandbox's; closes the stdio fds given."""
+    """Start `launch` in its own cgroup under the sandbox's; closes the stdio fds given."""
     try:
         group = cgroups.open_exec_group(container.id, group_name)
     except OSError as e:
@@ -143,23 +140,22 @@ async def spawn(
             os.close(fd)
         raise InternalError(f"cannot create an exec cgroup: {e}") from e
     try:
-        ident, pid, exited = await container.channel.spawn(
-            argv, env, cwd=cwd, uid=uid, gid=gid, stdio=stdio, cgroup_fds=[group.procs_fd]
-        )
+        ident, pid, exited = await container.channel.spawn(launch, stdio=stdio, cgroup_fds=[group.procs_fd])
     except OSError as e:
         group.remove()
         if e.errno == errno.ENOENT:
             raise InvalidRequest(
-                f"cannot run {argv[0]!r}: no such program or working directory {cwd!r} in the sandbox"
+                f"cannot run {launch.argv[0]!r}: no such program or working directory "
+                f"{launch.cwd!r} in the sandbox"
             ) from e
         if e.errno in (errno.EACCES, errno.ENOEXEC):
-            raise InvalidRequest(f"cannot run {argv[0]!r}: {e.strerror}") from e
+            raise InvalidRequest(f"cannot run {launch.argv[0]!r}: {e.strerror}") from e
         if e.errno == errno.EAGAIN:
             raise QuotaExceeded(
                 "the sandbox is at its pids limit (something inside keeps forking); "
                 "kill those processes or stop the sandbox"
             ) from e
-        raise InternalError(f"starting {argv[0]!r} failed: {e.strerror}") from e
+        raise InternalError(f"starting {launch.argv[0]!r} failed: {e.strerror}") from e
     except BaseException:
         group.remove()
         raise
@@ -180,12 +176,8 @@ async def run_process(
     container: SandboxHandle,
     cgroups: CgroupHost,
     group_name: str,
-    argv: Sequence[str],
-    env: dict[str, str],
+    launch: Launch,
     *,
-    cwd: str,
-    uid: int,
-    gid: int,
     stdin: bytes | None,
     timeout: float,
     cap: int,
@@ -200,9 +192,7 @@ async def run_process(
         in_r, in_w = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC), -1
     loop = asyncio.get_running_loop()
     try:
-        proc = await spawn(
-            container, cgroups, group_name, argv, env, cwd=cwd, uid=uid, gid=gid, stdio=(in_r, out_w, err_w)
-        )
+        proc = await spawn(container, cgroups, group_name, launch, stdio=(in_r, out_w, err_w))
     except BaseException:
         for fd in (in_w, out_r, err_r):
             if fd >= 0:

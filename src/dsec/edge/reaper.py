@@ -10,14 +10,13 @@ import asyncio
 import builtins
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from dsec.backends.base import Backend, SandboxHandle
-from dsec.config import EdgeSettings
+from dsec.backends import registry
+from dsec.backends.base import Backend
+from dsec.edge.core import EdgeCore, EdgePart
+from dsec.edge.lifecycle import EdgeLifecycle
 from dsec.edge.sandbox import Sandbox
-from dsec.edge.store import EdgeStore, Record
-from dsec.isolation.cgroups import CgroupHost
 from dsec.isolation.procs import (
     reap_strays,
     unmount_all,
@@ -29,44 +28,12 @@ from dsec.models import (
 log = logging.getLogger("dsec.edge")
 
 
-class EdgeReaper:
+class EdgeReaper(EdgePart):
     """Reaping, re-adoption and reconciliation (see the module)."""
 
-    def __init__(
-        self,
-        *,
-        settings: EdgeSettings,
-        cgroups: CgroupHost,
-        sandboxes: dict[str, Sandbox],
-        backends: dict[str, Backend],
-        store: Callable[[], EdgeStore | None],
-        dirty_active: dict[str, float],
-        in_progress: Callable[[], set[str]],
-        default_backend: Callable[[], Backend | None],
-        open_sandbox: Callable[[Record, Backend, SandboxHandle], Sandbox],
-        apply_network: Callable[..., Awaitable[None]],
-        watch_exit: Callable[[Sandbox], None],
-        pause: Callable[[str], Awaitable[object]],
-        stop: Callable[[str], Awaitable[None]],
-    ) -> None:
-        self.settings = settings
-        self.name = settings.name
-        self.cgroups = cgroups
-        self.sandboxes = sandboxes  # the edge's, shared
-        self.backends = backends  # the edge's, shared (filled when it starts)
-        self._store = store  # open while the edge runs
-        self._dirty_active = dirty_active  # the edge's, shared
-        self._in_progress = in_progress  # ids being created or torn down: not orphans
-        self._default_backend = default_backend
-        self._open_sandbox = open_sandbox
-        self._apply_network = apply_network
-        self._watch_exit = watch_exit
-        self.pause = pause
-        self.stop = stop
-
-    @property
-    def store(self) -> EdgeStore | None:
-        return self._store()
+    def __init__(self, core: EdgeCore, *, life: EdgeLifecycle) -> None:
+        super().__init__(core)
+        self.life = life  # what is in progress; re-opening, pausing and stopping sandboxes
 
     # --- reaping, re-adoption, reconciliation ----------------------------------------
 
@@ -103,7 +70,7 @@ class EdgeReaper:
         async def reap(sb: Sandbox) -> None:
             if not self._is_idle(sb, time.time()):  # something started since the scan
                 return
-            await (self.pause(sb.id) if sb.record.spec.ttl_action == "pause" else self.stop(sb.id))
+            await (self.life.pause(sb.id) if sb.record.spec.ttl_action == "pause" else self.life.stop(sb.id))
 
         await asyncio.gather(*(reap(sb) for sb in idle), return_exceptions=True)
         return [sb.id for sb in idle]
@@ -133,7 +100,7 @@ class EdgeReaper:
                 self.store.delete(rec.id)
                 continue
             try:
-                sb = self._open_sandbox(rec, backend, handle)
+                sb = self.life._open_sandbox(rec, backend, handle)
             except Exception:
                 await backend.destroy(handle)
                 self.store.delete(rec.id)
@@ -141,19 +108,19 @@ class EdgeReaper:
             self.sandboxes[rec.id] = sb
             if rec.spec.network is not None:
                 try:
-                    await self._apply_network(sb, rec.spec.network, check=False)
+                    await self.life._apply_network(sb, rec.spec.network, check=False)
                 except Exception:
                     log.exception("re-applying the network policy of %s failed", rec.id)
-            self._watch_exit(sb)
+            self.life._watch_exit(sb)
 
     async def reconcile(self) -> dict[str, int]:
         """Remove host resources of this edge that no live sandbox claims."""
-        known = set(self.sandboxes) | self._in_progress()
+        known = set(self.sandboxes) | self.life.in_progress()
         mine = f"{self.name}-"
         orphans: dict[str, Backend] = {}
         for backend in self.backends.values():
             orphans.update(dict.fromkeys(backend.leftover_ids() - known, backend))
-        default = self._default_backend()
+        default = self.backends.get(registry.DEFAULT) or next(iter(self.backends.values()), None)
         for c in self.cgroups.listed_sandboxes():  # a cgroup is every backend's; the default removes it
             if default is not None and c.startswith(mine) and c not in known:
                 orphans.setdefault(c, default)

@@ -15,14 +15,15 @@ import re
 import secrets
 import shutil
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from dsec import errors
-from dsec.backends.base import Backend, Capability
-from dsec.config import EdgeSettings
+from dsec.backends.base import Capability
+from dsec.edge.core import EdgeCore, EdgePart
 from dsec.edge.execs import EdgeExec
+from dsec.edge.lifecycle import EdgeLifecycle
 from dsec.edge.sandbox import MAX_FORK_CHAIN, Sandbox, _chain
 from dsec.edge.snapshots import (
     check_fork_room,
@@ -39,7 +40,6 @@ from dsec.isolation.procs import (
     unmount_all,
     wait_quick,
 )
-from dsec.layers import LayerStore
 from dsec.layers.store import Image
 from dsec.models import (
     Checkpoint,
@@ -54,40 +54,16 @@ from dsec.models import (
 log = logging.getLogger("dsec.edge")
 
 
-class EdgeState:
+class EdgeState(EdgePart):
     """Snapshot, fork, checkpoint and restore, image transfer (see the module)."""
 
     def __init__(
-        self,
-        *,
-        name: str,
-        settings: EdgeSettings,
-        layers: LayerStore,
-        sandboxes: dict[str, Sandbox],
-        copy_tool: Callable[[], Path],
-        get: Callable[[str], Sandbox],
-        check_access: Callable[[str, set[str] | None], None],
-        backend_for: Callable[[str], Backend],
-        image: Callable[[str], Image],
-        admit: Callable[[SandboxSpec], None],
-        create: Callable[..., Awaitable[SandboxInfo]],  # Edge._create: (spec, id, t0, *, extra_lower...)
-        stop: Callable[[str], Awaitable[None]],
-        execs: EdgeExec,
+        self, core: EdgeCore, *, life: EdgeLifecycle, execs: EdgeExec, copy_tool: Callable[[], Path]
     ) -> None:
-        self.name = name
-        self.settings = settings
-        self.layers = layers
-        self.sandboxes = sandboxes  # the edge's, shared
+        super().__init__(core)
+        self.life = life  # access, admission, create and stop of the sandboxes made from state
+        self.execs = execs  # exec cgroup names and the trajectory's events
         self._copy_tool_of = copy_tool  # dsec-copy, built when the edge starts
-        self._get = get
-        self.check_access = check_access
-        self.backend_for = backend_for
-        self._image = image
-        self._admit = admit
-        self._create = create
-        self.stop = stop
-        self._group_name = execs._group_name
-        self.log_event = execs.log_event
 
     @property
     def _copy_tool(self) -> Path:
@@ -110,7 +86,7 @@ class EdgeState:
 
     def _checkpoint_model(self, d: Path) -> Checkpoint:
         spec = SandboxSpec.model_validate_json((d / "spec.json").read_text())
-        info = self.backend_for(spec.backend).load_checkpoint(d)
+        info = self.life.backend_for(spec.backend).load_checkpoint(d)
         return Checkpoint(
             id=d.name,
             sandbox=info.sandbox,
@@ -130,7 +106,7 @@ class EdgeState:
         while they are stopped, so that memory and files match. Only processes that run on
         their own can be checkpointed (not a running exec or a session: their pipes end in
         this edge); anything else fails with a coded reason that says what to do instead."""
-        sb = self._get(sandbox_id)  # resumes a paused sandbox: CRIU cannot seize frozen tasks
+        sb = self.life._get(sandbox_id)  # resumes a paused sandbox: CRIU cannot seize frozen tasks
         sb.backend.require_checkpoint()
         cid = f"{self.name}-ckpt-{secrets.token_hex(6)}"
         dest = self._checkpoints_dir() / cid
@@ -153,7 +129,7 @@ class EdgeState:
         info.timings_ms["total"] = (time.perf_counter() - t0) * 1000
         info.save()
         result = self._checkpoint_model(dest)
-        await self.log_event(
+        await self.execs.log_event(
             sandbox_id,
             "checkpoint",
             {"op": "checkpoint", "leave_running": leave_running},
@@ -176,11 +152,11 @@ class EdgeState:
         spec = SandboxSpec.model_validate_json((d / "spec.json").read_text())
         if projects is not None and spec.project not in projects:
             raise errors.CheckpointNotFound(f"there is no checkpoint {checkpoint_id} in your projects")
-        self.backend_for(spec.backend).require_checkpoint("restore")
+        self.life.backend_for(spec.backend).require_checkpoint("restore")
         t0 = time.perf_counter()
         if sandbox_id is not None:
-            self.check_access(sandbox_id, projects)
-            sb = self._get(sandbox_id)
+            self.life.check_access(sandbox_id, projects)
+            sb = self.life._get(sandbox_id)
             if sb.record.spec.backend != spec.backend:  # refused before anything is touched
                 raise errors.UnsupportedOperation(
                     f"checkpoint {checkpoint_id} was taken on the {spec.backend} backend; sandbox "
@@ -193,23 +169,23 @@ class EdgeState:
                     s.close(kill=False)
             sb.sessions.clear()
             await sb.backend.kill_user_processes(sb.handle)
-            roots = await sb.backend.restore(sb.handle, d, group_name=self._group_name(sb))
+            roots = await sb.backend.restore(sb.handle, d, group_name=self.execs._group_name(sb))
             info = sb.info(self.name)
         else:
             if labels:
                 spec = spec.model_copy(update={"labels": {**spec.labels, **labels}})
             spec = spec.model_copy(update={"labels": {**spec.labels, "dsec.restored-from": checkpoint_id}})
             # The checkpoint's files are stacked as they are (read-only, shared by every restore).
-            info = await self._create(spec, None, t0, extra_lower=str(d / "fs"))
+            info = await self.life._create(spec, None, t0, extra_lower=str(d / "fs"))
             sb = self.sandboxes[info.id]
             try:
-                roots = await sb.backend.restore(sb.handle, d, group_name=self._group_name(sb))
+                roots = await sb.backend.restore(sb.handle, d, group_name=self.execs._group_name(sb))
             except BaseException:
-                await self.stop(info.id)
+                await self.life.stop(info.id)
                 raise
             info = sb.info(self.name)
         info.timings_ms["restore"] = (time.perf_counter() - t0) * 1000
-        await self.log_event(
+        await self.execs.log_event(
             sb.id, "restore", {"op": "restore", "checkpoint": checkpoint_id}, {"roots": roots}
         )
         return info
@@ -261,13 +237,13 @@ class EdgeState:
                 sb.backend.thaw(sb.handle)
 
     async def snapshot(self, sandbox_id: str, scrub_paths: builtins.list[str] | None = None) -> SnapshotInfo:
-        sb = self._get(sandbox_id)
+        sb = self.life._get(sandbox_id)
         sb.backend.require(Capability.SNAPSHOT, "snapshot")
         if sb.record.extra_lower:
             raise errors.UnsupportedOperation(
                 f"sandbox {sandbox_id} is a fork; snapshot the sandbox it was forked from, or fork a snapshot"
             )
-        base = self._image(sb.record.spec.image)
+        base = self.life._image(sb.record.spec.image)
         n = next(sb.counter)
         version = f"{int(time.time())}-{n}"
         loop = asyncio.get_running_loop()
@@ -304,7 +280,9 @@ class EdgeState:
             },
         )
         self.layers.put_image(image)
-        await self.log_event(sandbox_id, "snapshot", {"op": "snapshot", "scrub": scrubbed}, {"id": name})
+        await self.execs.log_event(
+            sandbox_id, "snapshot", {"op": "snapshot", "scrub": scrubbed}, {"id": name}
+        )
         return SnapshotInfo(
             id=name,
             sandbox=sandbox_id,
@@ -324,7 +302,7 @@ class EdgeState:
         ]
 
     def delete_snapshot(self, name: str, projects: set[str] | None = None) -> None:
-        image = self._image(name)
+        image = self.life._image(name)
         if image.source.get("type") != "snapshot":
             raise errors.InvalidRequest(f"{name} is not a snapshot")
         if projects is not None and image.source.get("project") not in projects:
@@ -339,7 +317,7 @@ class EdgeState:
 
     def image_manifest(self, name: str) -> dict[str, Any]:
         """An image and the digests of its layers, for another edge to pull it."""
-        image = self._image(name)
+        image = self.life._image(name)
         return {
             "image": image.model_dump(mode="json"),
             "digests": {str(r): self.layers.get_layer(r).digest for r in image.layers},
@@ -405,11 +383,11 @@ class EdgeState:
         """
         if not 1 <= n <= 256:
             raise errors.InvalidRequest(f"fork count must be between 1 and 256, got {n}")
-        sb = self._get(sandbox_id)
+        sb = self.life._get(sandbox_id)
         sb.backend.require(Capability.FORK, "fork")
         spec = sb.record.spec
         for _ in range(n):
-            self._admit(spec)
+            self.life._admit(spec)
         check_fork_room(self._forks_root(), sandbox_id, sb.handle.writable_layer())  # before the copy
         t0 = time.perf_counter()
         shared = self._forks_root() / f"{sandbox_id}-{secrets.token_hex(4)}"
@@ -452,7 +430,10 @@ class EdgeState:
             labels = {**spec.labels, "dsec.fork-of": sandbox_id}
             child = spec.model_copy(update={"labels": labels})
             results = await asyncio.gather(
-                *(self._create(child, None, t0, extra_lower=chain, layers_ready=ready) for _ in range(n)),
+                *(
+                    self.life._create(child, None, t0, extra_lower=chain, layers_ready=ready)
+                    for _ in range(n)
+                ),
                 return_exceptions=True,
             )
             await ready
@@ -469,7 +450,7 @@ class EdgeState:
         infos = [r for r in results if isinstance(r, SandboxInfo)]
         failed = [r for r in results if not isinstance(r, SandboxInfo)]
         if failed:
-            await asyncio.gather(*(self.stop(i.id) for i in infos), return_exceptions=True)
+            await asyncio.gather(*(self.life.stop(i.id) for i in infos), return_exceptions=True)
             self._release_fork_layers(chain)
             raise (
                 failed[0] if isinstance(failed[0], errors.DsecError) else errors.InternalError(str(failed[0]))
@@ -477,7 +458,7 @@ class EdgeState:
         for i in infos:
             i.timings_ms["fork_copy"] = (copied.get("t", t0) - t0) * 1000
             i.fork_layer = ForkLayer(id=shared.name, size_bytes=layer_bytes)
-        await self.log_event(sandbox_id, "fork", {"op": "fork", "n": n}, {"ids": [i.id for i in infos]})
+        await self.execs.log_event(sandbox_id, "fork", {"op": "fork", "n": n}, {"ids": [i.id for i in infos]})
         return infos
 
     def _unmount_forks_if_unused(self) -> None:

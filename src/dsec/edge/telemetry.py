@@ -8,20 +8,17 @@ from __future__ import annotations
 
 from collections import Counter
 
+from dsec.edge.core import EdgeCore, EdgePart
 from dsec.edge.process import RawResult
 from dsec.edge.sandbox import Sandbox
-from dsec.isolation.cgroups import CgroupHost
 from dsec.isolation.denials import DeniedSyscalls
-from dsec.isolation.netpolicy import NetHost
 
 
-class Telemetry:
+class Telemetry(EdgePart):
     """Misbehaviour of one call and telemetry of a sandbox (see the module)."""
 
-    def __init__(self, *, cgroups: CgroupHost, net: NetHost, sandboxes: dict[str, Sandbox]) -> None:
-        self.cgroups = cgroups
-        self.net = net
-        self.sandboxes = sandboxes  # the edge's, shared
+    def __init__(self, core: EdgeCore) -> None:
+        super().__init__(core)
         self.denials = DeniedSyscalls(self._on_denied_syscall)  # started and closed by the edge
 
     def counters(self, sb: Sandbox) -> dict[str, int]:

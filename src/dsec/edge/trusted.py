@@ -37,7 +37,14 @@ from pathlib import Path, PurePosixPath
 
 from dsec import errors
 from dsec.backends.base import SandboxHandle
-from dsec.edge.files import MAX_ARCHIVE, MAX_ARCHIVE_ENTRIES, RESOLVE, RESOLVE_WALK, SandboxFiles
+from dsec.edge.files import (
+    MAX_ARCHIVE,
+    MAX_ARCHIVE_ENTRIES,
+    RESOLVE,
+    RESOLVE_WALK,
+    SandboxFiles,
+    stats_sorted,
+)
 from dsec.edge.process import PipeReader, RawResult, exit_code, feed_pipe, release_group
 from dsec.isolation import linux
 from dsec.isolation.cgroups import CgroupHost, ExecGroup, keyed_value
@@ -215,13 +222,7 @@ def _finish(fd: int, st: os.stat_result, owner: int) -> None:
 
 
 def _copy_dir(src: int, dst: int, owner: int, bound: _Bound, shown: str) -> None:
-    with os.scandir(src) as it:
-        names = sorted(e.name for e in it)
-    for name in names:
-        try:
-            st = os.stat(name, dir_fd=src, follow_symlinks=False)
-        except FileNotFoundError:
-            continue
+    for name, st in stats_sorted(src):
         m = st.st_mode
         if stat.S_ISDIR(m):
             try:

@@ -184,7 +184,7 @@ class Gate:
             return
         hit = self.express.match(scope) if self.express is not None else None
         body: bytes | None = None
-        if has_body and _json_or_untyped(scope):
+        if has_body and _json_content(scope, untyped=True):
             body = await self._read(scope, receive, send, cap)
             if body is None:
                 return
@@ -397,21 +397,14 @@ def _exception_handler(scope: dict[str, Any], exc: Exception) -> Callable[..., A
     return None
 
 
-def _json_content(scope: dict[str, Any]) -> bool:
+def _json_content(scope: dict[str, Any], untyped: bool = False) -> bool:
+    """Whether the body is JSON by its media type; `untyped`: what a body without one is
+    (FastAPI parses it as JSON)."""
     for name, value in scope["headers"]:
         if name == b"content-type":
             media: bytes = value.split(b";", 1)[0].strip().lower()
             return media == b"application/json" or media.endswith(b"+json")
-    return False
-
-
-def _json_or_untyped(scope: dict[str, Any]) -> bool:
-    """A body FastAPI would parse as JSON: a JSON media type, or none at all."""
-    for name, value in scope["headers"]:
-        if name == b"content-type":
-            media: bytes = value.split(b";", 1)[0].strip().lower()
-            return media == b"application/json" or media.endswith(b"+json")
-    return True
+    return untyped
 
 
 def _has_body(scope: dict[str, Any]) -> bool:

@@ -22,29 +22,16 @@ class PoolSpec(BaseModel):
     max_size: int = Field(64, ge=0, le=10000)
 
     def key(self) -> tuple[object, ...]:
-        return (
-            self.image,
-            self.cpu,
-            self.memory_mb,
-            self.pids,
-            self.disk_mb,
-            self.disk_inodes,
-            self.user,
-            self.workdir,
-        )
+        """What makes two pools the same: the sandbox they hold (not their sizes)."""
+        return tuple(getattr(self, f) for f in _SHAPE)
 
     def base_spec(self) -> SandboxSpec:
-        return SandboxSpec(
-            image=self.image,
-            cpu=self.cpu,
-            memory_mb=self.memory_mb,
-            pids=self.pids,
-            disk_mb=self.disk_mb,
-            disk_inodes=self.disk_inodes,
-            user=self.user,
-            workdir=self.workdir,
-            project=POOL_PROJECT,
-        )
+        """The spec of the sandboxes it holds, as the pool's project owns them until claimed."""
+        return SandboxSpec.model_validate({f: getattr(self, f) for f in _SHAPE} | {"project": POOL_PROJECT})
+
+
+# The fields of a pool that are the fields of its sandboxes' spec.
+_SHAPE = tuple(f for f in PoolSpec.model_fields if f in SandboxSpec.model_fields)
 
 
 class PoolInfo(BaseModel):

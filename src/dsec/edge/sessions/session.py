@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 from dsec.backends.base import SandboxHandle
+from dsec.backends.shim import Launch
 from dsec.edge.process import PipeReader, Spawned, exit_code, feed_pipe, kill_except, release_group, spawn
 from dsec.edge.sessions.bashstate import (
     DUMP_PIPE,
@@ -46,9 +47,8 @@ class Runner:
     async def spawn(
         self, name: str, argv: list[str], env: dict[str, str], cwd: str, stdio: tuple[int, int, int]
     ) -> Spawned:
-        return await spawn(
-            self.handle, self.cgroups, name, argv, env, cwd=cwd, uid=self.uid, gid=self.gid, stdio=stdio
-        )
+        launch = Launch(argv, env, cwd=cwd, uid=self.uid, gid=self.gid)
+        return await spawn(self.handle, self.cgroups, name, launch, stdio=stdio)
 
 
 def _script_fd(script: bytes) -> int:

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from dsec.isolation.netpolicy.limits import CLONE_NEWNET, T
+from dsec.isolation.procs import spawn_quick, wait_quick
 
 log = logging.getLogger("dsec.netpolicy")
 
@@ -156,28 +157,10 @@ async def run_tool(argv: Sequence[str], stdin: str = "") -> tuple[int, str]:
         os.write(wfd, stdin.encode())  # small scripts: they fit in the pipe buffer
         os.close(wfd)
         wfd = -1
-        pid = os.posix_spawnp(
-            argv[0],
-            list(argv),
-            os.environ,
-            file_actions=[
-                (os.POSIX_SPAWN_DUP2, rfd, 0),
-                (os.POSIX_SPAWN_DUP2, efd, 1),
-                (os.POSIX_SPAWN_DUP2, efd, 2),
-            ],
-        )
+        pid, pidfd = spawn_quick(argv, efd, efd, stdin_fd=rfd)
         os.close(efd)
         efd = -1
-        pidfd = os.pidfd_open(pid)
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
-        loop.add_reader(pidfd, _resolve_once, done)
-        try:
-            await done
-        finally:
-            loop.remove_reader(pidfd)
-            os.close(pidfd)
-        rc = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        rc = await wait_quick(pid, pidfd)
         out = b""
         while select.select([ofd], [], [], 0)[0]:
             chunk = os.read(ofd, 65536)
@@ -189,8 +172,3 @@ async def run_tool(argv: Sequence[str], stdin: str = "") -> tuple[int, str]:
         for fd in (rfd, wfd, ofd, efd):
             if fd >= 0:
                 os.close(fd)
-
-
-def _resolve_once(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
