@@ -373,7 +373,7 @@ def test_load_recipe() -> None:
 @pytest.mark.root
 @needs_root
 def test_debian_tree_is_trimmed(tmp_path: Path) -> None:
-    from dsec.layers.builders import _trim_debian_tree
+    from dsec.layers.builders.debian import _trim_debian_tree
 
     t = make_tree(
         tmp_path / "root",
