@@ -41,7 +41,7 @@ import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import IO, Annotated, Any, Literal
+from typing import IO, Annotated, Any, Literal, NoReturn
 
 from fastapi import APIRouter, Depends, File, Form, HTTPException, Request, Response, UploadFile
 from fastapi.exceptions import RequestValidationError
@@ -89,6 +89,12 @@ class RexError(Exception):
         self.class_path = class_path
         self.message = message
         self.extra_info = extra_info or {}
+
+
+def _nonzero(command: object, exit_code: int | None, output: str, error_msg: str | None) -> NoReturn:
+    """SWE-ReX's NonZeroExitCodeError, worded as SWE-ReX words it."""
+    msg = f"Command {command!r} failed with exit code {exit_code}. {output}"
+    raise RexError(_EXC + "NonZeroExitCodeError", f"{error_msg}: {msg}" if error_msg else msg)
 
 
 # --- wire models (SWE-ReX 1.4.0 swerex.runtime.abstract) ---------------------------------
@@ -540,13 +546,7 @@ def swerex_router() -> APIRouter:  # noqa: C901 - one closure per endpoint
             raise RexError(_EXC + "CommandTimeoutError", msg)
         exit_code = None if action.check == "ignore" else r.exit_code
         if action.check == "raise" and exit_code != 0:
-            msg = (
-                f"Command {action.command!r} failed with exit code {exit_code}. "
-                f"Here is the output:\n{r.output!r}"
-            )
-            if action.error_msg:
-                msg = f"{action.error_msg}: {msg}"
-            raise RexError(_EXC + "NonZeroExitCodeError", msg)
+            _nonzero(action.command, exit_code, f"Here is the output:\n{r.output!r}", action.error_msg)
         return BashObservation(output=r.output, exit_code=exit_code, expect_string=PS1)
 
     async def signal_group(ctx: _Ctx, s: _RexSession, sig: str) -> None:
@@ -607,13 +607,9 @@ def swerex_router() -> APIRouter:  # noqa: C901 - one closure per endpoint
             stdout=r.stdout, stderr="" if cmd.merge_output_streams else r.stderr, exit_code=r.exit_code
         )
         if cmd.check and r.exit_code != 0:
-            msg = (
-                f"Command {cmd.command!r} failed with exit code {r.exit_code}. "
-                f"Stdout:\n{out.stdout!r}\nStderr:\n{out.stderr!r}"
+            _nonzero(
+                cmd.command, r.exit_code, f"Stdout:\n{out.stdout!r}\nStderr:\n{out.stderr!r}", cmd.error_msg
             )
-            if cmd.error_msg:
-                msg = f"{cmd.error_msg}: {msg}"
-            raise RexError(_EXC + "NonZeroExitCodeError", msg)
         return out.model_dump()
 
     @router.post("/read_file")

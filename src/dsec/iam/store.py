@@ -195,13 +195,11 @@ class IAM(Admission):
     # ------------------------------------------------------------------ projects
 
     def _project_row(self, db: sqlite3.Connection, name: str) -> sqlite3.Row:
-        row = db.execute("SELECT * FROM projects WHERE name = ?", (name,)).fetchone()
-        if row is None:
-            raise NotFound(
-                f"project {name!r} does not exist: check the name (`dsec project list`) or create it first",
-                project=name,
-            )
-        return row  # type: ignore[no-any-return]
+        return _one(
+            db.execute("SELECT * FROM projects WHERE name = ?", (name,)),
+            f"project {name!r} does not exist: check the name (`dsec project list`) or create it first",
+            project=name,
+        )
 
     def _effective(self, db: sqlite3.Connection, name: str) -> Quota:
         """Effective bounds of ``name``: its own quota tightened by every ancestor's."""
@@ -329,13 +327,11 @@ class IAM(Admission):
         )
 
     def _principal_row(self, db: sqlite3.Connection, principal_id: str) -> sqlite3.Row:
-        row = db.execute("SELECT * FROM principals WHERE id = ?", (principal_id,)).fetchone()
-        if row is None:
-            raise NotFound(
-                f"principal {principal_id!r} does not exist: check the id (`dsec principal list`)",
-                principal=principal_id,
-            )
-        return row  # type: ignore[no-any-return]
+        return _one(
+            db.execute("SELECT * FROM principals WHERE id = ?", (principal_id,)),
+            f"principal {principal_id!r} does not exist: check the id (`dsec principal list`)",
+            principal=principal_id,
+        )
 
     def get_principal(self, principal_id: str) -> Principal:
         with self._lock:
@@ -479,3 +475,11 @@ class IAM(Admission):
             project=project,
             principal=p.name,
         )
+
+
+def _one(cursor: sqlite3.Cursor, missing: str, **details: str) -> sqlite3.Row:
+    """The row a lookup found, or NotFound with `missing` as its message."""
+    row = cursor.fetchone()
+    if row is None:
+        raise NotFound(missing, **details)
+    return row  # type: ignore[no-any-return]
