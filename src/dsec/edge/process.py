@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import errno
 import os
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ from dataclasses import dataclass
 from dsec.backends.base import SandboxHandle
 from dsec.backends.shim import Launch
 from dsec.errors import InternalError, InvalidRequest, QuotaExceeded
-from dsec.isolation.cgroups import CgroupHost, ExecGroup, keyed_value
+from dsec.isolation.cgroups import CgroupHost, ExecGroup, keyed_value, sigkill_each
 from dsec.isolation.procs import resolve_once
 from dsec.models import ExecResult
 
@@ -281,7 +280,5 @@ def kill_except(group: ExecGroup, keep_pid: int | None) -> None:
         victims = [p for p in group.procs() if p != keep_pid]
         if not victims:
             return
-        for pid in victims:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        sigkill_each(victims)
         time.sleep(0.002)

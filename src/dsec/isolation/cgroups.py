@@ -14,6 +14,7 @@ import errno
 import os
 import signal
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -253,6 +254,13 @@ def read_procs(d: Path) -> list[int]:
         return []
 
 
+def sigkill_each(pids: Iterable[int]) -> None:
+    """SIGKILL these processes; one already gone is no error."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def kill_group(d: Path, version: int, deadline_s: float = 5.0) -> None:
     """SIGKILL every process in cgroup `d` and its children, racing forks safely."""
     if version == 2 and (d / "cgroup.kill").exists():
@@ -267,9 +275,7 @@ def kill_group(d: Path, version: int, deadline_s: float = 5.0) -> None:
         pids = _tree_procs(d)
         if not pids:
             return
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        sigkill_each(pids)
         time.sleep(0.001)
 
 
@@ -324,8 +330,6 @@ def remove_tree(d: Path) -> None:
         except OSError as e:
             if e.errno != errno.EBUSY:
                 raise
-            for pid in read_procs(d):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            sigkill_each(read_procs(d))
             time.sleep(0.001 * min(attempt + 1, 20))
     d.rmdir()

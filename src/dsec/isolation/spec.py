@@ -78,6 +78,11 @@ class Limits:
     pids: int
 
 
+def _mount(destination: str, fs_type: str, source: str, *options: str) -> dict[str, Any]:
+    """One entry of the OCI spec's mounts."""
+    return {"destination": destination, "type": fs_type, "source": source, "options": list(options)}
+
+
 def build_config(
     *,
     hostname: str,
@@ -93,18 +98,7 @@ def build_config(
     period = 100_000
     memory = limits.memory_mb * 1024 * 1024
     process_env = {"PATH": DEFAULT_PATH, "HOME": "/root", "LANG": "C.UTF-8", **(env or {})}
-    tools = (
-        [
-            {
-                "destination": TOOLS_DIR,
-                "type": "bind",
-                "source": tools_dir,
-                "options": ["bind", "ro", "nosuid", "nodev"],
-            }
-        ]
-        if tools_dir
-        else []
-    )
+    tools = [_mount(TOOLS_DIR, "bind", tools_dir, "bind", "ro", "nosuid", "nodev")] if tools_dir else []
     return {
         "ociVersion": "1.0.2",
         "hostname": hostname,
@@ -120,42 +114,21 @@ def build_config(
             "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 16384, "soft": 16384}],
         },
         "mounts": [
-            {
-                "destination": "/proc",
-                "type": "proc",
-                "source": "proc",
-                "options": ["nosuid", "noexec", "nodev"],
-            },
-            {
-                "destination": "/dev",
-                "type": "tmpfs",
-                "source": "tmpfs",
-                "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
-            },
-            {
-                "destination": "/dev/pts",
-                "type": "devpts",
-                "source": "devpts",
-                "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"],
-            },
-            {
-                "destination": "/dev/shm",
-                "type": "tmpfs",
-                "source": "shm",
-                "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"],
-            },
-            {
-                "destination": "/dev/mqueue",
-                "type": "mqueue",
-                "source": "mqueue",
-                "options": ["nosuid", "noexec", "nodev"],
-            },
-            {
-                "destination": "/sys",
-                "type": "sysfs",
-                "source": "sysfs",
-                "options": ["nosuid", "noexec", "nodev", "ro"],
-            },
+            _mount("/proc", "proc", "proc", "nosuid", "noexec", "nodev"),
+            _mount("/dev", "tmpfs", "tmpfs", "nosuid", "strictatime", "mode=755", "size=65536k"),
+            _mount(
+                "/dev/pts",
+                "devpts",
+                "devpts",
+                "nosuid",
+                "noexec",
+                "newinstance",
+                "ptmxmode=0666",
+                "mode=0620",
+            ),
+            _mount("/dev/shm", "tmpfs", "shm", "nosuid", "noexec", "nodev", "mode=1777", "size=65536k"),
+            _mount("/dev/mqueue", "mqueue", "mqueue", "nosuid", "noexec", "nodev"),
+            _mount("/sys", "sysfs", "sysfs", "nosuid", "noexec", "nodev", "ro"),
             *tools,
         ],
         "linux": {
