@@ -4,8 +4,9 @@ Call order: ``await Edge.start()`` (reconcile, re-adopt, start the reaper), then
 any operation, then ``await Edge.close()``. The edge is the source of truth for
 its sandboxes; its durable record is :class:`EdgeStore`.
 
-`Edge` is a facade over collaborators, each in its own module and given what it uses when
-it is made (the shared table of live sandboxes, and the other parts' operations it calls):
+`Edge` is a facade over collaborators, each in its own module, each an `EdgePart` over the
+one `EdgeCore` they share (core.py: settings, stores, host pieces, the live sandboxes) and
+given, when it is made, the other parts it calls:
 `EdgeLifecycle` (admission, create, lookup, pause, network, stop), `EdgeExec` (execs,
 sessions, the trajectory log), `EdgeFiles` (the file API), `EdgeVault` (protect, verify),
 `EdgeState` (snapshots, forks, checkpoints, image transfer), `EdgeReaper` (idle TTL,
