@@ -142,6 +142,27 @@ async def test_archive_of_a_file_growing_under_it_stays_consistent(edge):
             assert members["./f"] >= 3000000
 
 
+async def test_a_directory_refilled_while_it_is_deleted_does_not_hold_the_delete(edge):
+    """Processes inside keep creating files in the tree being deleted: the delete ends (done,
+    or an error saying the directory is not empty) instead of chasing new entries forever."""
+    sb = await edge.create(SandboxSpec(image="python", memory_mb=512))
+    await run(edge, sb.id, "mkdir /work/churn && cd /work/churn && seq 20000 | xargs touch")
+    await run(
+        edge,
+        sb.id,
+        'for j in 1 2 3; do nohup python3 -c "import os, itertools\n'
+        "for i in itertools.count():\n"
+        "    try: open(f'/work/churn/n{os.getpid()}-{i}', 'w').close()\n"
+        '    except OSError: pass" >/dev/null 2>&1 & done',
+    )
+    await asyncio.sleep(0.5)
+    try:
+        await asyncio.wait_for(aw(edge.delete_file(sb.id, "/work/churn", recursive=True)), 60)
+    except errors.Conflict as e:  # new entries after the snapshot: rmdir finds it not empty
+        assert "non-empty directory" in e.message, e.message
+    await run(edge, sb.id, "pkill -9 -f itertools || true")
+
+
 async def test_huge_listing_is_refused_off_the_event_loop(edge):
     """200,000 entries: the listing must neither stall the event loop nor come back whole."""
     sb = await edge.create(SandboxSpec(image="python", memory_mb=1024, disk_mb=1024))

@@ -641,22 +641,25 @@ def _rmtree_at(dfd: int, name: str, shown: str) -> None:
         e.filename = shown
         raise
     try:
-        # Entries go as they are read, never as one list: a directory of 200,000 files would
-        # otherwise make 200,000 long-lived objects and a full collection that stalls the loop.
+        # One snapshot of the names (a sandbox that keeps adding entries cannot keep this
+        # thread busy), as plain strings: the garbage collector does not track them, so
+        # 200,000 entries do not set off a full collection that stalls the event loop.
+        dirs: list[str] = []
+        files: list[str] = []
         with os.scandir(fd) as it:
             for entry in it:
-                child = entry.name
-                if entry.is_dir(follow_symlinks=False):
-                    _rmtree_at(fd, child, f"{shown}/{child}")
-                    continue
-                try:
-                    os.unlink(child, dir_fd=fd)
-                except FileNotFoundError:
-                    pass
-                except OSError as e:
-                    if e.errno == errno.EBUSY:  # a file bind-mounted over: another mount
-                        raise OSError(errno.EXDEV, "a mount point", f"{shown}/{child}") from e
-                    raise
+                (dirs if entry.is_dir(follow_symlinks=False) else files).append(entry.name)
+        for child in dirs:
+            _rmtree_at(fd, child, f"{shown}/{child}")
+        for child in files:
+            try:
+                os.unlink(child, dir_fd=fd)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                if e.errno == errno.EBUSY:  # a file bind-mounted over: another mount
+                    raise OSError(errno.EXDEV, "a mount point", f"{shown}/{child}") from e
+                raise
     finally:
         os.close(fd)
     try:
