@@ -53,6 +53,12 @@ if ! "$VENV/bin/python" -c 'from pathlib import Path; from dsec.backends.criu im
   log "warning: CRIU >= 4.2 could not be fetched: memory checkpoints stay unavailable (everything else works)"
 fi
 
+# backend="gvisor" needs runsc >= 20240729 (Debian 12's fails on current kernels; forky's Go 1.26 build
+# crashes): trixie's, unpacked into /var/lib/dsec/runsc the same way, smoke-tested before it is kept.
+if ! "$VENV/bin/python" -c 'from pathlib import Path; from dsec.backends.runsc import ensure_runsc; ensure_runsc(Path("/var/lib/dsec"))'; then
+  log "warning: runsc could not be fetched: the gvisor backend is reported absent (everything else works)"
+fi
+
 log "images: python (default) and code (fncall / SandboxFusion); cached after the first build, ~30 s each"
 "$VENV/bin/dsec" image build python --quiet
 "$VENV/bin/dsec" image build code --quiet

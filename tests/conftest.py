@@ -70,6 +70,19 @@ async def edge(python_image: str, edge_dirs: dict[str, Path]) -> AsyncIterator[o
         await e.close()
 
 
+@pytest.fixture(params=["container", "gvisor"])
+def backend(request: pytest.FixtureRequest, edge: object) -> str:
+    """Each isolation tier in turn (SandboxSpec.backend). One the edge cannot run fails the
+    test (install.sh installs what each needs), unless DSEC_TEST_SKIP_ABSENT_BACKENDS=1."""
+    name = str(request.param)
+    if name not in edge.backends:  # type: ignore[attr-defined]
+        why = edge.core.absent_backends.get(name, "not configured")  # type: ignore[attr-defined]
+        if os.environ.get("DSEC_TEST_SKIP_ABSENT_BACKENDS") == "1":
+            pytest.skip(f"backend {name} is not available here: {why}")
+        pytest.fail(f"backend {name} is not available here: {why}")
+    return name
+
+
 @pytest.fixture(scope="session")
 def code_image() -> str:
     """The fncall image `code` (python + compilers + node + pytest), built once (~30 s)."""

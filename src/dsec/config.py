@@ -37,8 +37,9 @@ class EdgeSettings(BaseSettings):
     layers_dir: Path | None = None
     runtime: str = "crun"
     # The backends this edge runs sandboxes on (dsec.backends.registry), started at edge start.
-    backends: list[str] = ["container"]
+    backends: list[str] = ["container", "gvisor"]  # one that cannot run here is reported absent
     criu_dir: Path = Path("/var/lib/dsec/criu")  # host-wide, unpacked by install.sh
+    runsc_dir: Path = Path("/var/lib/dsec/runsc")  # gVisor, host-wide, unpacked by install.sh
     # The layer store's canonical id range (container id N is stored as host id uid_offset + N);
     # each sandbox runs as a range of its own above it (isolation/idranges.py), allocated
     # host-wide through id_registry, shared by every edge of the host.

@@ -240,3 +240,27 @@ def test_no_leaks_after_shutdown(service):
     assert not glob.glob(f"/sys/fs/cgroup/*/dsec/{name}-*")
     sandboxes = Path(run_dir, name, "sandboxes")  # gone with the run tmpfs, or empty
     assert not sandboxes.exists() or not list(sandboxes.iterdir())
+
+
+def test_backends_listed_and_one_parameter_picks_the_tier(service):
+    """`client.backends()` (GET /v1/backends) and `create(backend=...)` through `dsec up`."""
+    with Client() as client:
+        tiers = {b.name: b for b in client.backends()}
+        assert tiers["container"].available and "checkpoint" in tiers["container"].capabilities
+        gv = tiers["gvisor"]
+        assert gv.available and gv.accelerated and gv.edges and gv.detail["platform"] in ("systrap", "ptrace")
+        assert "sessions" not in gv.capabilities
+        with client.create(backend="gvisor", memory_mb=256) as sb:
+            assert "4.4.0" in sb.exec("cat /proc/version").stdout  # gVisor's kernel, not the host's
+            sb.files.write("/work/a", "x")
+            assert sb.exec("cat /work/a").stdout == "x"
+            assert sb.refresh().spec.backend == "gvisor"
+            with pytest.raises(errors.UnsupportedOperation, match="gvisor backend does not support sessions"):
+                sb.session("bash")
+        with pytest.raises(errors.InvalidRequest) as ei:
+            client.create(backend="microvm-nope")
+        assert "container" in ei.value.message and "gvisor" in ei.value.message
+        # batch creates and prewarmed pools keep the backend in their key
+        sbs = client.create_many(3, backend="gvisor", memory_mb=256)
+        assert {s.refresh().spec.backend for s in sbs} == {"gvisor"}
+        client.stop_many([s.id for s in sbs])

@@ -502,3 +502,47 @@ def test_lone_surrogates_and_huge_environments_are_4xx(svc: Service, pair: tuple
         r = c.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "echo ok", "env": {"A": "1"}}, headers=h)
         assert r.json()["stdout"] == "ok\n"
     attacker.http.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_a_project_tier_policy_is_inherited_and_only_narrowed(svc: Service) -> None:
+    """allowed_backends: a minimum tier an operator sets per project; children inherit it and
+    may only narrow it; a create (or batch) asking for another tier is refused with forbidden."""
+    suffix = secrets.token_hex(3)
+    parent, child = f"strict-{suffix}", f"strict-{suffix}-kid"
+    with http(svc, svc.token) as admin:
+        r = admin.post("/v1/projects", json={"name": parent, "allowed_backends": ["gvisor"]})
+        assert r.status_code == 200 and r.json()["allowed_backends"] == ["gvisor"], r.text
+        r = admin.post(
+            "/v1/projects", json={"name": child, "parent": parent, "allowed_backends": ["container"]}
+        )
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", r.text
+        assert "may only narrow" in r.json()["error"]["message"] and "gvisor" in r.json()["error"]["message"]
+        r = admin.post("/v1/projects", json={"name": child, "parent": parent})
+        assert r.status_code == 200, r.text
+        r = admin.post("/v1/principals", json={"name": f"{child}-user", "projects": [child]})
+        token = r.json()["token"]
+        r = admin.post("/v1/projects", json={"name": f"x-{suffix}", "allowed_backends": ["Bad Name"]})
+        assert r.status_code == 422 or r.status_code == 400, r.text
+    with http(svc, token) as user:
+        for body in (
+            {"image": "python", "project": child},  # the default tier is container: refused
+            {"image": "python", "project": child, "backend": "container"},
+        ):
+            r = user.post("/v1/sandboxes", json=body)
+            assert r.status_code == 403, r.text
+            err = r.json()["error"]
+            assert err["code"] == "forbidden" and "gvisor" in err["message"], err
+        r = user.post("/v1/sandboxes/batch", json={"count": 2, "spec": {"image": "python", "project": child}})
+        assert r.status_code == 200 and r.json()["sandboxes"] == [], r.text
+        assert {e["code"] for e in r.json()["errors"]} == {"forbidden"}
+        r = user.post(
+            "/v1/sandboxes", json={"image": "python", "project": child, "backend": "gvisor", "memory_mb": 256}
+        )
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
+        r = user.get("/v1/projects")
+        mine = {p["name"]: p for p in r.json()["projects"]}
+        assert mine[child]["allowed_backends"] is None  # inherits: the effective policy is the parent's
+        r = user.get("/v1/backends")
+        assert r.status_code == 200 and {b["name"] for b in r.json()["backends"]} >= {"container", "gvisor"}
+        assert user.delete(f"/v1/sandboxes/{sid}").status_code == 204

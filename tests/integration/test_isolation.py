@@ -88,8 +88,8 @@ def canary_state(p: Path) -> tuple[bytes, int, int, int]:
 # --- processes -----------------------------------------------------------------------
 
 
-async def test_host_processes_invisible(edge):
-    sb = await edge.create(SandboxSpec(image="python"))
+async def test_host_processes_invisible(edge, backend):
+    sb = await edge.create(SandboxSpec(image="python", backend=backend))
     marker = f"{secrets.randbelow(10**6) + 10**6}.{secrets.randbelow(999) + 1}"
     host_proc = subprocess.Popen(["sleep", marker])  # a host process with a unique argv
     try:
@@ -133,8 +133,8 @@ def _host_ipv4_addrs() -> list[str]:
     return sorted({m.group(1) for m in re.finditer(r"inet (\d+\.\d+\.\d+\.\d+)/", out)})
 
 
-async def test_no_network(edge):
-    sb = await edge.create(SandboxSpec(image="python"))
+async def test_no_network(edge, backend):
+    sb = await edge.create(SandboxSpec(image="python", backend=backend))
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("0.0.0.0", 0))  # covers the host's 127.0.0.1 and every other host address
@@ -183,7 +183,8 @@ async def test_no_network(edge):
             unix_listener.accept()
         # Only the loopback interface exists.
         r = await run(edge, sb.id, "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '; ls /sys/class/net")
-        assert r.stdout.split() == ["lo", "lo"], r.stdout
+        # (gVisor's sysfs has no class/net: /proc/net/dev is its view)
+        assert r.stdout.split() == (["lo"] if backend == "gvisor" else ["lo", "lo"]), r.stdout
         r = await run(edge, sb.id, "curl -sS --max-time 3 http://1.1.1.1/ -o /dev/null")
         assert r.exit_code != 0
     finally:
@@ -194,19 +195,20 @@ async def test_no_network(edge):
 # --- privileged operations -----------------------------------------------------------
 
 
-async def test_mount_ptrace_unshare_denied(edge):
+async def test_mount_ptrace_unshare_denied(edge, backend):
     # The first sandbox of an edge gets the profile compiled by crun; later ones get that
     # program back precompiled (annotation run.oci.seccomp_bpf_data): both must hold.
-    first = await edge.create(SandboxSpec(image="python"))
-    sb = await edge.create(SandboxSpec(image="python"))
-    configs = [
-        json.loads((edge.backend.sandboxes_dir / x.id / "config.json").read_text()) for x in (first, sb)
-    ]
+    first = await edge.create(SandboxSpec(image="python", backend=backend))
+    sb = await edge.create(SandboxSpec(image="python", backend=backend))
+    configs = [json.loads((edge.sandboxes[x.id].handle.dir / "config.json").read_text()) for x in (first, sb)]
     assert "seccomp" in configs[0]["linux"] and "run.oci.seccomp_bpf_data" not in configs[0].get(
         "annotations", {}
     )
     later = configs[1]["linux"]["seccomp"]
-    assert "syscalls" not in later and configs[1]["annotations"]["run.oci.seccomp_bpf_data"]
+    if backend == "gvisor":  # the sentry applies the profile itself (--oci-seccomp): never precompiled
+        assert later == configs[0]["linux"]["seccomp"] and later["syscalls"]
+    else:
+        assert "syscalls" not in later and configs[1]["annotations"]["run.oci.seccomp_bpf_data"]
     assert later["flags"] == ["SECCOMP_FILTER_FLAG_LOG"]  # denials are still logged (and counted)
     for x in (first, sb):
         await check_denied(edge, x)
@@ -252,8 +254,8 @@ async def check_denied(edge, sb):
     assert r.stdout.strip() == sb.id  # sethostname above did not take
 
 
-async def test_kernel_interfaces_masked_and_readonly(edge):
-    sb = await edge.create(SandboxSpec(image="python"))
+async def test_kernel_interfaces_masked_and_readonly(edge, backend):
+    sb = await edge.create(SandboxSpec(image="python", backend=backend))
     host_hostname = socket.gethostname()
     core_pattern = Path("/proc/sys/kernel/core_pattern").read_text()
     r = await py(
@@ -285,25 +287,28 @@ async def test_kernel_interfaces_masked_and_readonly(edge):
     assert "DATA" not in {got[p] for p in ("/proc/keys", "/proc/timer_list")}
     written = {p for p, v in got.items() if v == "WRITTEN"}
     assert written <= {"/proc/sys/kernel/core_pattern"}, written  # masked by /dev/null: harmless
-    assert got["/proc/sys/kernel/hostname"] == "EROFS"
+    # gVisor's /proc/sys is its own and refuses writes with EIO
+    assert got["/proc/sys/kernel/hostname"] == ("EIO" if backend == "gvisor" else "EROFS")
     assert Path("/proc/sys/kernel/core_pattern").read_text() == core_pattern  # masked: a write hits /dev/null
-    assert got["/proc/sys/vm/drop_caches"] == "EROFS"
+    assert got["/proc/sys/vm/drop_caches"] == ("EPERM" if backend == "gvisor" else "EROFS")
     assert socket.gethostname() == host_hostname
     r = await run(edge, sb.id, "cat /proc/sys/kernel/hostname; grep -c ' /proc/sys ' /proc/mounts")
     assert r.stdout.split()[0] == sb.id
 
 
-async def test_capabilities_minimal(edge):
-    sb = await edge.create(SandboxSpec(image="python"))
+async def test_capabilities_minimal(edge, backend):
+    sb = await edge.create(SandboxSpec(image="python", backend=backend))
     r = await run(
         edge, sb.id, "grep -E '^(CapInh|CapPrm|CapEff|CapBnd|CapAmb|NoNewPrivs|Seccomp):' /proc/self/status"
     )
     st = {k: v.strip() for k, v in (line.split(":", 1) for line in r.stdout.strip().splitlines())}
     want = sum(1 << CAP_BITS[c] for c in CAPABILITIES)
     assert want == 0x4FB
+    if backend == "gvisor":
+        want |= 1 << 34  # CAP_SYSLOG: dmesg reads gVisor's own kernel log there
     for k in ("CapPrm", "CapEff", "CapBnd"):
         assert int(st[k], 16) == want, (k, st[k])
-    assert int(st["CapInh"], 16) == 0 and int(st["CapAmb"], 16) == 0
+    assert int(st["CapInh"], 16) == 0 and int(st.get("CapAmb", "0"), 16) == 0  # (gVisor has no CapAmb line)
     eff = int(st["CapEff"], 16)
     for dangerous in (
         "CAP_SYS_ADMIN",
@@ -318,23 +323,41 @@ async def test_capabilities_minimal(edge):
         "CAP_SETPCAP",
     ):
         assert not eff & (1 << CAP_BITS[dangerous]), dangerous
-    assert st["NoNewPrivs"] == "1"
+    assert st.get("NoNewPrivs", "1") == "1"  # (gVisor's status has no such line; the spec sets it)
     assert st["Seccomp"] == "2"  # filter mode
     # A non-root user inside has nothing at all.
     r = await run(edge, sb.id, "grep CapEff /proc/self/status", user="1000")
     assert int(r.stdout.split()[1], 16) == 0
     # Root inside maps to an unprivileged host id range.
+    handle = edge.sandboxes[sb.id].handle
+    assert handle.id_base >= edge.settings.uid_offset + 65536  # its own range, above the layer store's
+    if backend == "gvisor":
+        # Inside is gVisor's own user namespace; on the host its sentry and gofer (the keeper's
+        # children) run in a user namespace mapping root to the sandbox's own range.
+        kids = []
+        for tid in os.listdir(f"/proc/{handle.pid}/task"):
+            kids += [int(x) for x in Path(f"/proc/{handle.pid}/task/{tid}/children").read_text().split()]
+        assert len(kids) == 2, kids
+        for kid in kids:
+            uids = next(
+                line
+                for line in Path(f"/proc/{kid}/status").read_text().splitlines()
+                if line.startswith("Uid:")
+            )
+            assert uids.split()[1:] == [str(handle.id_base)] * 4, uids
+            assert Path(f"/proc/{kid}/uid_map").read_text().split() == ["0", str(handle.id_base), "65536"]
+        return
     r = await run(edge, sb.id, "cat /proc/self/uid_map")
     inside, outside, count = r.stdout.split()
-    assert (inside, count) == ("0", "65536")  # its own range, above the layer store's
-    assert int(outside) == edge.sandboxes[sb.id].handle.id_base >= edge.settings.uid_offset + 65536
+    assert (inside, count) == ("0", "65536")
+    assert int(outside) == handle.id_base
 
 
 # --- the host file system --------------------------------------------------------------
 
 
-async def test_host_files_unreachable_from_inside(edge, host_canary):
-    sb = await edge.create(SandboxSpec(image="python"))
+async def test_host_files_unreachable_from_inside(edge, backend, host_canary):
+    sb = await edge.create(SandboxSpec(image="python", backend=backend))
     before = canary_state(host_canary)
     passwd_before = sha("/etc/passwd")
     name = host_canary.name
@@ -368,16 +391,17 @@ async def test_host_files_unreachable_from_inside(edge, host_canary):
     assert sha("/etc/passwd") == passwd_before
     assert "evil" not in Path("/etc/passwd").read_text()
     # ... and not the shared image layer: a fresh sandbox of the same image has the original.
-    sb2 = await edge.create(SandboxSpec(image="python"))
+    sb2 = await edge.create(SandboxSpec(image="python", backend=backend))
     r = await run(edge, sb2.id, "grep -c '^evil:' /etc/passwd || true")
     assert r.stdout.strip() == "0"
     # Root inside is not root on the host: objects owned by host root show as unmapped "nobody".
     r = await run(edge, sb.id, "stat -c %u /proc/sys/kernel/hostname /sys/block")
-    assert r.stdout.split() == ["65534", "65534"], r.stdout
+    # (under gVisor these are the user-space kernel's own objects, not the host's)
+    assert r.stdout.split() == (["0", "0"] if backend == "gvisor" else ["65534", "65534"]), r.stdout
 
 
-async def test_file_api_escapes_refused(edge, host_canary):
-    sb = await edge.create(SandboxSpec(image="python"))
+async def test_file_api_escapes_refused(edge, backend, host_canary):
+    sb = await edge.create(SandboxSpec(image="python", backend=backend))
     name = host_canary.name
     before = canary_state(host_canary)
     shadow_before = sha("/etc/shadow")
@@ -489,9 +513,23 @@ def _sandbox_memory_cgroup(edge, sid: str) -> Path:
     return cg.v1_mounts.get("memory", cg.root / "memory") / "dsec" / sid
 
 
-async def test_memory_limit_oom_kills_inside_only(edge):
-    sb = await edge.create(SandboxSpec(image="python", memory_mb=64))
+async def test_memory_limit_oom_kills_inside_only(edge, backend):
+    sb = await edge.create(SandboxSpec(image="python", backend=backend, memory_mb=64))
     t0 = time.perf_counter()
+    if backend == "gvisor":
+        # The limit is on the host cgroup of the sentry, whose OOM kill ends the whole sandbox
+        # (gVisor enforces no memory limit inside): the sandbox fails and says why, the host
+        # and the edge are fine.
+        with pytest.raises(errors.DsecError):
+            await run(edge, sb.id, "python3 -c 'b = b\"x\" * (200 * 1024 * 1024); print(len(b))'", timeout=60)
+        for _ in range(100):
+            if edge.get(sb.id).state == "failed":
+                break
+            await asyncio.sleep(0.05)
+        info = edge.get(sb.id)
+        assert info.state == "failed" and "out-of-memory" in (info.reason or ""), info
+        assert time.perf_counter() - t0 < 30
+        return
     r = await run(edge, sb.id, "python3 -c 'b = b\"x\" * (200 * 1024 * 1024); print(len(b))'", timeout=60)
     assert r.exit_code == 137, r  # SIGKILL by the OOM killer
     assert r.stdout == "" and not r.timed_out
@@ -513,8 +551,8 @@ async def test_memory_limit_oom_kills_inside_only(edge):
     assert edge.get(sb.id).state == "running"
 
 
-async def test_fork_bomb_contained_by_pids_limit(edge):
-    sb = await edge.create(SandboxSpec(image="python", pids=64))
+async def test_fork_bomb_contained_by_pids_limit(edge, backend):
+    sb = await edge.create(SandboxSpec(image="python", backend=backend, pids=64))
     # The classic bomb; `exec sleep` (no fork needed) keeps the exec alive until its timeout.
     t0 = time.perf_counter()
     r = await run(edge, sb.id, ["bash", "-c", ":(){ :|:& };:; exec sleep 100"], timeout=3)
@@ -537,7 +575,11 @@ async def test_fork_bomb_contained_by_pids_limit(edge):
     assert r.timed_out and r.exit_code == 137
     # The limit is what held it: the pids cgroup of the sandbox's processes hit its max
     # (the sandbox's own cgroup keeps a reserve so its init can always start an exec).
-    assert (edge.cgroups.user_dir(sb.id) / "pids.max").read_text().strip() == "64"
+    if backend == "gvisor":  # the limit is RLIMIT_NPROC inside (a host pids limit would crash the sentry)
+        r = await py(edge, sb.id, "import resource; print(resource.getrlimit(resource.RLIMIT_NPROC)[0])")
+        assert r.stdout.strip() == "64", r
+    else:
+        assert (edge.cgroups.user_dir(sb.id) / "pids.max").read_text().strip() == "64"
     # Everything was killed and the sandbox answers again.
     await assert_alive(edge, sb.id)
     r = await run(edge, sb.id, "ps -e --no-headers | wc -l")
@@ -546,8 +588,12 @@ async def test_fork_bomb_contained_by_pids_limit(edge):
     assert subprocess.run(["true"]).returncode == 0
 
 
-async def test_timeout_kills_grandchildren(edge):
-    sb = await edge.create(SandboxSpec(image="python"))
+async def test_timeout_kills_grandchildren(edge, backend, request):
+    if backend == "gvisor":
+        # No host cgroup holds a gVisor exec: a timeout kills its session through the shim,
+        # and processes that left it (setsid) live on until the sandbox stops. Known gap.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="gvisor: setsid escapes the exec's kill"))
+    sb = await edge.create(SandboxSpec(image="python", backend=backend))
     t0 = time.perf_counter()
     r = await run(
         edge, sb.id, "setsid sleep 301 & (setsid sh -c 'sleep 302 & wait' &) ; sleep 300", timeout=1
@@ -562,8 +608,8 @@ async def test_timeout_kills_grandchildren(edge):
     assert [p.name for p in edge.cgroups.user_dir(sb.id).iterdir() if p.is_dir()] == []
 
 
-async def test_output_flood_capped(edge):
-    sb = await edge.create(SandboxSpec(image="python", disk_mb=64))
+async def test_output_flood_capped(edge, backend):
+    sb = await edge.create(SandboxSpec(image="python", backend=backend, disk_mb=64))
     used = "df -B1 --output=used / | tail -n1"
     before = int((await run(edge, sb.id, used)).stdout)
     cap = 1_000_000
@@ -600,9 +646,9 @@ async def test_output_flood_capped(edge):
 # --- sandboxes vs each other -------------------------------------------------------------
 
 
-async def test_sandboxes_isolated_from_each_other(edge):
-    a = await edge.create(SandboxSpec(image="python"))
-    b = await edge.create(SandboxSpec(image="python"))
+async def test_sandboxes_isolated_from_each_other(edge, backend):
+    a = await edge.create(SandboxSpec(image="python", backend=backend))
+    b = await edge.create(SandboxSpec(image="python", backend=backend))
     tag = secrets.token_hex(6)
     await run(
         edge, a.id, "echo $T > /work/marker-$T && echo $T > /tmp/m && echo $T > /dev/shm/m", env={"T": tag}
@@ -628,10 +674,17 @@ async def test_sandboxes_isolated_from_each_other(edge):
         r = await run(edge, b.id, "pkill -9 sleep; echo rc=$?")
         assert "rc=1" in r.stdout
         # SysV IPC and abstract unix sockets are private to each sandbox too.
-        r = await run(edge, a.id, "ipcmk -M 4096 >/dev/null && ipcs -m | grep -c '^0x'")
-        assert r.stdout.strip() == "1"
-        r = await run(edge, b.id, "ipcs -m | grep -c '^0x' || true")
-        assert r.stdout.strip() == "0"
+        if backend == "gvisor":  # (no /proc/sysvipc to list there: B names A's segment instead)
+            shmid = (await run(edge, a.id, "ipcmk -M 4096 | grep -o '[0-9]*$'")).stdout.strip()
+            assert shmid.isdigit()
+            r = await run(edge, b.id, f"ipcrm -m {shmid}; echo rc=$?")
+            assert "rc=0" not in r.stdout, r
+            assert (await run(edge, a.id, f"ipcrm -m {shmid}; echo rc=$?")).stdout.strip() == "rc=0"
+        else:
+            r = await run(edge, a.id, "ipcmk -M 4096 >/dev/null && ipcs -m | grep -c '^0x'")
+            assert r.stdout.strip() == "1"
+            r = await run(edge, b.id, "ipcs -m | grep -c '^0x' || true")
+            assert r.stdout.strip() == "0"
         sock = f"\\0dsec-ab-{tag}"
         srv = asyncio.ensure_future(
             py(
@@ -667,8 +720,8 @@ async def test_sandboxes_isolated_from_each_other(edge):
 # --- the shim (PID 1) -------------------------------------------------------------------
 
 
-async def test_shim_untouchable(edge):
-    sb = await edge.create(SandboxSpec(image="python"))
+async def test_shim_untouchable(edge, backend):
+    sb = await edge.create(SandboxSpec(image="python", backend=backend))
     for sig in ("KILL", "TERM", "INT", "HUP", "SEGV", "STOP", "USR1"):
         r = await run(edge, sb.id, f"kill -{sig} 1; echo rc=$?")
         assert r.exit_code == 0, r
@@ -687,10 +740,12 @@ async def test_shim_untouchable(edge):
         "for n in range(6):\n"
         "    try: os.readlink(f'/proc/1/fd/{n}'); print(f'readlink{n}', 'OK')\n"
         "    except OSError as e: print(f'readlink{n}', errno.errorcode[e.errno])\n"
-        "pfd = os.pidfd_open(1)\n"
+        "try: pfd = os.pidfd_open(1)\n"
+        "except OSError as e: pfd = -1; print('pidfd_open', errno.errorcode[e.errno])\n"
         "for n in range(6):\n"
-        "    r = libc.syscall(438, pfd, n, 0)\n"  # pidfd_getfd
-        "    print(f'getfd{n}', 'OK' if r >= 0 else errno.errorcode[ctypes.get_errno()])\n"
+        "    r = libc.syscall(438, pfd, n, 0) if pfd >= 0 else -1\n"  # pidfd_getfd
+        "    e = 'OK' if r >= 0 else errno.errorcode[ctypes.get_errno()] if pfd >= 0 else 'EPERM'\n"
+        "    print(f'getfd{n}', e)\n"
         "r = libc.ptrace(16, 1, None, None)\n"
         "print('ptrace1', 'OK' if r == 0 else errno.errorcode[ctypes.get_errno()])\n"
         "buf = ctypes.create_string_buffer(8)\n"
@@ -701,19 +756,42 @@ async def test_shim_untouchable(edge):
     )
     assert r.exit_code == 0, r.stderr
     got = dict(line.split() for line in r.stdout.strip().splitlines())
+    if backend == "gvisor":
+        # gVisor's /proc ignores the shim's non-dumpable flag for these two (its environment is
+        # the sandbox's own, its map a static binary's); pidfd_open(1) is refused outright.
+        assert got.pop("/proc/1/environ") == "OPEN" and got.pop("/proc/1/maps") == "OPEN"
+        assert got["pidfd_open"] == "EPERM"
+        # Its descriptors can be named (no masked paths there) but not reopened: stdio is
+        # /dev/null, the control socket gives ENXIO (checked above: /proc/1/fd/3).
+        assert got.pop("/proc/1/fd/0") == "OPEN" and got["/proc/1/fd/3"] == "ENXIO"
+        for n in range(6):
+            got.pop(f"readlink{n}")
     assert "OK" not in got.values() and "OPEN" not in got.values(), got
     for n in range(6):
         assert got[f"getfd{n}"] == "EPERM"
     assert got["ptrace1"] == "EPERM" and got["vmread"] == "EPERM"
-    r = await run(edge, sb.id, "cat /proc/1/environ")
-    assert r.exit_code != 0 and "Permission denied" in r.stderr
+    if backend != "gvisor":
+        r = await run(edge, sb.id, "cat /proc/1/environ")
+        assert r.exit_code != 0 and "Permission denied" in r.stderr
     await assert_alive(edge, sb.id)
 
 
-async def test_shim_fd_dir_not_listable(edge):
+async def test_shim_fd_dir_not_listable(edge, backend):
     # The shim's proc entries belong to the sandbox's root (it is non-dumpable, but in the
     # sandbox's user namespace): its descriptor dirs are masked instead.
-    sb = await edge.create(SandboxSpec(image="python"))
+    sb = await edge.create(SandboxSpec(image="python", backend=backend))
+    if backend == "gvisor":
+        # gVisor applies no masked paths: the numbers can be listed, none can be reopened.
+        r = await py(
+            edge,
+            sb.id,
+            "import os\nfor n in os.listdir('/proc/1/fd'):\n"
+            "    p = f'/proc/1/fd/{n}'\n"
+            "    try: os.close(os.open(p, os.O_RDWR)); print('OPEN', n, os.readlink(p))\n"
+            "    except OSError as e: pass\n",
+        )
+        assert "host:" not in r.stdout and "socket" not in r.stdout, r.stdout
+        return
     r = await run(edge, sb.id, "ls -A /proc/1/fd /proc/1/fdinfo /proc/1/map_files")
     assert (
         r.stdout.replace("/proc/1/fd:", "")
@@ -728,8 +806,8 @@ async def test_shim_fd_dir_not_listable(edge):
     assert int(r.stdout.strip()) >= 3
 
 
-async def test_detached_fork_bomb_does_not_wedge_sandbox(edge):
-    sb = await edge.create(SandboxSpec(image="python", pids=64))
+async def test_detached_fork_bomb_does_not_wedge_sandbox(edge, backend):
+    sb = await edge.create(SandboxSpec(image="python", backend=backend, pids=64))
     r = await py(
         edge,
         sb.id,

@@ -14,14 +14,22 @@ import signal
 import pytest
 
 from dsec import errors
+from dsec.backends.base import Capability
 from dsec.models import ExecRequest, SandboxSpec, SandboxState
 
 pytestmark = [pytest.mark.root, pytest.mark.asyncio]
 
 
-async def test_disk_quota_bytes_and_inodes_give_enospc_inside(edge):
+def require(edge, backend, capability):
+    """Skip on a backend that declares it lacks `capability` (test_backends tests that each
+    such operation is refused with unsupported_operation, naming the backend)."""
+    if capability not in edge.backends[backend].capabilities:
+        pytest.skip(f"the {backend} backend declares no {capability.value}")
+
+
+async def test_disk_quota_bytes_and_inodes_give_enospc_inside(edge, backend):
     free_before = shutil.disk_usage("/").free
-    sb = await edge.create(SandboxSpec(image="python", disk_mb=8, disk_inodes=2048))
+    sb = await edge.create(SandboxSpec(image="python", backend=backend, disk_mb=8, disk_inodes=2048))
     r = await edge.exec(sb.id, ExecRequest(cmd="head -c 20000000 /dev/zero > /work/big; echo rc=$?"))
     assert "rc=1" in r.stdout and "No space left on device" in r.stderr
     assert r.misbehaviour == {}  # the shell exited 0: its `echo` ran after the failed write
@@ -39,8 +47,9 @@ async def test_disk_quota_bytes_and_inodes_give_enospc_inside(edge):
     assert abs(shutil.disk_usage("/").free - free_before) < 50_000_000  # the node never filled
 
 
-async def test_oom_pids_timeouts_and_truncation_are_counted(edge):
-    sb = await edge.create(SandboxSpec(image="python", memory_mb=64, pids=32))
+async def test_oom_pids_timeouts_and_truncation_are_counted(edge, backend):
+    require(edge, backend, Capability.TELEMETRY)
+    sb = await edge.create(SandboxSpec(image="python", backend=backend, memory_mb=64, pids=32))
     r = await edge.exec(sb.id, ExecRequest(cmd="python3 -c 'b = bytearray(200 << 20); print(len(b))'"))
     assert r.exit_code == 137 and r.misbehaviour.get("oom_kills", 0) >= 1
     r = await edge.exec(
@@ -79,8 +88,9 @@ print(refused)
 """
 
 
-async def test_refused_forks_are_counted_when_the_program_carries_on_and_exits_0(edge):
-    sb = await edge.create(SandboxSpec(image="python", pids=16))
+async def test_refused_forks_are_counted_when_the_program_carries_on_and_exits_0(edge, backend):
+    require(edge, backend, Capability.TELEMETRY)
+    sb = await edge.create(SandboxSpec(image="python", backend=backend, pids=16))
     r = await edge.exec(sb.id, ExecRequest(cmd=["python3", "-c", CATCH_EAGAIN], timeout=30))
     assert r.exit_code == 0 and int(r.stdout) > 0, r
     assert r.misbehaviour.get("pids_limit_hits", 0) >= 1, r
@@ -90,8 +100,8 @@ async def test_refused_forks_are_counted_when_the_program_carries_on_and_exits_0
     await edge.stop(sb.id)
 
 
-async def test_a_sandbox_that_dies_is_failed_with_a_reason(edge):
-    sb = await edge.create(SandboxSpec(image="python"))
+async def test_a_sandbox_that_dies_is_failed_with_a_reason(edge, backend):
+    sb = await edge.create(SandboxSpec(image="python", backend=backend))
     os.kill(edge.sandboxes[sb.id].handle.pid, signal.SIGKILL)  # its runtime dies under it
     for _ in range(200):
         if sb.id not in edge.sandboxes:
@@ -108,9 +118,10 @@ async def test_a_sandbox_that_dies_is_failed_with_a_reason(edge):
         edge.get(sb.id)
 
 
-async def test_protected_paths_are_out_of_reach_until_verification(edge):
+async def test_protected_paths_are_out_of_reach_until_verification(edge, backend):
+    require(edge, backend, Capability.TRUSTED_EXEC)
     # A grader written into the image-like filesystem, then protected at create time.
-    sb = await edge.create(SandboxSpec(image="python"))
+    sb = await edge.create(SandboxSpec(image="python", backend=backend))
     await edge.exec(
         sb.id,
         ExecRequest(cmd="mkdir -p /grader && echo 'ANSWER=42' > /grader/key && echo s > /work/solution"),
@@ -148,10 +159,11 @@ async def test_protected_paths_are_out_of_reach_until_verification(edge):
     assert not vault.exists()
 
 
-async def test_protected_paths_at_create(edge):
+async def test_protected_paths_at_create(edge, backend):
+    require(edge, backend, Capability.TRUSTED_EXEC)
     with pytest.raises(errors.FileNotFound):
-        await edge.create(SandboxSpec(image="python", protected_paths=["/no/such/grader"]))
-    sb = await edge.create(SandboxSpec(image="python", protected_paths=["/etc/os-release"]))
+        await edge.create(SandboxSpec(image="python", backend=backend, protected_paths=["/no/such/grader"]))
+    sb = await edge.create(SandboxSpec(image="python", backend=backend, protected_paths=["/etc/os-release"]))
     r = await edge.exec(sb.id, ExecRequest(cmd="cat /etc/os-release"))
     assert r.exit_code != 0
     r = await edge.verify(sb.id, ExecRequest(cmd="grep -c Debian /etc/os-release"))
@@ -159,11 +171,11 @@ async def test_protected_paths_at_create(edge):
     await edge.stop(sb.id)
 
 
-async def test_output_floods_are_capped_everywhere(edge):
+async def test_output_floods_are_capped_everywhere(edge, backend):
     from dsec.models import SessionCreate, SessionKind, SessionRun
 
     cap = 4096
-    sb = await edge.create(SandboxSpec(image="python", max_output_bytes=cap))
+    sb = await edge.create(SandboxSpec(image="python", backend=backend, max_output_bytes=cap))
     r = await edge.exec(sb.id, ExecRequest(cmd="yes", timeout=1))  # asks for the default 1 MiB
     assert r.truncated and len(r.stdout) <= cap and len(r.stderr) <= cap
     for kind, code in (
@@ -171,6 +183,8 @@ async def test_output_floods_are_capped_everywhere(edge):
         (SessionKind.PYTHON, "for i in range(200000): print('y' * 100)"),
         (SessionKind.PYTHON, "import sys; sys.stderr.write('e' * 50_000_000); 'x' * 50_000_000"),
     ):
+        if Capability.SESSIONS not in edge.backends[backend].capabilities:
+            break
         s = await edge.session_create(sb.id, SessionCreate(kind=kind))
         res = await edge.session_run(sb.id, s.id, SessionRun(code=code, timeout=60))
         assert res.truncated, (kind, code)
@@ -185,11 +199,12 @@ async def test_output_floods_are_capped_everywhere(edge):
         assert all(len(obs.get(k) or "") <= cap for k in ("stdout", "stderr", "output"))
 
 
-async def test_bash_session_output_just_past_the_cap(edge):
+async def test_bash_session_output_just_past_the_cap(edge, backend):
+    require(edge, backend, Capability.SESSIONS)
     from dsec.models import SessionCreate, SessionKind, SessionRun
 
     cap = 1000
-    sb = await edge.create(SandboxSpec(image="python", max_output_bytes=cap))
+    sb = await edge.create(SandboxSpec(image="python", backend=backend, max_output_bytes=cap))
     s = await edge.session_create(sb.id, SessionCreate(kind=SessionKind.BASH))
     for extra in (0, 1, 10, 30, 60, 100, 5000):  # the end marker lands in the buffer, across, in the tail
         res = await edge.session_run(
@@ -199,9 +214,10 @@ async def test_bash_session_output_just_past_the_cap(edge):
         assert res.output == "a" * min(cap, cap + extra) and res.truncated == (extra > 0), extra
 
 
-async def test_denied_syscalls_are_counted_per_call_and_sandbox(edge):
-    a = await edge.create(SandboxSpec(image="python"))
-    b = await edge.create(SandboxSpec(image="python"))
+async def test_denied_syscalls_are_counted_per_call_and_sandbox(edge, backend):
+    require(edge, backend, Capability.TELEMETRY)
+    a = await edge.create(SandboxSpec(image="python", backend=backend))
+    b = await edge.create(SandboxSpec(image="python", backend=backend))
     # Tools that exit right after their refused call: attributed by the sandbox's audit session.
     r = await edge.exec(a.id, ExecRequest(cmd="unshare -U true; mount -t tmpfs x /mnt; true"))
     assert r.exit_code == 0 and r.misbehaviour.get("denied_syscalls", 0) >= 2, r

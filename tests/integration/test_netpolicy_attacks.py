@@ -71,9 +71,11 @@ async def host_listener() -> tuple[asyncio.AbstractServer, int]:
 # --------------------------------------------------------------------------- platform addresses
 
 
-async def test_rules_naming_the_platform_are_refused(edge: Any, pnet: NetHost, server: Server) -> None:
-    a, _ = await sandbox(edge)
-    b, pid_b = await sandbox(edge)
+async def test_rules_naming_the_platform_are_refused(
+    edge: Any, backend: str, pnet: NetHost, server: Server
+) -> None:
+    a, _ = await sandbox(edge, backend)
+    b, pid_b = await sandbox(edge, backend)
     await edge.set_network(a, NetworkPolicy(allow=[NetRule(to=server.ip, ports=[8080])]))
     await attach(edge, pnet, b, pid_b, NetworkPolicy())
     host_ip = next(
@@ -110,7 +112,11 @@ async def test_rules_naming_the_platform_are_refused(edge: Any, pnet: NetHost, s
         assert edge.get(a).spec.network.allow[0].to == server.ip
     before = set(edge.sandboxes)
     with pytest.raises(errors.InvalidRequest, match=server.ip2):
-        await edge.create(SandboxSpec(image="python", memory_mb=256, network={"allow": [{"to": server.ip2}]}))
+        await edge.create(
+            SandboxSpec(
+                image="python", backend=backend, memory_mb=256, network={"allow": [{"to": server.ip2}]}
+            )
+        )
     assert set(edge.sandboxes) == before
     # Broad rules stay legal (the platform's addresses inside them are carved out) ...
     await pnet.check(NetworkPolicy(allow=[NetRule(to="0.0.0.0/0"), NetRule(to="198.18.0.0/15")]))
@@ -119,13 +125,15 @@ async def test_rules_naming_the_platform_are_refused(edge: Any, pnet: NetHost, s
     assert ok((await connect(edge, a, [(server.ip, 8080)]))[f"{server.ip}:8080"])
 
 
-async def test_platform_unreachable_whatever_the_rules(edge: Any, pnet: NetHost, server: Server) -> None:
+async def test_platform_unreachable_whatever_the_rules(
+    edge: Any, backend: str, pnet: NetHost, server: Server
+) -> None:
     """Rules that got in anyway (a stored policy, check=False) still reach nothing of the
     platform: the drop comes before every allow rule, in both tables, and the host drops
     anything from its gateways addressed to itself."""
     host_srv, port = await host_listener()
     try:
-        sid, pid = await sandbox(edge)
+        sid, pid = await sandbox(edge, backend)
         host_ips = sorted(ip for ip in host_addresses() if not ip.startswith("127."))
         rules = [NetRule(to=ip, ports=[port]) for ip in host_ips]
         rules += [NetRule(to=server.ip2, ports=[8080]), NetRule(to=server.ip, ports=[8080])]
@@ -151,15 +159,15 @@ async def test_platform_unreachable_whatever_the_rules(edge: Any, pnet: NetHost,
         host_srv.close()
 
 
-async def test_host_address_added_later(edge: Any, pnet: NetHost, server: Server) -> None:
+async def test_host_address_added_later(edge: Any, backend: str, pnet: NetHost, server: Server) -> None:
     """An address the host gets after the policy was set (a new interface, a VIP, a
     container bridge) is as unreachable as the others: through a broad rule, and through a
     domain that resolves to it (DNS rebinding)."""
     tag = secrets.token_hex(3)
     dummy, late = f"dsd{tag}", f"198.51.100.{secrets.randbelow(200) + 20}"
     host_srv, port = await host_listener()
-    broad, pid_b = await sandbox(edge)
-    named, pid_n = await sandbox(edge)
+    broad, pid_b = await sandbox(edge, backend)
+    named, pid_n = await sandbox(edge, backend)
     await attach(edge, pnet, broad, pid_b, EVERYTHING)
     await attach(edge, pnet, named, pid_n, NetworkPolicy(allow=[NetRule(to="late.test")]))
     server.zone["late.test"] = late
@@ -195,7 +203,7 @@ print(json.dumps(out))
 """
 
 
-async def test_directed_broadcast_to_the_host(edge: Any, pnet: NetHost, server: Server) -> None:
+async def test_directed_broadcast_to_the_host(edge: Any, backend: str, pnet: NetHost, server: Server) -> None:
     """The host delivers datagrams for its subnets' broadcast addresses to itself: a UDP
     service on the host listening on every address must not get them either."""
     got: list[bytes] = []
@@ -207,7 +215,7 @@ async def test_directed_broadcast_to_the_host(edge: Any, pnet: NetHost, server: 
     transport, _ = await asyncio.get_running_loop().create_datagram_endpoint(Recv, local_addr=("0.0.0.0", 0))
     port = transport.get_extra_info("sockname")[1]
     try:
-        sid, pid = await sandbox(edge)
+        sid, pid = await sandbox(edge, backend)
         await attach(edge, pnet, sid, pid, EVERYTHING)
         broadcast = server.ip.rsplit(".", 1)[0] + ".7"
         host_ips = sorted(ip for ip in host_addresses() if not ip.startswith("127."))
@@ -277,9 +285,11 @@ def gw_dns_connections(net: NetHost) -> int:
     return len([line for line in out.splitlines() if line.strip()])
 
 
-async def test_dns_tcp_connections_are_few_and_short(edge: Any, pnet: NetHost, server: Server) -> None:
-    a, pid_a = await sandbox(edge)
-    b, pid_b = await sandbox(edge)
+async def test_dns_tcp_connections_are_few_and_short(
+    edge: Any, backend: str, pnet: NetHost, server: Server
+) -> None:
+    a, pid_a = await sandbox(edge, backend)
+    b, pid_b = await sandbox(edge, backend)
     policy = NetworkPolicy(allow=[NetRule(to="allowed.test")])
     await attach(edge, pnet, a, pid_a, policy)
     await attach(edge, pnet, b, pid_b, policy)
@@ -325,10 +335,12 @@ print(json.dumps({"sent": sent, "state": state}))
 )
 
 
-async def test_dns_tcp_client_that_never_reads(edge: Any, pnet: NetHost, server: Server) -> None:
+async def test_dns_tcp_client_that_never_reads(
+    edge: Any, backend: str, pnet: NetHost, server: Server
+) -> None:
     """Queries pipelined by a client that never reads the answers: the forwarder gives up
     on that connection instead of holding it (and its descriptor) forever."""
-    sid, pid = await sandbox(edge)
+    sid, pid = await sandbox(edge, backend)
     await attach(edge, pnet, sid, pid, NetworkPolicy(allow=[NetRule(to="allowed.test")]))
     task = asyncio.ensure_future(run(edge, sid, NO_READ, pnet.gw_ip, "6"))
     await asyncio.sleep(6.5)
@@ -439,10 +451,10 @@ print(json.dumps({"lost": lost, "max_ms": lat[-1] if lat else 0, "p50_ms": lat[l
 
 @pytest.mark.parametrize("kind", ["udp", "tcp"])
 async def test_dns_flood_does_not_reach_other_tenants(
-    edge: Any, pnet: NetHost, server: Server, kind: str
+    edge: Any, backend: str, pnet: NetHost, server: Server, kind: str
 ) -> None:
-    a, pid_a = await sandbox(edge)
-    b, pid_b = await sandbox(edge)
+    a, pid_a = await sandbox(edge, backend)
+    b, pid_b = await sandbox(edge, backend)
     policy = NetworkPolicy(allow=[NetRule(to="allowed.test")])
     await attach(edge, pnet, a, pid_a, policy)
     await attach(edge, pnet, b, pid_b, policy)
@@ -521,12 +533,12 @@ async def holder(server: Server) -> AsyncIterator[int]:
         s.close()
 
 
-async def test_open_connections_per_sandbox(edge: Any, server: Server, holder: int) -> None:
+async def test_open_connections_per_sandbox(edge: Any, backend: str, server: Server, holder: int) -> None:
     limits = NetLimits(ct_open=60, ct_rate=10000, ct_burst=10000)
     net = NetHost(edge.name, upstreams=[(server.ip, 53)], limits=limits)
     try:
-        a, pid_a = await sandbox(edge)
-        b, pid_b = await sandbox(edge)
+        a, pid_a = await sandbox(edge, backend)
+        b, pid_b = await sandbox(edge, backend)
         await attach(edge, net, a, pid_a, EVERYTHING)
         await attach(edge, net, b, pid_b, EVERYTHING)
         out = await run(edge, a, HOLD, server.ip, str(holder), "150")
@@ -548,12 +560,12 @@ def conntrack_lines(netns: str | None, needle: str) -> list[str]:
     return [line for line in sh(f"{prefix}cat /proc/net/nf_conntrack").splitlines() if needle in line]
 
 
-async def test_short_connection_storm(edge: Any, pnet: NetHost, server: Server) -> None:
+async def test_short_connection_storm(edge: Any, backend: str, pnet: NetHost, server: Server) -> None:
     """Connect-and-close as fast as possible: the entries such connections leave (TIME_WAIT,
     not counted by a connection count) are bounded by the rate limit and short-lived, in the
     gateway's table and in the host's; another sandbox still connects."""
-    a, pid_a = await sandbox(edge)
-    b, pid_b = await sandbox(edge)
+    a, pid_a = await sandbox(edge, backend)
+    b, pid_b = await sandbox(edge, backend)
     await attach(edge, pnet, a, pid_a, EVERYTHING)
     await attach(edge, pnet, b, pid_b, EVERYTHING)
     secs = 4.0

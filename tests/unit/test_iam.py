@@ -857,12 +857,14 @@ def test_migrates_a_v1_database(db_path: Path) -> None:
         assert iam.usage("default") == Usage(sandboxes=0, cpu=0, memory_mb=0, snapshots=1, snapshot_mb=3)
     with IAM(db_path) as again:  # opening a migrated database is a no-op
         assert again.usage("team").snapshot_mb == 3
+        assert again.allowed_backends("team") is None  # an older project allows every backend
         assert again.get_project("team").quota.max_snapshots == 1
     db = sqlite3.connect(str(db_path))
     try:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == 3
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 4
         cols = {r[1] for r in db.execute("PRAGMA table_info(projects)")}
         assert {"max_snapshots", "max_snapshot_mb", "used_snapshots", "used_snapshot_mb"} <= cols
+        assert "allowed_backends" in cols
         assert "owner" in {r[1] for r in db.execute("PRAGMA table_info(reservations)")}
     finally:
         db.close()
@@ -905,3 +907,30 @@ def test_a_principal_name_cannot_look_like_a_principal_id(tmp_path) -> None:
     with pytest.raises(errors.InvalidRequest):
         iam.create_principal("pr_0123456789abcdef", ["p"])
     iam.create_principal("pr_not_an_id", ["p"])  # other names starting with pr_ are fine
+
+
+def test_tier_policy_is_inherited_and_only_narrowed(db_path: Path) -> None:
+    with IAM(db_path) as iam:
+        iam.bootstrap()
+        iam.create_project("sec", allowed_backends=["gvisor", "microvm"])
+        iam.create_project("sec-a", parent="sec")  # inherits
+        iam.create_project("sec-b", parent="sec", allowed_backends=["microvm"])  # narrows
+        iam.create_project("sec-b-c", parent="sec-b", allowed_backends=["microvm", "microvm"])
+        with pytest.raises(errors.InvalidRequest, match="may only narrow") as ei:
+            iam.create_project("sec-d", parent="sec", allowed_backends=["container", "gvisor"])
+        assert ei.value.details["allowed"] == ["gvisor", "microvm"]
+        with pytest.raises(errors.NotFound):
+            iam.get_project("sec-d")  # nothing was created
+        assert iam.allowed_backends("default") is None
+        assert iam.allowed_backends("sec-a") == ["gvisor", "microvm"]
+        assert iam.allowed_backends("sec-b-c") == ["microvm"]
+        assert iam.get_project("sec-b-c").allowed_backends == ["microvm"]
+        iam.check_backend("default", "container")
+        iam.check_backend("sec-a", "gvisor")
+        for project, backend in (("sec-a", "container"), ("sec-b", "gvisor"), ("sec-b-c", "container")):
+            with pytest.raises(errors.Forbidden) as fe:
+                iam.check_backend(project, backend)
+            assert fe.value.status == 403 and fe.value.code == "forbidden"
+            assert backend in fe.value.message and fe.value.details["allowed"][0] in fe.value.message
+    with IAM(db_path) as again:  # stored
+        assert again.allowed_backends("sec-b-c") == ["microvm"]

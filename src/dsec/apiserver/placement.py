@@ -117,6 +117,16 @@ class EdgeDirectory:
             raise errors.ImageNotFound(
                 f"no edge has image {spec.image!r}; build or import it first (dsec image build / import)"
             )
+        tier = [v for v in able if v.status is not None and spec.backend in v.status.backends]
+        if not tier:
+            known = sorted({b for v in healthy if v.status for b in v.status.backends})
+            raise errors.InvalidRequest(
+                f"no edge with image {spec.image!r} runs backend {spec.backend!r}; "
+                f"backends available: {', '.join(known) or 'none'}",
+                reason="unknown_backend",
+                available=known,
+            )
+        able = tier
         ordered: list[EdgeView] = []
         remaining = list(able)
         while remaining:

@@ -29,15 +29,24 @@ from dsec.errors import UnsupportedOperation
 from dsec.isolation.spec import Limits
 
 if TYPE_CHECKING:
-    from dsec.isolation.cgroups import CgroupHost
+    from dsec.isolation.cgroups import CgroupHost, ExecGroup
     from dsec.isolation.idranges import IdRanges
     from dsec.isolation.netpolicy import NetHost
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend cannot run on this host (a tool it needs is missing or does not work
+    here): the edge reports it absent, with this as the reason."""
 
 
 class Capability(StrEnum):
     """One thing a backend may or may not do for its sandboxes."""
 
-    EXEC = "exec"  # processes with stdio, streamed, with signals (sessions ride on it)
+    EXEC = "exec"  # processes with stdio, streamed, with signals
+    # bash and Python sessions: what a run reports must be out of reach of every other process
+    # of the sandbox (the session's shell and interpreter are non-dumpable, so their
+    # descriptors cannot be reopened through /proc)
+    SESSIONS = "sessions"
     FILES = "files"  # read/write/edit/list/archive through a handle on the root
     PAUSE = "pause"  # freeze every process, and thaw
     SNAPSHOT = "snapshot"  # copy the writable layer into a new image
@@ -74,6 +83,7 @@ class BackendHost:
     net: NetHost
     tools_dir: Path | None = None  # bound read-only at /.dsec-tools in every sandbox
     criu_root: Path | None = None  # where a CRIU the project built lives
+    runsc_root: Path | None = None  # where install.sh unpacked gVisor's runsc
 
 
 class CheckpointTreeRecord(Protocol):
@@ -133,6 +143,12 @@ class SandboxHandle(ABC):
     def seccomp_program(self) -> Path | None:
         """The compiled seccomp filter of this sandbox (trusted execs run under it too)."""
 
+    def exec_group(self, cgroups: CgroupHost, name: str) -> ExecGroup:
+        """What holds one exec or session and everything it starts (killed as one at a
+        timeout): a host cgroup below the sandbox's, where sandbox processes are host
+        processes."""
+        return cgroups.open_exec_group(self.id, name)
+
 
 class Backend(ABC):
     """Creates, adopts, pauses, checkpoints and destroys the sandboxes of one kind."""
@@ -154,10 +170,12 @@ class Backend(ABC):
             )
 
     def describe(self) -> dict[str, Any]:
+        """The fields of a `dsec.models.BackendInfo`."""
         return {
             "name": self.name,
             "capabilities": sorted(c.value for c in self.capabilities),
             "accelerated": self.accelerated,
+            "detail": {},
         }
 
     # --- lifecycle ----------------------------------------------------------------

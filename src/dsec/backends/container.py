@@ -125,11 +125,14 @@ class ContainerBackend(Backend):
 
     name = "container"
     capabilities = frozenset(Capability)
+    dir_name = "sandboxes"  # under the run directory: one bundle directory per sandbox
+    handle_class: type[Container] = Container
+    stray_comms = frozenset({"crun", "runc"})  # the runtime's processes we reap as zombies
 
     def __init__(self, host: BackendHost) -> None:
         self.host = host
         self.run_dir = host.run_dir
-        self.sandboxes_dir = host.run_dir / "sandboxes"
+        self.sandboxes_dir = host.run_dir / self.dir_name
         self.runtime_root = host.run_dir / "runtime"
         self.shim = host.shim
         self.runtime = shutil.which(host.runtime) or host.runtime
@@ -180,13 +183,13 @@ class ContainerBackend(Backend):
             now = time.monotonic()
             if now - self._reaped_at > 0.5:  # crun's intermediate processes, reparented to us
                 self._reaped_at = now  # (a scan costs ~0.4 ms with 1,000 live: not per start)
-                reap_strays()
+                reap_strays(self.stray_comms)
             t2 = time.perf_counter()
             self._learn_seccomp(plan.id)
             container = self._attach(plan.id, d, pid, None)
             container.id_base, container.id_range = ids.base, ids
             ids.bind(container.pid, container.start_time)
-            self.cgroups.setup_user_group(plan.id, plan.pids)  # 5
+            self._after_start(container, plan)  # 5
             await container.channel.ping()  # 6
             t3 = time.perf_counter()
         except BaseException:
@@ -224,9 +227,20 @@ class ContainerBackend(Backend):
         mounts = [str(up), tmpfs, str(rootfs), str(base), idmap, str(lowers), str(len(plan.lowerdirs))]
         return mounts + [str(p) for p in plan.lowerdirs]
 
+    def _after_start(self, container: Container, plan: SandboxPlan) -> None:
+        self.cgroups.setup_user_group(plan.id, plan.pids)
+
     def _config(self, d: Path, plan: SandboxPlan, base: int) -> None:
         """The OCI config: namespaces, cgroup and limits, capabilities, seccomp."""
-        config = build_config(
+        config = self._base_config(plan, base)
+        self._use_compiled_seccomp(plan.id, config)
+        self._write_config(d, config)
+
+    def _write_config(self, d: Path, config: dict[str, Any]) -> None:
+        (d / "config.json").write_text(json.dumps(config))
+
+    def _base_config(self, plan: SandboxPlan, base: int) -> dict[str, Any]:
+        return build_config(
             hostname=plan.id,
             args=["/.dsec/shim", "init"],
             cgroups_path=self.cgroups.sandbox_path(plan.id),
@@ -236,8 +250,6 @@ class ContainerBackend(Backend):
             env=plan.env,
             tools_dir=str(self.tools_dir) if self.tools_dir else None,
         )
-        self._use_compiled_seccomp(plan.id, config)
-        (d / "config.json").write_text(json.dumps(config))
 
     @staticmethod
     def _seccomp_key(profile: object) -> str:
@@ -326,7 +338,7 @@ class ContainerBackend(Backend):
             if not exited.done():
                 exited.set_result(None)
 
-        container = Container(
+        container = self.handle_class(
             sandbox_id,
             pid,
             actual,
@@ -351,19 +363,29 @@ class ContainerBackend(Backend):
         if not (d / "rootfs").is_dir():
             return None
         if paused:  # a frozen init cannot answer the adoption ping
-            with contextlib.suppress(OSError):
-                self.cgroups.thaw(sandbox_id)
+            with contextlib.suppress(OSError, InternalError):
+                self._thaw_for_adoption(sandbox_id)
         container = await self._adopt(sandbox_id, d, pid, start_time)
         if paused and container is not None:
-            self.cgroups.freeze(sandbox_id)
+            self._freeze_after_adoption(sandbox_id)
         return container
+
+    def _thaw_for_adoption(self, sandbox_id: str) -> None:
+        self.cgroups.thaw(sandbox_id)
+
+    def _freeze_after_adoption(self, sandbox_id: str) -> None:
+        self.cgroups.freeze(sandbox_id)
+
+    def _id_base(self, container: Container) -> int:
+        """The host id the sandbox's root is, from its init's user namespace."""
+        return range_of(container.pid) or self.uid_offset
 
     async def _adopt(self, sandbox_id: str, d: Path, pid: int, start_time: int) -> Container | None:
         try:
             container = self._attach(sandbox_id, d, pid, start_time)
         except (ProcessLookupError, OSError):
             return None
-        container.id_base = range_of(pid) or self.uid_offset
+        container.id_base = self._id_base(container)
         container.id_range = self.id_ranges.adopt(container.id_base, pid, start_time)
         try:
             await container.channel.ping(timeout=2.0)

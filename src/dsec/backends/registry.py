@@ -19,6 +19,7 @@ Factory = Callable[[BackendHost], Backend]
 # name -> "module:class" (imported on first use) or a factory registered at run time
 _KNOWN: dict[str, str | Factory] = {
     "container": "dsec.backends.container:ContainerBackend",
+    "gvisor": "dsec.backends.gvisor:GvisorBackend",
 }
 
 DEFAULT = "container"

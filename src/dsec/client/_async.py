@@ -16,6 +16,7 @@ from dsec.client import _base
 from dsec.client._base import Call, Request, SpecOptions, StepArg, T
 from dsec.client._wire import AsyncWire, usable
 from dsec.models import (
+    BackendInfo,
     Checkpoint,
     EdgeStatus,
     ExecResult,
@@ -191,6 +192,10 @@ class AsyncClient(_base.AsyncEndsOnExit):
 
     async def images(self) -> builtins.list[dict[str, Any]]:
         return await self._call(_base.images())
+
+    async def backends(self) -> builtins.list[BackendInfo]:
+        """The isolation tiers (`create(backend=...)`): capabilities, and whether emulated."""
+        return await self._call(_base.backends())
 
     async def edges(self) -> builtins.list[EdgeStatus]:
         return await self._call(_base.edges())

@@ -588,6 +588,10 @@ def images() -> Call[list[dict[str, Any]]]:
     return Call(Request("GET", "/v1/images", idempotent=True), parse)
 
 
+def backends() -> Call[list[wire.BackendInfo]]:
+    return Call(Request("GET", "/v1/backends", idempotent=True), _models(wire.BackendInfo, "backends"))
+
+
 def edges() -> Call[list[wire.EdgeStatus]]:
     return Call(Request("GET", "/v1/edges", idempotent=True), _models(wire.EdgeStatus, "edges"))
 

@@ -18,6 +18,7 @@ from dsec.client import _base
 from dsec.client._base import Call, Request, SpecOptions, StepArg, T
 from dsec.client._wire import Wire, usable
 from dsec.models import (
+    BackendInfo,
     Checkpoint,
     EdgeStatus,
     ExecResult,
@@ -181,6 +182,10 @@ class Client(_base.EndsOnExit):
 
     def images(self) -> builtins.list[dict[str, Any]]:
         return self._call(_base.images())
+
+    def backends(self) -> builtins.list[BackendInfo]:
+        """The isolation tiers (`create(backend=...)`): capabilities, and whether emulated."""
+        return self._call(_base.backends())
 
     def edges(self) -> builtins.list[EdgeStatus]:
         return self._call(_base.edges())

@@ -30,6 +30,7 @@ class EdgeCore:
     store: EdgeStore | None = None  # the sandbox records: open while the edge runs
     sandboxes: dict[str, Sandbox] = field(default_factory=dict)  # the live ones, by id
     backends: dict[str, Backend] = field(default_factory=dict)  # by name, filled at start
+    absent_backends: dict[str, str] = field(default_factory=dict)  # asked for but unavailable: why
     dirty_active: dict[str, float] = field(default_factory=dict)  # last activity not yet stored
 
 

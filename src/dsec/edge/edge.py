@@ -34,7 +34,7 @@ from typing import IO, Any
 from dsec import errors
 from dsec import models as wire
 from dsec.backends import registry
-from dsec.backends.base import Backend, BackendHost
+from dsec.backends.base import Backend, BackendHost, BackendUnavailable
 from dsec.config import EdgeSettings
 from dsec.edge.core import EdgeCore
 from dsec.edge.execs import EdgeExec
@@ -195,8 +195,14 @@ class Edge:
             net=self.net,
             tools_dir=prepare_tools(s.edge_run_dir / "tools"),
             criu_root=s.criu_root,
+            runsc_root=s.runsc_dir,
         )
-        self.backends.update({name: registry.start(name, host) for name in dict.fromkeys(s.backends)})
+        for name in dict.fromkeys(s.backends):
+            try:
+                self.backends[name] = registry.start(name, host)
+            except BackendUnavailable as e:  # reported absent (status, /v1/backends): no late failures
+                self.core.absent_backends[name] = str(e)
+                log.warning("backend %s is not available on edge %s: %s", name, self.name, e)
         self.store = EdgeStore(s.db_path)
         await self.trajlog.start()
         await self.net.remove_leftovers()  # a crashed edge's gateway; policies are re-applied below
@@ -512,6 +518,11 @@ class Edge:
             name=self.name,
             healthy=True,
             backends=sorted(self.backends),
+            backend_info=[wire.BackendInfo(**self.backends[n].describe()) for n in sorted(self.backends)]
+            + [
+                wire.BackendInfo(name=n, available=False, reason=why)
+                for n, why in sorted(self.core.absent_backends.items())
+            ],
             capacity={
                 "sandboxes": self.settings.max_sandboxes,
                 "cpu": self.settings.capacity_cpu,

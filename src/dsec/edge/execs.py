@@ -223,7 +223,7 @@ class EdgeExec(EdgePart):
 
     async def session_create(self, sandbox_id: str, req: SessionCreate) -> SessionInfo:
         sb = self.life._get(sandbox_id)
-        sb.backend.require(Capability.EXEC, "sessions")
+        sb.backend.require(Capability.SESSIONS, "sessions")
         if len(sb.sessions) >= 64:
             raise errors.QuotaExceeded("a sandbox holds at most 64 sessions; close one first")
         uid, gid = self._user(sb, req.user)

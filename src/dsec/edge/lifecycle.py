@@ -95,8 +95,10 @@ class EdgeLifecycle(EdgePart):
     def backend_for(self, name: str) -> Backend:
         b = self.backends.get(name)
         if b is None:
+            why = self.core.absent_backends.get(name)
             raise errors.InvalidRequest(
-                f"backend {name!r} is not available on edge {self.name}; available: "
+                f"backend {name!r} is not available on edge {self.name}"
+                f"{f' ({why})' if why else ''}; available: "
                 f"{', '.join(sorted(self.backends)) or 'none (the edge has not started)'}",
                 reason="unknown_backend",
                 available=sorted(self.backends),
@@ -182,6 +184,8 @@ class EdgeLifecycle(EdgePart):
         anything reads the sandbox's files (a fork's layer may still be filling; see fork())."""
         assert self.store is not None
         backend = self.backend_for(spec.backend)
+        if spec.protected_paths:  # refused before anything is made
+            backend.require(Capability.TRUSTED_EXEC, "protected paths (only verify reads them)")
         image = image or self._image(spec.image)  # read once per create (a JSON file)
         self._admit(spec)
         sid = sandbox_id or self._new_id()

@@ -20,21 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsec.models import PoolInfo, PoolSpec, SandboxSpec
+from dsec.models.pools import POOL_SHAPE
 
 log = logging.getLogger("dsec.edge.pools")
 
 
 def spec_key(spec: SandboxSpec) -> tuple[object, ...]:
-    return (
-        spec.image,
-        spec.cpu,
-        spec.memory_mb,
-        spec.pids,
-        spec.disk_mb,
-        spec.disk_inodes,
-        spec.user,
-        spec.workdir,
-    )
+    """The key of the pool whose sandboxes `spec` can take (PoolSpec.key of the same shape)."""
+    return tuple(getattr(spec, f) for f in POOL_SHAPE)
 
 
 @dataclass

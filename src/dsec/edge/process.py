@@ -133,13 +133,15 @@ async def spawn(
 ) -> Spawned:
     """Start `launch` in its own cgroup under the sandbox's; closes the stdio fds given."""
     try:
-        group = cgroups.open_exec_group(container.id, group_name)
+        group = container.exec_group(cgroups, group_name)
     except OSError as e:
         for fd in set(stdio):
             os.close(fd)
         raise InternalError(f"cannot create an exec cgroup: {e}") from e
     try:
-        ident, pid, exited = await container.channel.spawn(launch, stdio=stdio, cgroup_fds=[group.procs_fd])
+        cgroup_fds = [group.procs_fd] if group.procs_fd >= 0 else []
+        ident, pid, exited = await container.channel.spawn(launch, stdio=stdio, cgroup_fds=cgroup_fds)
+        group.bind(ident)
     except OSError as e:
         group.remove()
         if e.errno == errno.ENOENT:

@@ -94,6 +94,7 @@ class EdgeState(EdgePart):
             image=spec.image,
             cpu=spec.cpu,
             memory_mb=spec.memory_mb,
+            backend=spec.backend,
             trees=[CheckpointTree(root=t.root, pids=t.pids, cmdline=t.cmdline) for t in info.trees],
             size_bytes=info.size_bytes,
             leave_running=info.leave_running,

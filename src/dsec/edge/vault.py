@@ -102,6 +102,7 @@ class EdgeVault:
         runs. verify() binds them read-only into its trusted root, never into the sandbox's."""
         sb = self._get(sandbox_id)
         sb.backend.require(Capability.FILES, "protected paths")
+        sb.backend.require(Capability.TRUSTED_EXEC, "protected paths (only verify reads them)")
         owner = trusted.trusted_host_id(self.settings.uid_offset)
         for raw in paths:
             if not raw.startswith("/") or "\0" in raw or os.path.normpath(raw) == "/":

@@ -4,9 +4,11 @@ IAM shares."""
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import secrets
 import sqlite3
+from collections.abc import Sequence
 from typing import Any
 
 from dsec.errors import InvalidRequest
@@ -21,7 +23,8 @@ _PRINCIPAL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
 _MILLI = 1000
 # 2: snapshot quotas (max_snapshot*, used_snapshot*, snapshot_reservations)
 # 3: reservations.owner (pending creates), meta (auth epoch)
-_SCHEMA_VERSION = 3
+# 4: projects.allowed_backends (a JSON list; NULL: whatever the parent allows)
+_SCHEMA_VERSION = 4
 _OWNER_RE = re.compile(r"o[0-9a-f]{16}")
 _REVOKED = "revoked:"  # prefix of a revoked principal's token_hash: no SHA-256 hex matches it
 
@@ -39,7 +42,8 @@ _SCHEMA = (
         max_snapshots INTEGER,
         max_snapshot_mb INTEGER,
         used_snapshots INTEGER NOT NULL DEFAULT 0,
-        used_snapshot_mb INTEGER NOT NULL DEFAULT 0
+        used_snapshot_mb INTEGER NOT NULL DEFAULT 0,
+        allowed_backends TEXT
     )""",
     "CREATE INDEX IF NOT EXISTS projects_parent ON projects(parent)",
     """CREATE TABLE IF NOT EXISTS principals (
@@ -83,6 +87,7 @@ _ADDED_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("projects", "used_snapshots", "INTEGER NOT NULL DEFAULT 0"),
     ("projects", "used_snapshot_mb", "INTEGER NOT NULL DEFAULT 0"),
     ("reservations", "owner", "TEXT"),
+    ("projects", "allowed_backends", "TEXT"),
 )
 
 # The project and its ancestors, nearest first, with their quotas and recursive usage.
@@ -95,7 +100,7 @@ WITH RECURSIVE anc(name, depth) AS (
 )
 SELECT p.name, p.max_sandboxes, p.max_cpu, p.max_memory_mb,
        p.used_sandboxes, p.used_cpu_m, p.used_memory_mb,
-       p.max_snapshots, p.max_snapshot_mb, p.used_snapshots, p.used_snapshot_mb
+       p.max_snapshots, p.max_snapshot_mb, p.used_snapshots, p.used_snapshot_mb, p.allowed_backends
 FROM anc JOIN projects p ON p.name = anc.name ORDER BY anc.depth
 """
 
@@ -155,7 +160,23 @@ def _project_from_row(row: sqlite3.Row) -> Project:
         parent=row["parent"],
         quota=_quota_of(row),
         created_at=row["created_at"],
+        allowed_backends=_backends_of(row),
     )
+
+
+def _backends_of(row: sqlite3.Row) -> list[str] | None:
+    raw = row["allowed_backends"]
+    return None if raw is None else list(json.loads(raw))
+
+
+def _effective_backends(rows: Sequence[sqlite3.Row]) -> list[str] | None:
+    """What a project's ancestors (and itself) allow together: None when none limits them."""
+    allowed: set[str] | None = None
+    for row in rows:
+        own = _backends_of(row)
+        if own is not None:
+            allowed = set(own) if allowed is None else allowed & set(own)
+    return None if allowed is None else sorted(allowed)
 
 
 def _check_project_name(name: str) -> None:

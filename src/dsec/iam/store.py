@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import json
 import os
 import re
 import secrets
@@ -66,6 +67,7 @@ from dsec.iam.schema import (
     DEFAULT_PROJECT,
     _check_fits,
     _check_project_name,
+    _effective_backends,
     _hash_token,
     _new_token,
     _project_from_row,
@@ -211,23 +213,61 @@ class IAM(Admission):
             bound = _tighten(bound, _quota_of(row))
         return bound
 
-    def create_project(self, name: str, parent: str | None = None, quota: Quota | None = None) -> Project:
+    def create_project(
+        self,
+        name: str,
+        parent: str | None = None,
+        quota: Quota | None = None,
+        allowed_backends: list[str] | None = None,
+    ) -> Project:
         _check_project_name(name)
         quota = quota or Quota()
+        allowed = None if allowed_backends is None else sorted(set(allowed_backends))
         with self._write() as db:
             if db.execute("SELECT 1 FROM projects WHERE name = ?", (name,)).fetchone():
                 raise Conflict(f"project {name!r} already exists: pick another name", project=name)
             if parent is not None:
                 self._project_row(db, parent)
                 _check_fits(name, quota, parent, self._effective(db, parent))
+                inherited = _effective_backends(db.execute(_ANCESTORS_SQL, (parent,)).fetchall())
+                if allowed is not None and inherited is not None and not set(allowed) <= set(inherited):
+                    raise InvalidRequest(
+                        f"project {name!r} may only narrow the backends its parent {parent!r} allows "
+                        f"({', '.join(inherited)}); {', '.join(sorted(set(allowed) - set(inherited)))} "
+                        "is not among them",
+                        project=name,
+                        allowed=inherited,
+                    )
             now = time.time()
             fields = [field for field, _ in _DIMENSIONS]
             db.execute(
-                f"INSERT INTO projects (name, parent, {', '.join(fields)}, created_at)"
-                f" VALUES (?, ?, {', '.join('?' * len(fields))}, ?)",
-                (name, parent, *(getattr(quota, f) for f in fields), now),
+                f"INSERT INTO projects (name, parent, {', '.join(fields)}, allowed_backends, created_at)"
+                f" VALUES (?, ?, {', '.join('?' * len(fields))}, ?, ?)",
+                (name, parent, *(getattr(quota, f) for f in fields), _json_or_null(allowed), now),
             )
-        return Project(name=name, parent=parent, quota=quota, created_at=now)
+        return Project(name=name, parent=parent, quota=quota, created_at=now, allowed_backends=allowed)
+
+    def allowed_backends(self, name: str) -> list[str] | None:
+        """The backends sandboxes of ``name`` may use (every ancestor's list narrows it), or
+        None when no project on its path limits them."""
+        with self._lock:
+            rows = self._db.execute(_ANCESTORS_SQL, (name,)).fetchall()
+            if not rows:
+                self._project_row(self._db, name)  # raises NotFound
+        return _effective_backends(rows)
+
+    def check_backend(self, project: str, backend: str) -> None:
+        """Refuse a sandbox of ``project`` on a backend its tier policy does not allow."""
+        allowed = self.allowed_backends(project)
+        if allowed is not None and backend not in allowed:
+            raise Forbidden(
+                f"project {project!r} may run sandboxes only on the backends {', '.join(allowed)}; "
+                f"{backend!r} is not one of them: create with backend={allowed[0]!r}",
+                reason="backend_not_allowed",
+                project=project,
+                backend=backend,
+                allowed=allowed,
+            )
 
     def get_project(self, name: str) -> Project:
         with self._lock:
@@ -483,3 +523,7 @@ def _one(cursor: sqlite3.Cursor, missing: str, **details: str) -> sqlite3.Row:
     if row is None:
         raise NotFound(missing, **details)
     return row  # type: ignore[no-any-return]
+
+
+def _json_or_null(value: list[str] | None) -> str | None:
+    return None if value is None else json.dumps(value)

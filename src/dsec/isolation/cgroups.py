@@ -231,6 +231,9 @@ class ExecGroup:
         self.procs_fd = procs_fd
         self.version = version
 
+    def bind(self, ident: int) -> None:
+        """Told the shim's id of the process started in it (a cgroup needs nothing more)."""
+
     def close_fd(self) -> None:
         if self.procs_fd >= 0:
             os.close(self.procs_fd)

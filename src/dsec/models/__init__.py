@@ -43,6 +43,7 @@ from dsec.models.requests import (
 from dsec.models.sandbox import (
     MAX_ENV_BYTES,
     MAX_ENV_VARS,
+    BackendInfo,
     Checkpoint,
     CheckpointRequest,
     CheckpointTree,
@@ -86,6 +87,7 @@ __all__ = [
     "MAX_RULES",
     "POOL_PROJECT",
     "PROJECT_DOC",
+    "BackendInfo",
     "BatchCreate",
     "BatchStop",
     "BuildRequest",

@@ -26,6 +26,9 @@ class Project(BaseModel):
     parent: str | None
     quota: Quota
     created_at: float
+    allowed_backends: list[str] | None = Field(
+        default=None, description="the backends its sandboxes may use (None: any its parent allows)"
+    )
 
 
 class Principal(BaseModel):

@@ -18,20 +18,26 @@ class PoolSpec(BaseModel):
     disk_inodes: int = 262144
     user: str = "root"
     workdir: str = "/work"
+    backend: str = Field(
+        "container", pattern=r"^[a-z][a-z0-9-]{0,31}$", description="the tier of its sandboxes"
+    )
     min_size: int = Field(0, ge=0, le=10000)
     max_size: int = Field(64, ge=0, le=10000)
 
     def key(self) -> tuple[object, ...]:
         """What makes two pools the same: the sandbox they hold (not their sizes)."""
-        return tuple(getattr(self, f) for f in _SHAPE)
+        return tuple(getattr(self, f) for f in POOL_SHAPE)
 
     def base_spec(self) -> SandboxSpec:
         """The spec of the sandboxes it holds, as the pool's project owns them until claimed."""
-        return SandboxSpec.model_validate({f: getattr(self, f) for f in _SHAPE} | {"project": POOL_PROJECT})
+        return SandboxSpec.model_validate(
+            {f: getattr(self, f) for f in POOL_SHAPE} | {"project": POOL_PROJECT}
+        )
 
 
-# The fields of a pool that are the fields of its sandboxes' spec.
-_SHAPE = tuple(f for f in PoolSpec.model_fields if f in SandboxSpec.model_fields)
+# The fields of a pool that are the fields of its sandboxes' spec: a create whose spec has the
+# same values takes a sandbox from it (dsec.edge.pools.spec_key).
+POOL_SHAPE = tuple(f for f in PoolSpec.model_fields if f in SandboxSpec.model_fields)
 
 
 class PoolInfo(BaseModel):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, Field
 
 from dsec.models.iam import Quota
@@ -32,10 +34,20 @@ class BuildRequest(BaseModel):
     recipe: str
 
 
+BackendName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9-]{0,31}$")]
+
+
 class ProjectCreate(BaseModel):
     name: str
     parent: str | None = None
     quota: Quota = Field(default_factory=Quota)
+    allowed_backends: list[BackendName] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=16,
+        description='the backends its sandboxes may use (a minimum tier: e.g. ["gvisor"]); a child '
+        "project may only narrow its parent's; None: whatever the parent allows",
+    )
 
 
 class PrincipalCreate(BaseModel):

@@ -74,7 +74,7 @@ class SandboxSpec(_Model):
         # Left out of what is sent and stored when it is the default: older apiservers, edges and
         # records (which forbid unknown fields) keep reading specs of the default backend.
         exclude_if=lambda v: v == "container",
-        description="the backend (isolation tier) that runs it: container; GET /v1/backends lists them",
+        description="the isolation tier that runs it: container, gvisor; GET /v1/backends lists them",
     )
     network: NetworkPolicy | None = Field(
         None, description="egress allowlist (domains, IPs/CIDRs, ports, protocols); None: loopback only"
@@ -256,11 +256,28 @@ class FileStat(_Model):
     gid: int
 
 
+class BackendInfo(_Model):
+    """One isolation tier (`SandboxSpec.backend`): what it can do and how it runs here."""
+
+    name: str
+    available: bool = True
+    capabilities: list[str] = Field(default_factory=list, description="operations it supports")
+    accelerated: bool = Field(
+        default=True, description="False: it runs, but emulated (a microVM without KVM: TCG)"
+    )
+    reason: str | None = Field(default=None, description="why it is not available")
+    detail: dict[str, str | list[str]] = Field(
+        default_factory=dict, description="how it runs (gvisor: the platform in use and those that work)"
+    )
+    edges: list[str] = Field(default_factory=list, description="edges that run it (cluster view)")
+
+
 class EdgeStatus(_Model):
     name: str
     url: str | None = None
     healthy: bool
     backends: list[str]
+    backend_info: list[BackendInfo] = Field(default_factory=list)
     capacity: dict[str, float]
     used: dict[str, float]
     sandboxes: int
@@ -310,6 +327,11 @@ class Checkpoint(_Model):
     image: str
     cpu: float = Field(description="the sandbox's shape; a restore into a new sandbox gets the same")
     memory_mb: int
+    backend: str = Field(
+        default="container",
+        exclude_if=lambda v: v == "container",  # (as in SandboxSpec: older readers forbid new fields)
+        description="the backend it was taken on (and restores on)",
+    )
     trees: list[CheckpointTree]
     size_bytes: int = Field(description="process images (the files copied with them come on top)")
     leave_running: bool

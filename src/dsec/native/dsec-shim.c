@@ -2,6 +2,9 @@
  * dsec-shim: the in-sandbox init and the crun launcher, one static binary.
  *
  *   dsec-shim init           PID 1 of a sandbox (started by the OCI runtime).
+ *   dsec-shim runsc-keep ... like crun-wrap, for runsc: stays as the host side of a gVisor
+ *                            sandbox (see run_keep).
+ *   dsec-shim kill-others    inside a sandbox: SIGKILL everything but the init.
  *   dsec-shim crun-wrap A B HYBRID UP TMPFS_OPTS ROOTFS OWNER IDMAP LOWERS N SRC... -- RUNTIME ARGS...
  *                            launch the runtime with fds A,B moved to 3,4, in a
  *                            private mount namespace holding the sandbox's
@@ -27,7 +30,7 @@
  *                 then NUL-terminated cwd, argv[argc], env[envc];
  *                 SCM_RIGHTS: stdin, stdout, stderr, ncg cgroup.procs fds
  *                 (the child writes "0" to each to join its own cgroup).
- *   edge -> shim  'K' u32 id, i32 signal      signal the child's session
+ *   edge -> shim  'K' u32 id, i32 signal      signal the child's process group (also shortly after it exited)
  *   edge -> shim  'P' u32 id                  ping, answered by 'p' u32 id
  *   edge -> shim  'W' u32 id; SCM_RIGHTS: src, dst
  *                 fill: a forked child of the shim (so inside the sandbox's
@@ -44,6 +47,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
+#include <net/if.h>
 #include <poll.h>
 #include <sched.h>
 #include <signal.h>
@@ -51,8 +55,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -71,6 +77,11 @@ extern char **environ;
 
 struct child { pid_t pid; uint32_t id; };
 static struct child children[MAX_CHILDREN];
+/* The last children reaped: a 'K' for one of them still reaches its process group (what it
+ * forked lives on after it, in a fork bomb say, where no cgroup holds the exec). */
+#define RECENT 256
+static struct child recent[RECENT];
+static unsigned recent_next;
 
 static void send_msg(char type, uint32_t id, int32_t value) {
     char buf[9];
@@ -92,6 +103,12 @@ static int track(pid_t pid, uint32_t id) {
     return -1;
 }
 
+static void reap(void);
+/* The process limit (RLIMIT_NPROC) the runtime gave: the user's processes get it, hard and
+ * soft; the shim keeps the hard one (a reserve above the user's, so it can always start a
+ * process). Unlimited where a host cgroup holds the pids limit instead. */
+static struct rlimit user_nproc = {RLIM_INFINITY, RLIM_INFINITY};
+
 static void close_fds(int *fds, int n) {
     for (int i = 0; i < n; i++) close(fds[i]);
 }
@@ -103,7 +120,8 @@ static void child_exec(int errfd, int *fds, int ncg, int32_t uid, int32_t gid,
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
-    signal(SIGPIPE, SIG_DFL);
+    for (int s = 1; s < NSIG; s++) /* the init ignores what it can (run_init): not its children */
+        if (s != SIGKILL && s != SIGSTOP) signal(s, SIG_DFL);
     setsid();
     for (int i = 0; i < ncg; i++) {
         if (write(fds[3 + i], "0", 1) != 1) { err = errno; goto fail; }
@@ -123,6 +141,10 @@ static void child_exec(int errfd, int *fds, int ncg, int32_t uid, int32_t gid,
     }
     if (uid >= 0 && setresuid(uid, uid, uid) < 0) { err = errno; goto fail; }
     if (cwd[0] && chdir(cwd) < 0) { err = errno; goto fail; }
+    if (user_nproc.rlim_cur != RLIM_INFINITY) {
+        struct rlimit lim = {user_nproc.rlim_cur, user_nproc.rlim_cur};
+        if (setrlimit(RLIMIT_NPROC, &lim) < 0) { err = errno; goto fail; }
+    }
     environ = envp;
     execvp(argv[0], argv);
     err = errno;
@@ -161,6 +183,13 @@ static void handle_spawn(const char *buf, ssize_t len, int *fds, int nfds) {
         free(argv); free(envp); close_fds(fds, nfds); send_msg('F', id, errno); return;
     }
     pid_t pid = fork();
+    /* At a process limit (a fork bomb that was just killed): what died may not be reaped
+     * yet, and reaping it is what frees the slots. */
+    for (int tries = 0; pid < 0 && errno == EAGAIN && tries < 50; tries++) {
+        usleep(2000);
+        reap();
+        pid = fork();
+    }
     if (pid == 0) {
         close(errpipe[0]);
         child_exec(errpipe[1], fds, ncg, uid, gid, cwd, argv, envp);
@@ -257,6 +286,13 @@ static void handle_kill(const char *buf, ssize_t len) {
             return;
         }
     }
+    for (unsigned n = 0; n < RECENT; n++) {
+        struct child *c = &recent[(recent_next - 1 - n) % RECENT];
+        if (c->pid && c->id == id) {
+            kill(-c->pid, sig); /* ESRCH once the group is gone */
+            return;
+        }
+    }
 }
 
 static void reap(void) {
@@ -266,6 +302,7 @@ static void reap(void) {
         for (int i = 0; i < MAX_CHILDREN; i++) {
             if (children[i].pid == pid) {
                 send_msg('X', children[i].id, status);
+                recent[recent_next++ % RECENT] = children[i];
                 children[i].pid = 0;
                 break;
             }
@@ -276,7 +313,17 @@ static void reap(void) {
 static int run_init(void) {
     static char buf[MAX_MSG];
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
-    signal(SIGPIPE, SIG_IGN);
+    if (getrlimit(RLIMIT_NPROC, &user_nproc) == 0 && user_nproc.rlim_cur != user_nproc.rlim_max) {
+        struct rlimit mine = {user_nproc.rlim_max, user_nproc.rlim_max};
+        setrlimit(RLIMIT_NPROC, &mine);
+    } else {
+        user_nproc.rlim_cur = RLIM_INFINITY; /* nothing to keep in reserve */
+    }
+    /* A kernel protects the init of a pid namespace from signals it does not handle; gVisor
+     * does not (a `kill -TERM 1` inside would end the sandbox): ignore every signal that can
+     * be ignored. SIGCHLD stays (blocked, read from the signalfd). */
+    for (int s = 1; s < NSIG; s++)
+        if (s != SIGKILL && s != SIGSTOP && s != SIGCHLD) signal(s, SIG_IGN);
     /* Our stdio came from the runtime's launcher: hold nothing of the host. */
     int devnull = open("/dev/null", O_RDWR | O_CLOEXEC);
     if (devnull >= 0) {
@@ -412,14 +459,17 @@ static int mount_rootfs(const char *up, const char *tmpfs_opts, const char *root
     return 0;
 }
 
-static int run_crun_wrap(int argc, char **argv) {
-    /* argv: crun-wrap FD_A FD_B HYBRID UP TMPFS_OPTS ROOTFS OWNER IDMAP LOWERS N SRC*N -- runtime args... */
+/* What crun-wrap and runsc-keep share: fds A,B at 3,4, a private mount namespace
+ * with the sandbox's layers, the writable layer's handle at 5, an audit session. Returns
+ * the runtime's argv, or NULL (the error printed). */
+static char **prepare_launch(int argc, char **argv, const char *mode) {
+    /* argv: MODE FD_A FD_B HYBRID UP TMPFS_OPTS ROOTFS OWNER IDMAP LOWERS N SRC*N -- runtime args... */
     int nlower = argc > 11 ? atoi(argv[11]) : -1;
     int dashes = 12 + nlower;
     if (nlower < 0 || nlower > 500 || argc < dashes + 2 || strcmp(argv[dashes], "--") != 0) {
-        fprintf(stderr, "usage: dsec-shim crun-wrap FD_A FD_B HYBRID UP TMPFS_OPTS ROOTFS OWNER IDMAP LOWERS N "
-                        "SRC... -- RUNTIME ARGS...\n");
-        return 2;
+        fprintf(stderr, "usage: dsec-shim %s FD_A FD_B HYBRID UP TMPFS_OPTS ROOTFS OWNER IDMAP LOWERS N "
+                        "SRC... -- RUNTIME ARGS...\n", mode);
+        return NULL;
     }
     char **runtime = argv + dashes + 1;
     int a = atoi(argv[2]), b = atoi(argv[3]);
@@ -427,24 +477,24 @@ static int run_crun_wrap(int argc, char **argv) {
     if (a >= 0 && b >= 0) {
         /* Move the two fds out of the way first, then to 3 and 4. */
         int ta = fcntl(a, F_DUPFD, 10), tb = fcntl(b, F_DUPFD, 10);
-        if (ta < 0 || tb < 0 || dup2(ta, 3) < 0 || dup2(tb, 4) < 0) { perror("dsec-shim: dup"); return 1; }
+        if (ta < 0 || tb < 0 || dup2(ta, 3) < 0 || dup2(tb, 4) < 0) { perror("dsec-shim: dup"); return NULL; }
         close(ta);
         close(tb);
     }
-    if (unshare(CLONE_NEWNS) < 0) { perror("dsec-shim: unshare"); return 1; }
-    if (mount(NULL, "/", NULL, MS_REC | MS_SLAVE, NULL) < 0) { perror("dsec-shim: make-rslave"); return 1; }
+    if (unshare(CLONE_NEWNS) < 0) { perror("dsec-shim: unshare"); return NULL; }
+    if (mount(NULL, "/", NULL, MS_REC | MS_SLAVE, NULL) < 0) { perror("dsec-shim: make-rslave"); return NULL; }
     if (hybrid &&
         mount("dsec-cg2", "/sys/fs/cgroup/unified", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k") < 0) {
         perror("dsec-shim: hide cgroup2");
-        return 1;
+        return NULL;
     }
     if (argv[5][0]) {
         if (mount_rootfs(argv[5], argv[6], argv[7], (uid_t)atoi(argv[8]), argv[9], argv[10], nlower, argv + 12) < 0)
-            return 1;
-        /* Hand the writable layer's root to the init as fd 5: the edge takes a copy
-         * (pidfd_getfd) for snapshots and forks; nothing inside can reach it. */
+            return NULL;
+        /* The writable layer's root at fd 5: the edge takes a copy (pidfd_getfd) for
+         * snapshots and forks; nothing inside can reach it. */
         int up = open(argv[5], O_PATH | O_DIRECTORY);
-        if (up < 0 || dup2(up, 5) < 0) { perror("dsec-shim: open upper"); return 1; }
+        if (up < 0 || dup2(up, 5) < 0) { perror("dsec-shim: open upper"); return NULL; }
         if (up != 5) close(up);
     }
     /* An audit session of its own: setting the login uid (allowed once, to a process with
@@ -457,6 +507,13 @@ static int run_crun_wrap(int argc, char **argv) {
         if (write(lu, argv[8], strlen(argv[8])) < 0) { /* audit off: denials go uncounted */ }
         close(lu);
     }
+    return runtime;
+}
+
+static int run_crun_wrap(int argc, char **argv) {
+    char **runtime = prepare_launch(argc, argv, "crun-wrap");
+    if (runtime == NULL) return 1;
+    /* The init (the shim, PID 1 of the container) holds fds 3-5 from here on. */
     /* crun (like runc) guards against CVE-2019-5736 by copying its own binary and
      * re-executing the copy (a second dynamic load, ~1-2 ms per sandbox) unless it
      * already runs from a read-only file and _LIBCONTAINER_CLONED_BINARY is set. A
@@ -471,9 +528,75 @@ static int run_crun_wrap(int argc, char **argv) {
     return 127;
 }
 
+/* runsc-keep: the host side of a gVisor sandbox. Its init (the shim) runs inside the
+ * sentry, which is not a host process: nothing of it can be reached with pidfd_getfd,
+ * and its mounts are not in any host process's view. So this keeper stays for the
+ * sandbox's life and holds what the edge needs: the edge's end of the control socket
+ * (fd 4, for an edge that restarts), the writable layer (fd 5), the mount namespace
+ * with the overlay root (the gofer serves it from there; the edge's file API reaches it
+ * through /proc/<keeper>/root), and the network namespace the sentry uses
+ * (--network=host in it: the edge's nftables policy applies there). It starts runsc
+ * with only fd 3 (the shim's end), becomes the reaper of the sentry and the gofer, and
+ * exits when both are gone: the namespaces, mounts and fds go with it.
+ * Exit status: runsc's, when runsc fails to start the sandbox; 0 otherwise. */
+static int run_keep(int argc, char **argv) {
+    char **runtime = prepare_launch(argc, argv, "runsc-keep");
+    if (runtime == NULL) return 1;
+    if (unshare(CLONE_NEWNET) < 0) { perror("dsec-shim: unshare net"); return 1; }
+    /* A new network namespace has its loopback down (an OCI runtime brings it up). */
+    int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof ifr);
+    strcpy(ifr.ifr_name, "lo");
+    if (s < 0 || ioctl(s, SIOCGIFFLAGS, &ifr) < 0 || (ifr.ifr_flags |= IFF_UP, ioctl(s, SIOCSIFFLAGS, &ifr)) < 0) {
+        perror("dsec-shim: loopback up");
+        return 1;
+    }
+    close(s);
+    if (prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0) { perror("dsec-shim: subreaper"); return 1; }
+    fcntl(4, F_SETFD, FD_CLOEXEC);
+    fcntl(5, F_SETFD, FD_CLOEXEC);
+    pid_t rt = fork();
+    if (rt < 0) { perror("dsec-shim: fork"); return 1; }
+    if (rt == 0) {
+        execv(runtime[0], runtime);
+        perror("dsec-shim: exec runsc");
+        _exit(127);
+    }
+    close(3);
+    int status = 0;
+    while (waitpid(rt, &status, 0) < 0 && errno == EINTR) {
+    }
+    int devnull = open("/dev/null", O_RDWR | O_CLOEXEC);
+    if (devnull >= 0) { /* the log file was runsc's: hold nothing of it from here */
+        for (int i = 0; i < 3; i++) dup2(devnull, i);
+        if (devnull > 2) close(devnull);
+    }
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    for (;;) {
+        if (wait(NULL) < 0) {
+            if (errno == EINTR) continue;
+            return 0; /* ECHILD: the sentry and the gofer are gone */
+        }
+    }
+}
+
+/* kill-others: run inside a sandbox as its root, SIGKILL every process but the init and
+ * itself (before a restore, around a verifier; where no host cgroup holds the processes). */
+static int run_kill_others(void) {
+    for (int round = 0; round < 100; round++) {
+        if (kill(-1, SIGKILL) < 0) return errno == ESRCH ? 0 : 1;
+        usleep(2000);
+    }
+    return 1;
+}
+
 int main(int argc, char **argv) {
     if (argc >= 2 && strcmp(argv[1], "init") == 0) return run_init();
     if (argc >= 2 && strcmp(argv[1], "crun-wrap") == 0) return run_crun_wrap(argc, argv);
-    fprintf(stderr, "usage: dsec-shim init | crun-wrap ... (see the source)\n");
+    if (argc >= 2 && strcmp(argv[1], "runsc-keep") == 0) return run_keep(argc, argv);
+    if (argc >= 2 && strcmp(argv[1], "kill-others") == 0) return run_kill_others();
+    fprintf(stderr, "usage: dsec-shim init | crun-wrap ... | runsc-keep ... | kill-others (see the source)\n");
     return 2;
 }

@@ -16,11 +16,13 @@ from dsec import errors
 from dsec.apiserver.app.control import _visibility
 from dsec.apiserver.app.state import ApiServerState, _PrincipalFn
 from dsec.apiserver.edges import HttpEdge
+from dsec.apiserver.placement import EdgeDirectory
 from dsec.apiserver.tenancy import (
     tenant_edge,
     tenant_layer,
 )
 from dsec.models import (
+    BackendInfo,
     BuildRequest,
     PoolInfo,
     PoolSpec,
@@ -143,6 +145,13 @@ def _install_edge_routes(app: FastAPI, st: ApiServerState, principal: _Principal
         vis = await _visibility(st, scope)
         return {"edges": [tenant_edge(s, vis) for s in statuses]}
 
+    @app.get("/v1/backends")
+    async def backends(request: Request) -> dict[str, Any]:
+        """Every backend (isolation tier) the healthy edges run, with what it can do, and
+        those an edge was asked to run but cannot (with why). Anyone may ask."""
+        principal(request)
+        return {"backends": [b.model_dump(mode="json") for b in cluster_backends(directory)]}
+
     @app.post("/v1/edges/register")
     async def register(body: RegisterEdge, request: Request) -> dict[str, str]:
         # the gate checked the cluster token before the body was read
@@ -187,7 +196,8 @@ def _install_iam_routes(
     @app.post("/v1/projects")
     async def create_project(body: ProjectCreate, request: Request) -> dict[str, Any]:
         require_admin(request)
-        return iam.create_project(body.name, body.parent, body.quota).model_dump(mode="json")
+        project = iam.create_project(body.name, body.parent, body.quota, body.allowed_backends)
+        return project.model_dump(mode="json")
 
     @app.get("/v1/projects")
     async def list_projects(request: Request) -> dict[str, Any]:
@@ -250,3 +260,20 @@ def _install_iam_routes(
         me = principal(request)
         iam.revoke_token(me.id)
         return {"principal": me.model_dump(mode="json"), "revoked": True}
+
+
+def cluster_backends(directory: EdgeDirectory) -> list[BackendInfo]:
+    """The backends of the healthy edges, merged by name: available where any edge runs it."""
+    merged: dict[str, BackendInfo] = {}
+    for view in directory.views.values():
+        if not view.healthy or view.status is None:
+            continue
+        for info in view.status.backend_info:
+            have = merged.get(info.name)
+            if have is None or (info.available and not have.available):
+                merged[info.name] = info.model_copy(update={"edges": []})
+            b = merged[info.name]
+            if info.available:
+                b.edges.append(view.status.name)
+                b.accelerated = b.accelerated or info.accelerated
+    return [merged[n] for n in sorted(merged)]

@@ -48,6 +48,7 @@ def _install_sandbox_routes(
 
     async def create_one(p: Principal, spec: SandboxSpec, t_auth: float) -> SandboxInfo:
         iam.authorize(p, spec.project)
+        iam.check_backend(spec.project, spec.backend)  # the project's tier policy (admins too)
         key = f"pending-{secrets.token_hex(8)}"
         try:
             iam.reserve(key, spec.project, spec.cpu, spec.memory_mb, pending=True)
@@ -130,6 +131,7 @@ def _install_state_routes(app: FastAPI, st: ApiServerState, principal: _Principa
         edge = directory.edge_for(sid)
         scope = iam.visible_projects(p)
         source = await edge.get(sid, scope)
+        iam.check_backend(source.spec.project, source.spec.backend)  # the policy may have narrowed since
         keys = [f"pending-{secrets.token_hex(8)}" for _ in range(body.n)]
         # The fork layer counts like a snapshot: a slot and the parent's writable layer as it
         # is now, refused here before anything is copied; its real size once copied (below).
@@ -306,6 +308,7 @@ def _install_checkpoint_routes(app: FastAPI, st: ApiServerState, principal: _Pri
         ck = next((c for c in await edge.checkpoints(scope) if c.id == cid), None)
         if ck is None:
             raise errors.CheckpointNotFound(f"there is no checkpoint {cid} in your projects")
+        iam.check_backend(ck.project, ck.backend)
         key = f"pending-{secrets.token_hex(8)}"
         iam.reserve(key, ck.project, ck.cpu, ck.memory_mb, pending=True)
         try:

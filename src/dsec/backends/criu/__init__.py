@@ -65,8 +65,6 @@ from pathlib import Path
 from dsec.backends.base import SandboxHandle
 from dsec.backends.criu.criu import (
     _COMMON,
-    DEBIAN_KEYRING,
-    DEBIAN_MIRROR,
     DEBIAN_SUITE,
     MIN_CRIU,
     criu_argv,
@@ -448,8 +446,6 @@ async def kill_user_processes(cgroups: CgroupHost, sandbox_id: str) -> None:
 
 
 __all__ = [
-    "DEBIAN_KEYRING",
-    "DEBIAN_MIRROR",
     "DEBIAN_SUITE",
     "MIN_CRIU",
     "CheckpointInfo",

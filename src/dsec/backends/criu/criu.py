@@ -3,18 +3,14 @@ through its own loader."""
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
+from dsec.backends.debian import DEBIAN_MIRROR, FetchError, fetch_tree
 from dsec.errors import UnsupportedOperation
 
-DEBIAN_MIRROR = "http://deb.debian.org/debian"
 DEBIAN_SUITE = "forky"
-DEBIAN_KEYRING = "/usr/share/keyrings/debian-archive-keyring.gpg"
 MIN_CRIU = (4, 2)
 _LIBDIR = "usr/lib/x86_64-linux-gnu"
 _LOADER = f"{_LIBDIR}/ld-linux-x86-64.so.2"
@@ -25,27 +21,6 @@ _COMMON = ["--shell-job", "--manage-cgroups=ignore", "--file-locks"]
 
 
 # --- CRIU installation ------------------------------------------------------------------
-
-
-def _apt_options(work: Path, mirror: str, suite: str) -> list[str]:
-    (work / "state" / "lists" / "partial").mkdir(parents=True, exist_ok=True)
-    (work / "cache" / "archives" / "partial").mkdir(parents=True, exist_ok=True)
-    (work / "sources.list.d").mkdir(exist_ok=True)
-    (work / "preferences.d").mkdir(exist_ok=True)
-    (work / "state" / "status").touch()
-    (work / "sources.list").write_text(f"deb [signed-by={DEBIAN_KEYRING}] {mirror} {suite} main\n")
-    opts = {
-        "Dir::State": work / "state",
-        "Dir::State::status": work / "state" / "status",  # empty: resolve the whole closure
-        "Dir::Cache": work / "cache",
-        "Dir::Etc::sourcelist": work / "sources.list",
-        "Dir::Etc::sourceparts": work / "sources.list.d",
-        "Dir::Etc::preferencesparts": work / "preferences.d",
-        "APT::Architecture": "amd64",
-        "APT::Install-Recommends": "false",
-        "Debug::NoLocking": "true",
-    }
-    return [x for k, v in opts.items() for x in ("-o", f"{k}={v}")]
 
 
 def criu_argv(root: Path | str, *args: str) -> list[str]:
@@ -74,39 +49,17 @@ def ensure_criu(data_dir: Path, *, mirror: str = DEBIAN_MIRROR, suite: str = DEB
     dest = data_dir / "criu"
     if (dest / ".ready").exists() and (criu_version(dest) or (0,)) >= MIN_CRIU:
         return dest
-    if os.uname().machine != "x86_64":
-        raise UnsupportedOperation(
-            "memory checkpoints are packaged for x86_64 hosts only", reason="criu_unavailable"
-        )
-    data_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="dsec-criu-", dir=data_dir) as tmp:
-        work = Path(tmp)
-        opts = _apt_options(work / "apt", mirror, suite)
-        for cmd in (
-            ["apt-get", *opts, "update"],
-            ["apt-get", *opts, "install", "-y", "--download-only", "criu"],
-        ):
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-            if r.returncode != 0:
-                raise UnsupportedOperation(
-                    f"cannot download CRIU from {mirror} {suite}: {(r.stderr or r.stdout).strip()[-800:]}",
-                    reason="criu_unavailable",
-                )
-        tree = work / "tree"
-        tree.mkdir()
-        for deb in sorted((work / "apt" / "cache" / "archives").glob("*.deb")):
-            subprocess.run(["dpkg-deb", "-x", str(deb), str(tree)], check=True, timeout=300)
+
+    def check(tree: Path, _work: Path) -> str:
         version = criu_version(tree)
         if version is None or version < MIN_CRIU:
-            raise UnsupportedOperation(
-                f"the CRIU from {suite} does not run here (version {version})", reason="criu_unavailable"
-            )
-        (tree / ".ready").write_text(".".join(map(str, version)) + "\n")
-        old = data_dir / f".criu-old-{os.getpid()}"
-        if dest.exists():
-            dest.rename(old)
-        tree.rename(dest)
-        shutil.rmtree(old, ignore_errors=True)
+            raise FetchError(f"the CRIU from {suite} does not run here (version {version})")
+        return ".".join(map(str, version)) + "\n"
+
+    try:
+        fetch_tree(dest, "criu", suite=suite, mirror=mirror, check=check)
+    except FetchError as e:
+        raise UnsupportedOperation(str(e), reason="criu_unavailable") from e
     return dest
 
 

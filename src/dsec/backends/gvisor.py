@@ -1,0 +1,380 @@
+"""The gVisor backend: runsc (a user-space kernel, the sentry) over the same composed layers.
+
+A gVisor sandbox is a container sandbox whose processes run on gVisor's kernel instead of
+the host's. What it shares with the container backend: the per-sandbox id range, the
+tmpfs writable layer and the idmapped layers under an overlay (mounted by the shim's
+launcher in a mount namespace of its own), the OCI config, the shim as init and its
+protocol, snapshots and forks from the writable layer, network policy in the sandbox's
+network namespace. What differs, host by host (docs/research/gvisor-runsc.md):
+
+    create:  `dsec-shim runsc-keep` (the keeper) mounts the layers like crun-wrap, makes a
+             network namespace, starts `runsc run --detach` with the shim's end of the
+             control socket at fd 3 and stays: it holds the edge's end (fd 4) and the
+             writable layer (fd 5), reaps the sentry and the gofer, and exits with them.
+             `handle.pid` is the keeper: its pidfd says when the sandbox is gone, its
+             fds are what an edge that restarts takes back, its namespaces are the
+             sandbox's mounts (the file API reaches the root through
+             /proc/<keeper>/root/<bundle>/rootfs) and network (--network=host in it).
+    exec:    the shim's protocol; no host cgroup per exec (sandbox processes are not host
+             processes): a timed-out exec's session is killed through the shim.
+    limits:  memory and cpu in the host cgroup of the sentry (an overrun ends the whole
+             sandbox); the process limit as RLIMIT_NPROC inside (a host pids limit would
+             crash the sentry when reached), the host's kept well above it.
+    pause:   `runsc pause` (the host freezer would hang every runsc command).
+    destroy: SIGKILL the keeper's children (the sentry and the gofer), `runsc delete`.
+
+Not supported (each answers `unsupported_operation`):
+- memory checkpoints: runsc cannot restore a sandbox whose processes hold host descriptors,
+  and the shim's control socket is one;
+- trusted execs, verify and protected paths: they join the sandbox's namespaces as host
+  processes, and a gVisor sandbox's processes are not host processes;
+- sessions: gVisor's /proc ignores the non-dumpable flag (another process of the sandbox can
+  reopen a process's pipes through /proc/<pid>/fd), so a session run's output and state
+  could be written by something else than the run;
+- telemetry: forks refused and per-call OOM kills happen inside gVisor, where no host
+  cgroup counts them (an OOM of the whole sandbox is reported as its failure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dsec.backends.base import BackendHost, BackendUnavailable, Capability, SandboxHandle, SandboxPlan
+from dsec.backends.container import Container, ContainerBackend
+from dsec.backends.runsc import PLATFORMS, RunscUnavailable, find_runsc, probe_platforms
+from dsec.backends.shim import ShimChannel
+from dsec.errors import InternalError
+from dsec.isolation.cgroups import CgroupHost, ExecGroup
+from dsec.isolation.procs import _awaited, resolve_once, spawn_quick, wait_quick
+from dsec.isolation.spec import _mount
+
+log = logging.getLogger("dsec.backends.gvisor")
+
+READY_TIMEOUT_S = 30.0
+arg0_is_1 = {"index": 0, "value": 1, "op": "SCMP_CMP_EQ"}
+
+
+class SessionGroup(ExecGroup):
+    """An exec's group where no host cgroup can hold it: the shim signals its session."""
+
+    def __init__(self, channel: ShimChannel) -> None:
+        super().__init__(Path("/nonexistent/dsec-gvisor-exec"), -1, 0)
+        self.channel = channel
+        self.ident: int | None = None
+
+    def bind(self, ident: int) -> None:
+        self.ident = ident
+
+    def procs(self) -> list[int]:
+        return []  # none of them is a host process
+
+    def kill(self) -> None:
+        """SIGKILL the exec's process group, a few times over (what it forks meanwhile joins
+        the group); runs in a worker thread, like a cgroup kill."""
+        if self.ident is None:
+            return
+        for _ in range(20):
+            try:
+                self.channel.signal(self.ident, signal.SIGKILL)
+            except (InternalError, OSError):
+                return
+            time.sleep(0.005)
+
+    def remove(self) -> None:
+        pass
+
+
+@dataclass
+class GvisorSandbox(Container):
+    """A sandbox of the gVisor backend; `pid` is its keeper (see the module's docstring)."""
+
+    def exit_reason(self) -> str:
+        if self.exit_status is None or self.exit_status == (os.CLD_EXITED, 0):
+            return "its sentry exited (its init ended, or it was killed: out of memory, say)"
+        return super().exit_reason().replace("its init", "its keeper")
+
+    @property
+    def rootfs(self) -> Path:
+        return Path(f"/proc/{self.pid}/root{self.dir}/rootfs")
+
+    def seccomp_program(self) -> Path | None:
+        return None  # the profile is applied inside the sentry (--oci-seccomp)
+
+    def exec_group(self, cgroups: CgroupHost, name: str) -> ExecGroup:
+        return SessionGroup(self.channel)
+
+
+class GvisorBackend(ContainerBackend):
+    """Creates, adopts and destroys gVisor sandboxes on this node."""
+
+    name = "gvisor"
+    capabilities = frozenset(
+        {Capability.EXEC, Capability.FILES, Capability.PAUSE, Capability.SNAPSHOT, Capability.FORK}
+        | {Capability.NETWORK}
+    )
+    dir_name = "gvisor"
+    handle_class = GvisorSandbox
+    stray_comms = frozenset({"runsc", "exe", "runsc-sandbox", "runsc-gofer"})
+
+    def __init__(self, host: BackendHost) -> None:
+        if host.runsc_root is None:
+            raise BackendUnavailable("no runsc directory configured")
+        try:
+            binary = find_runsc(host.runsc_root)
+        except RunscUnavailable as e:
+            raise BackendUnavailable(str(e)) from e
+        super().__init__(host)
+        self.runtime = str(binary)
+        self.runtime_root = host.run_dir / "runsc"
+        self.runtime_root.mkdir(parents=True, exist_ok=True)
+        works = probe_platforms(binary, host.run_dir / "runsc-probe")
+        if not works:
+            raise BackendUnavailable(f"runsc runs on none of the platforms {', '.join(PLATFORMS)} here")
+        self.platforms = works
+        self.platform = works[0]
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "detail": {"platform": self.platform, "platforms": self.platforms}}
+
+    def _flags(self) -> list[str]:
+        """runsc keeps no flags in its state: every command repeats them."""
+        return [
+            "--root",
+            str(self.runtime_root),
+            f"--platform={self.platform}",
+            "--network=host",  # the host kernel's stack in the sandbox's own namespace (the keeper's)
+            "--overlay2=none",  # writes reach the writable layer (snapshots, forks)
+            "--file-access=shared",  # and the edge's own writes (uploads) reach the sandbox
+            "--oci-seccomp",  # the spec's profile, applied by the sentry to sandbox processes
+        ]
+
+    # --- create ---------------------------------------------------------------
+
+    def _config(self, d: Path, plan: SandboxPlan, base: int) -> None:
+        config = self._base_config(plan, base)
+        linux = config["linux"]
+        # The keeper made the network namespace: the sentry stays in it.
+        linux["namespaces"] = [n for n in linux["namespaces"] if n["type"] != "network"]
+        # A host pids limit counts the sentry's threads and stubs, and reaching it crashes the
+        # sentry: the user's limit is RLIMIT_NPROC inside, the host's far above it.
+        linux["resources"]["pids"] = {"limit": 4 * plan.limits.pids + 64}
+        # (soft: the user's; hard: with the platform's reserve, which the shim keeps for itself)
+        nproc = {"type": "RLIMIT_NPROC", "hard": plan.limits.pids, "soft": plan.pids}
+        config["process"]["rlimits"].append(nproc)
+        # The kernel log inside is gVisor's own (no host message can reach it): let dmesg read it.
+        caps = config["process"]["capabilities"]  # (lists shared with the spec's defaults: copied)
+        config["process"]["capabilities"] = {k: [*v, "CAP_SYSLOG"] for k, v in caps.items()}
+        seccomp = linux["seccomp"]
+        seccomp["syscalls"] = [r for r in seccomp["syscalls"] if r["names"] != ["syslog"]]
+        # gVisor gives PID 1 no init protection: the shim ignores every catchable signal, and
+        # these keep the rest (SIGKILL, SIGSTOP) from reaching it (the sentry applies them).
+        seccomp["syscalls"] += [
+            {"names": [name], "action": "SCMP_ACT_ERRNO", "errnoRet": 1, "args": [arg0_is_1]}
+            for name in ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open")
+        ]
+        # runsc mounts a tmpfs of its own on an image's empty /tmp, whose files would be
+        # outside the writable layer: bind the overlay's own /tmp instead.
+        mounts = [m for m in config["mounts"] if m["type"] != "mqueue"]
+        mounts.append(_mount("/tmp", "bind", f"{d}/rootfs/tmp", "rbind", "rw"))
+        config["mounts"] = mounts
+        self._write_config(d, config)
+
+    async def _start_runtime(self, d: Path, plan: SandboxPlan, mounts: list[str]) -> int:
+        edge_end, shim_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with edge_end, shim_end, open(d / "runtime.log", "wb") as logf:
+            argv = [
+                str(self.shim),
+                "runsc-keep",
+                str(shim_end.fileno()),
+                str(edge_end.fileno()),
+                "1" if self.cgroups.hybrid else "0",
+                *mounts,
+                "--",
+                self.runtime,
+                *self._flags(),
+                "run",
+                "--detach",
+                "--pass-fd",
+                "3:3",
+                "--bundle",
+                str(d),
+                plan.id,
+            ]
+            pid, pidfd = spawn_quick(
+                argv, logf.fileno(), logf.fileno(), (shim_end.fileno(), edge_end.fileno())
+            )
+            shim_end.close()
+            (d / "keeper").write_text(str(pid))
+            try:
+                await self._until_ready(edge_end, pid, pidfd, d)
+            except BaseException:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError):
+                    await asyncio.get_running_loop().run_in_executor(None, os.waitpid, pid, 0)
+                _awaited.discard(pid)
+                raise
+        return pid
+
+    async def _until_ready(self, edge_end: socket.socket, pid: int, pidfd: int, d: Path) -> None:
+        """The shim's first pong, or the keeper's exit status (runsc's, when it failed)."""
+        loop = asyncio.get_running_loop()
+        edge_end.setblocking(False)
+        edge_end.send(b"P" + struct.pack("<I", 1))
+        ready: asyncio.Future[None] = loop.create_future()
+        loop.add_reader(edge_end.fileno(), resolve_once, ready)
+        exited: asyncio.Future[int] = asyncio.ensure_future(wait_quick(pid, os.dup(pidfd)))
+        os.close(pidfd)
+        try:
+            waiting: set[asyncio.Future[Any]] = {ready, exited}
+            done, _ = await asyncio.wait(
+                waiting, timeout=READY_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            loop.remove_reader(edge_end.fileno())
+        if ready in done:
+            exited.cancel()  # the keeper stays; its pidfd is watched from _attach on
+            _awaited.add(pid)
+            with contextlib.suppress(BlockingIOError, OSError):
+                edge_end.recv(64)
+            return
+        ready.cancel()
+        msg = (d / "runtime.log").read_text(errors="replace").strip()[-2000:]
+        if exited in done:
+            raise InternalError(f"runsc failed to start the sandbox (exit {exited.result()}): {msg}")
+        exited.cancel()
+        raise InternalError(f"the gVisor sandbox did not start within {READY_TIMEOUT_S:.0f} s: {msg}")
+
+    def _after_start(self, container: Container, plan: SandboxPlan) -> None:
+        """No user cgroup: sandbox processes are not host processes (see _config)."""
+
+    def _learn_seccomp(self, sandbox_id: str) -> None:
+        """The sentry applies the profile itself: nothing compiled to keep."""
+
+    # --- adopt / destroy ------------------------------------------------------------
+
+    def _thaw_for_adoption(self, sandbox_id: str) -> None:
+        self._runsc("resume", sandbox_id)
+
+    def _freeze_after_adoption(self, sandbox_id: str) -> None:
+        self._runsc("pause", sandbox_id)
+
+    def _id_base(self, container: Container) -> int:
+        """The sandbox's id range, from its writable layer (owned by the range's root)."""
+        try:
+            return os.stat(container.upper).st_uid
+        except (OSError, InternalError):
+            return self.uid_offset
+
+    async def destroy(self, handle: SandboxHandle) -> None:
+        container = self._own(handle)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._kill_sandbox, container.pid, container.id)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(container.exited), 5.0)
+        container.release()
+        await self._teardown(container.id, container.dir)
+        if container.id_range is not None:
+            container.id_range.release(keep_holder=not container.exited.done())
+            container.id_range = None
+
+    def _kill_sandbox(self, keeper: int, sandbox_id: str) -> None:
+        """SIGKILL the sentry and the gofer (the keeper's children): the keeper reaps them and
+        exits. A keeper that is not ours any more (its pid reused) is left alone."""
+        cmdline = _read(f"/proc/{keeper}/cmdline")
+        if b"runsc-keep" not in cmdline or sandbox_id.encode() not in cmdline:
+            return
+        for child in _children(keeper):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+
+    async def _teardown(self, sandbox_id: str, d: Path, *, use_runtime: bool = True) -> None:
+        if use_runtime and any(self.runtime_root.glob(f"{sandbox_id}_sandbox:*")):
+            argv = [self.runtime, *self._flags(), "delete", "--force", sandbox_id]
+            await asyncio.get_running_loop().run_in_executor(None, _quiet, argv)
+        for leftover in self.runtime_root.glob(f"*{sandbox_id}*"):  # runsc leaves its socket at times
+            with contextlib.suppress(OSError):
+                leftover.unlink()
+        self.cgroups.remove_sandbox(sandbox_id)
+        shutil.rmtree(d, ignore_errors=True)  # the mounts were the keeper's: gone with it
+
+    def runtime_ids(self) -> set[str]:
+        with contextlib.suppress(FileNotFoundError):
+            return {p.name.split("_sandbox:")[0] for p in self.runtime_root.glob("*_sandbox:*.state")}
+        return set()
+
+    def stray_mounts(self, known: set[str]) -> list[str]:
+        return []  # every mount is in a keeper's namespace
+
+    async def remove_orphan(self, sandbox_id: str) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            keeper = int((self.sandboxes_dir / sandbox_id / "keeper").read_text())
+            await asyncio.get_running_loop().run_in_executor(None, self._kill_sandbox, keeper, sandbox_id)
+        await self._teardown(sandbox_id, self.sandboxes_dir / sandbox_id)
+
+    # --- pause / resume -------------------------------------------------------------
+
+    def _runsc(self, command: str, sandbox_id: str) -> None:
+        r = subprocess.run(
+            [self.runtime, *self._flags(), command, sandbox_id],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        if r.returncode != 0:
+            raise InternalError(f"runsc {command} {sandbox_id} failed: {r.stderr.strip()[-500:]}")
+
+    async def freeze(self, handle: SandboxHandle) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self._runsc, "pause", handle.id)
+
+    def thaw(self, handle: SandboxHandle) -> None:
+        self._runsc("resume", handle.id)
+
+    async def reclaim(self, handle: SandboxHandle) -> None:
+        """The sentry's memory is its own: nothing the host can take from a paused one."""
+
+    async def kill_user_processes(self, handle: SandboxHandle) -> None:
+        from dsec.backends.shim import Launch
+
+        devnull = [os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC) for _ in range(3)]
+        try:
+            launch = Launch(["/.dsec/shim", "kill-others"], {}, "/", 0, 0)
+            _, _, exited = await handle.channel.spawn(launch, stdio=(devnull[0], devnull[1], devnull[2]))
+        finally:
+            for fd in devnull:
+                os.close(fd)
+        await asyncio.wait_for(exited, 10.0)
+
+
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            out += [int(x) for x in _read(f"/proc/{pid}/task/{tid}/children").split()]
+    return out
+
+
+def _quiet(argv: list[str]) -> None:
+    subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=30, check=False)

@@ -1,0 +1,251 @@
+"""The gvisor backend (issue #13) on real runsc: the public sandbox surface, what it answers
+`unsupported_operation` for, an edge restart, and nothing left on the host afterwards. The
+isolation, misbehaviour and network-policy tests run on it too (the `backend` fixture)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import secrets
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from dsec import errors
+from dsec.models import ExecRequest, NetworkPolicy, SandboxSpec, SessionCreate, SessionKind
+
+pytestmark = [pytest.mark.root, pytest.mark.asyncio]
+
+GV = SandboxSpec(image="python", backend="gvisor")
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        out += [int(x) for x in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
+    return out
+
+
+def _host_leftovers(edge, sandbox_id: str) -> list[str]:
+    """What a gVisor sandbox could leave on the host: runsc state, its bundle, cgroups,
+    mounts, and any process whose command line names it."""
+    gv = edge.backends["gvisor"]
+    found = [str(p) for p in gv.runtime_root.glob(f"*{sandbox_id}*")]
+    found += [str(p) for p in [gv.sandboxes_dir / sandbox_id] if p.exists()]
+    found += [str(d) for d in edge.cgroups.sandbox_dirs(sandbox_id) if d.exists()]
+    found += [line for line in Path("/proc/self/mounts").read_text().splitlines() if sandbox_id in line]
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if sandbox_id.encode() in cmdline:
+                found.append(f"process {pid}: {cmdline[:120]!r}")
+    return found
+
+
+async def _run(edge, sid: str, cmd: str, **kw) -> str:
+    r = await edge.exec(sid, ExecRequest(cmd=cmd, timeout=kw.pop("timeout", 30), **kw))
+    assert r.exit_code == 0, r
+    return r.stdout
+
+
+async def test_the_backend_is_listed_with_its_platform_and_capabilities(edge):
+    info = {b.name: b for b in edge.status().backend_info}
+    gv = info["gvisor"]
+    assert gv.available and gv.detail["platform"] in ("systrap", "ptrace")
+    assert gv.detail["platform"] == gv.detail["platforms"][0]
+    assert set(gv.capabilities) == {"exec", "files", "fork", "network", "pause", "snapshot"}
+    assert set(info["container"].capabilities) >= set(gv.capabilities) | {"sessions", "checkpoint"}
+
+
+async def test_a_sandbox_runs_on_gvisors_kernel(edge):
+    sb = await edge.create(GV)
+    out = await _run(edge, sb.id, "cat /proc/version; dmesg | head -1")
+    assert out.splitlines()[0] != Path("/proc/version").read_text().strip()
+    assert "Starting gVisor" in out, out
+    # Its processes are not host processes: the keeper's only children are the sentry and gofer.
+    keeper = edge.sandboxes[sb.id].handle.pid
+    await _run(edge, sb.id, "sleep 30 > /dev/null 2>&1 &")
+    assert len(_children(keeper)) == 2
+    # streamed exec
+    got = [
+        (kind, item)
+        async for kind, item in edge.exec_stream(
+            sb.id, ExecRequest(cmd="echo a; sleep 0.2; echo b >&2; exit 3")
+        )
+    ]
+    assert b"".join(i for k, i in got if k == "stdout") == b"a\n"
+    assert b"".join(i for k, i in got if k == "stderr") == b"b\n"
+    assert got[-1][1].exit_code == 3
+
+
+async def test_files_snapshot_fork_pause_on_gvisor(edge):
+    sb = await edge.create(GV)
+    await edge.write_file(sb.id, "/work/a.txt", b"hello")
+    assert await _run(edge, sb.id, "cat /work/a.txt") == "hello"  # the host's write is seen inside
+    await edge.edit_file(sb.id, "/work/a.txt", "hello", "hi there")
+    await _run(edge, sb.id, "mkdir -p /work/d && echo in-tmp > /tmp/t && echo x > /work/d/x")
+    assert await edge.read_file(sb.id, "/work/a.txt") == b"hi there"
+    assert await edge.read_file(sb.id, "/tmp/t") == b"in-tmp\n"  # /tmp is in the writable layer
+    assert {f.name for f in await edge.list_dir(sb.id, "/work")} >= {"a.txt", "d"}
+    data = await edge.download_tar(sb.id, "/work/d")
+    with tarfile.open(fileobj=io.BytesIO(data)) as tf:
+        assert any(m.name.endswith("x") for m in tf.getmembers())
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        item = tarfile.TarInfo("up.txt")
+        item.size = 2
+        tf.addfile(item, io.BytesIO(b"up"))
+    await edge.upload_tar(sb.id, "/work/u", buf.getvalue())
+    assert await _run(edge, sb.id, "cat /work/u/up.txt") == "up"
+    # pause: nothing runs (a counter stops), resume: it goes on
+    await _run(edge, sb.id, "(while true; do echo t >> /tmp/tick; sleep 0.05; done) > /dev/null 2>&1 &")
+    await asyncio.sleep(0.3)
+    tick = edge.sandboxes[sb.id].handle.writable_layer() / "tmp" / "tick"  # (an operation would resume it)
+    await edge.pause(sb.id)
+    assert edge.get(sb.id).state == "paused"
+    frozen = tick.read_bytes()
+    await asyncio.sleep(0.4)
+    assert tick.read_bytes() == frozen
+    await edge.resume(sb.id)
+    await asyncio.sleep(0.4)
+    assert tick.read_bytes() != frozen
+    # snapshot -> a new gVisor sandbox from it; fork -> copies with the same files
+    snap = await edge.snapshot(sb.id)
+    restored = await edge.create(SandboxSpec(image=snap.id, backend="gvisor"))
+    assert await _run(edge, restored.id, "cat /work/a.txt /tmp/t") == "hi therein-tmp\n"
+    forks = await edge.fork(sb.id, 2)
+    assert len(forks) == 2
+    for f in forks:
+        assert f.spec.backend == "gvisor"
+        assert await _run(edge, f.id, "cat /work/a.txt; echo; cat /work/d/x") == "hi there\nx\n"
+    await _run(edge, forks[0].id, "echo mine > /work/a.txt")
+    assert await _run(edge, forks[1].id, "cat /work/a.txt") == "hi there"
+
+
+async def test_what_gvisor_cannot_do_is_refused_by_name(edge):
+    sb = await edge.create(GV)
+    bg = await _run(edge, sb.id, "sleep 300 > /dev/null 2>&1 & echo $!")
+    for op, call in [
+        ("sessions", lambda: edge.session_create(sb.id, SessionCreate(kind=SessionKind.BASH))),
+        ("sessions", lambda: edge.session_create(sb.id, SessionCreate(kind=SessionKind.PYTHON))),
+        ("checkpoint", lambda: edge.checkpoint(sb.id)),
+        ("trusted exec", lambda: edge.exec(sb.id, ExecRequest(cmd="true", trusted=True))),
+        ("trusted exec", lambda: edge.verify(sb.id, ExecRequest(cmd="true"))),
+        ("protected paths (only verify reads them)", lambda: edge.protect(sb.id, ["/work"])),
+    ]:
+        with pytest.raises(errors.UnsupportedOperation) as ei:
+            await call()
+        assert (ei.value.details["backend"], ei.value.details["operation"]) == ("gvisor", op), (
+            ei.value.details
+        )
+        assert f"the gvisor backend does not support {op}" in ei.value.message
+    before = set(edge.sandboxes)
+    with pytest.raises(errors.UnsupportedOperation):
+        await edge.create(SandboxSpec(image="python", backend="gvisor", protected_paths=["/grader"]))
+    assert set(edge.sandboxes) == before
+    # nothing was half done: the background process still runs
+    assert await _run(edge, sb.id, f"kill -0 {bg.strip()} && echo alive") == "alive\n"
+
+
+async def test_network_policy_applies_inside_gvisor(edge):
+    sb = await edge.create(GV)
+    state = await edge.set_network(sb.id, NetworkPolicy(allow=[{"to": "192.0.2.1", "ports": [9]}]))
+    assert state["policy"]["allow"][0]["to"] == "192.0.2.1"
+    out = await _run(edge, sb.id, "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '")
+    assert sorted(out.split()) == ["eth0", "lo"], out
+    await edge.set_network(sb.id, None)
+    assert (await _run(edge, sb.id, "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '")).split() == ["lo"]
+
+
+async def test_an_edge_restart_adopts_gvisor_sandboxes_and_stop_leaves_nothing(python_image, edge_dirs):
+    from dsec.config import EdgeSettings
+    from dsec.edge import Edge
+
+    settings = EdgeSettings(
+        name="t" + secrets.token_hex(4), reconcile_interval_s=3600, fncall_image="", **edge_dirs
+    )
+    e = Edge(settings)
+    await e.start()
+    try:
+        sb = await e.create(GV)
+        await _run(e, sb.id, "echo kept > /root/x; sleep 600 > /dev/null 2>&1 &")
+        paused = await e.create(GV)
+        await e.pause(paused.id)
+        await e.close(stop_sandboxes=False)
+        e = Edge(settings)
+        await e.start()
+        assert {sb.id, paused.id} <= set(e.sandboxes)
+        assert await _run(e, sb.id, "cat /root/x; pgrep -c sleep") == "kept\n1\n"
+        assert e.get(paused.id).state == "paused"
+        await e.resume(paused.id)
+        assert await _run(e, paused.id, "echo up") == "up\n"
+        keeper = e.sandboxes[sb.id].handle.pid
+        await e.stop(sb.id)
+        assert not Path(f"/proc/{keeper}").exists()
+        assert _host_leftovers(e, sb.id) == []
+        # An orphan (a keeper no record claims, as after a crash that lost the record) is
+        # removed by the reconciler.
+        orphan = await e.create(GV)
+        handle = e.sandboxes[orphan.id].handle
+        e._detach(e.sandboxes.pop(orphan.id))
+        e.store.delete(orphan.id)
+        await e.reconcile()
+        for _ in range(100):
+            if not Path(f"/proc/{handle.pid}").exists():
+                break
+            await asyncio.sleep(0.05)
+        assert _host_leftovers(e, orphan.id) == []
+    finally:
+        await e.close()
+    assert _host_leftovers(e, paused.id) == []
+
+
+async def test_an_edge_without_runsc_reports_gvisor_absent(python_image, edge_dirs, tmp_path):
+    from dsec.config import EdgeSettings
+    from dsec.edge import Edge
+
+    e = Edge(
+        EdgeSettings(
+            name="t" + secrets.token_hex(4),
+            reconcile_interval_s=3600,
+            fncall_image="",
+            runsc_dir=tmp_path / "no-runsc",
+            **edge_dirs,
+        )
+    )
+    await e.start()
+    try:
+        info = {b.name: b for b in e.status().backend_info}
+        assert info["container"].available
+        assert not info["gvisor"].available and "runsc is not installed" in info["gvisor"].reason
+        assert e.status().backends == ["container"]
+        with pytest.raises(errors.InvalidRequest) as ei:
+            await e.create(GV)
+        assert ei.value.status == 400 and "runsc is not installed" in ei.value.message
+        assert "available: container" in ei.value.message and ei.value.details["available"] == ["container"]
+        assert e.sandboxes == {}
+    finally:
+        await e.close()
+
+
+async def test_a_warm_pool_keys_on_the_backend(edge):
+    from dsec.models import PoolSpec
+
+    edge.configure_pool(PoolSpec(image="python", memory_mb=256, backend="gvisor", min_size=1, max_size=2))
+    pool = next(iter(edge.pools.pools.values()))
+    for _ in range(200):
+        if pool.ready:
+            break
+        await asyncio.sleep(0.05)
+    ready = set(pool.ready)
+    assert len(ready) == 1
+    plain = await edge.create(SandboxSpec(image="python", memory_mb=256))  # container: not from it
+    assert plain.id not in ready and plain.spec.backend == "container"
+    sb = await edge.create(SandboxSpec(image="python", memory_mb=256, backend="gvisor"))
+    assert sb.id in ready and "pool" in sb.timings_ms and sb.spec.backend == "gvisor"
+    assert "4.4.0" in await _run(edge, sb.id, "cat /proc/version")
