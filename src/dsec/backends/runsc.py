@@ -15,7 +15,9 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 from dsec.backends.debian import DEBIAN_MIRROR, FetchError, fetch_tree
@@ -118,11 +120,12 @@ def probe_platforms(
         if cached["key"] == key:
             return list(cached["works"])
     works = []
+    work = Path(tempfile.mkdtemp(prefix="run-", dir=_mkdir(state)))  # edges may probe at once
     for platform in candidates:
         if platform == "kvm" and not Path("/dev/kvm").exists():
             continue
-        argv = [str(binary), "--root", str(state / platform), "--network=none", f"--platform={platform}"]
-        (state / platform).mkdir(parents=True, exist_ok=True)
+        argv = [str(binary), "--root", str(work / platform), "--network=none", f"--platform={platform}"]
+        (work / platform).mkdir()
         try:
             r = subprocess.run(
                 [*argv, "do", "/bin/true"],
@@ -135,6 +138,14 @@ def probe_platforms(
             continue
         if r.returncode == 0:
             works.append(platform)
+    shutil.rmtree(work, ignore_errors=True)
     with contextlib.suppress(OSError):
-        cache.write_text(json.dumps({"key": key, "works": works}))
+        tmp = work.with_suffix(".json")
+        tmp.write_text(json.dumps({"key": key, "works": works}))
+        tmp.replace(cache)
     return works
+
+
+def _mkdir(d: Path) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    return d

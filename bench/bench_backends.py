@@ -1,0 +1,141 @@
+"""Isolation tiers side by side (issue #13), with floors measured in the same run. As root:
+
+    .venv/bin/python bench/bench_backends.py [--n 30] [--idle 100] [--backends container,gvisor]
+
+Per backend: create -> first exec -> stop, exec round trip, fork x8, pause + resume, and
+host memory per idle sandbox (MemAvailable delta); floors: `runsc do true` (a gVisor
+sandbox with nothing of dsec) and `unshare ... true` (namespaces only). Prints Markdown
+for docs/benchmarks.md: read the ratios, not the absolute times (shared, noisy machines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from _common import pct, row, timed_cmd  # type: ignore[import-not-found]
+
+from dsec.config import EdgeSettings
+from dsec.edge import Edge
+from dsec.models import ExecRequest, SandboxSpec
+
+
+def mem_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+async def measure(edge: Edge, backend: str, n: int, idle: int) -> dict[str, list[float] | float]:
+    spec = SandboxSpec(backend=backend, memory_mb=256)
+    await edge.stop((await edge.create(spec)).id)  # warm caches
+    cycle = []
+    for _ in range(n):
+        t = time.perf_counter()
+        sb = await edge.create(spec)
+        await edge.exec(sb.id, ExecRequest(cmd=["/bin/true"]))
+        await edge.stop(sb.id)
+        cycle.append(time.perf_counter() - t)
+    sb = await edge.create(spec)
+    execs = []
+    for _ in range(n):
+        t = time.perf_counter()
+        await edge.exec(sb.id, ExecRequest(cmd=["/bin/true"]))
+        execs.append(time.perf_counter() - t)
+    forks, pauses = [], []
+    for _ in range(max(3, n // 10)):
+        t = time.perf_counter()
+        kids = await edge.fork(sb.id, 8)
+        forks.append(time.perf_counter() - t)
+        await asyncio.gather(*(edge.stop(k.id) for k in kids))
+        t = time.perf_counter()
+        await edge.pause(sb.id)
+        await edge.resume(sb.id)
+        pauses.append(time.perf_counter() - t)
+    await edge.stop(sb.id)
+    before = mem_available()
+    ids = [(await edge.create(spec)).id for _ in range(idle)]
+    for i in ids:
+        await edge.exec(i, ExecRequest(cmd=["/bin/true"]))
+    await asyncio.sleep(1)
+    per = (before - mem_available()) / idle
+    await asyncio.gather(*(edge.stop(i) for i in ids))
+    return {"cycle": cycle, "exec": execs, "fork8": forks, "pause": pauses, "idle_bytes": per}
+
+
+async def main(n: int, idle: int, backends: list[str]) -> None:
+    run_dir = Path(tempfile.mkdtemp(prefix="dsec-bench-", dir="/run"))
+    edge = Edge(EdgeSettings(name="bench", run_dir=run_dir, reconcile_interval_s=3600, fncall_image=""))
+    await edge.start()
+    results = {}
+    try:
+        for b in backends:
+            if b not in edge.backends:
+                print(f"{b}: not available here ({edge.core.absent_backends.get(b)})")
+                continue
+            results[b] = await measure(edge, b, n, idle)
+        floors = {"unshare": timed_cmd(["unshare", "-fpmniu", "--mount-proc", "true"], n)}
+        gv = edge.backends.get("gvisor")
+        if gv is not None:
+            state = Path(tempfile.mkdtemp(prefix="runsc-floor-", dir="/run"))
+            argv = [
+                gv.runtime,
+                "--root",
+                str(state),
+                "--network=none",
+                f"--platform={gv.platform}",
+                "do",
+                "true",
+            ]
+            floors["runsc do true"] = timed_cmd(argv, n)
+            shutil.rmtree(state, ignore_errors=True)
+    finally:
+        await edge.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    base = results.get("container")
+    lines = ["| operation | p50 ms | p95 ms | vs container |", "|---|---|---|---|"]
+    for what, label in (
+        ("cycle", "create -> first exec -> stop"),
+        ("exec", "exec /bin/true round trip"),
+        ("fork8", "fork x8"),
+        ("pause", "pause + resume"),
+    ):
+        for b, res in results.items():
+            xs = res[what]
+            assert isinstance(xs, list)
+            ref = base[what] if base else None
+            lines.append(row(f"{b}: {label}", xs, pct(ref, 0.5) if isinstance(ref, list) else None))
+    for name, xs in floors.items():
+        lines.append(row(f"floor: {name}", xs))
+    lines.append("")
+    gv_res, floor = results.get("gvisor"), floors.get("runsc do true")
+    if gv_res and floor:
+        cyc = gv_res["cycle"]
+        assert isinstance(cyc, list)
+        lines.append(
+            f"- gvisor create -> exec -> stop p50 is {pct(cyc, 0.5) / pct(floor, 0.5):.2f}x `runsc do true`"
+        )
+    for b, res in results.items():
+        per = float(res["idle_bytes"])  # type: ignore[arg-type]
+        lines.append(
+            f"- {b}: {per / 2**20:.1f} MiB of host memory per idle sandbox "
+            f"(MemAvailable delta over {idle}): {int(24 * 2**30 / max(per, 1))} fit in 24 GiB"
+        )
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=30)
+    ap.add_argument("--idle", type=int, default=100)
+    ap.add_argument("--backends", default="container,gvisor")
+    a = ap.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("run as root")
+    asyncio.run(main(a.n, a.idle, a.backends.split(",")))
