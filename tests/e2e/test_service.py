@@ -229,19 +229,6 @@ def test_metrics_and_events(service):
     assert "dsec_exec_seconds" in text
 
 
-def test_no_leaks_after_shutdown(service):
-    """Stops the module's service: SIGTERM stops sandboxes and leaves nothing behind."""
-    with Client() as c:
-        c.create("python")
-    run_dir = service.env["DSEC_EDGE_RUN_DIR"]
-    service.stop("up")
-    assert not [m for m in Path("/proc/mounts").read_text().splitlines() if run_dir in m]
-    name = service.env["DSEC_EDGE_NAME"]
-    assert not glob.glob(f"/sys/fs/cgroup/*/dsec/{name}-*")
-    sandboxes = Path(run_dir, name, "sandboxes")  # gone with the run tmpfs, or empty
-    assert not sandboxes.exists() or not list(sandboxes.iterdir())
-
-
 def test_backends_listed_and_one_parameter_picks_the_tier(service):
     """`client.backends()` (GET /v1/backends) and `create(backend=...)` through `dsec up`."""
     with Client() as client:
@@ -264,3 +251,16 @@ def test_backends_listed_and_one_parameter_picks_the_tier(service):
         sbs = client.create_many(3, backend="gvisor", memory_mb=256)
         assert {s.refresh().spec.backend for s in sbs} == {"gvisor"}
         client.stop_many([s.id for s in sbs])
+
+
+def test_no_leaks_after_shutdown(service):
+    """Stops the module's service: SIGTERM stops sandboxes and leaves nothing behind."""
+    with Client() as c:
+        c.create("python")
+    run_dir = service.env["DSEC_EDGE_RUN_DIR"]
+    service.stop("up")
+    assert not [m for m in Path("/proc/mounts").read_text().splitlines() if run_dir in m]
+    name = service.env["DSEC_EDGE_NAME"]
+    assert not glob.glob(f"/sys/fs/cgroup/*/dsec/{name}-*")
+    sandboxes = Path(run_dir, name, "sandboxes")  # gone with the run tmpfs, or empty
+    assert not sandboxes.exists() or not list(sandboxes.iterdir())
