@@ -164,6 +164,7 @@ class GvisorBackend(ContainerBackend):
 
     def _config(self, d: Path, plan: SandboxPlan, base: int) -> None:
         config = self._base_config(plan, base)
+        config["process"]["args"] = ["/.dsec/shim", "init", "gvisor"]  # (PID 1 ignores what it can)
         linux = config["linux"]
         # The keeper made the network namespace: the sentry stays in it.
         linux["namespaces"] = [n for n in linux["namespaces"] if n["type"] != "network"]

@@ -1,7 +1,7 @@
 /*
  * dsec-shim: the in-sandbox init and the crun launcher, one static binary.
  *
- *   dsec-shim init           PID 1 of a sandbox (started by the OCI runtime).
+ *   dsec-shim init [gvisor]  PID 1 of a sandbox (started by the OCI runtime).
  *   dsec-shim runsc-keep ... like crun-wrap, for runsc: stays as the host side of a gVisor
  *                            sandbox (see run_keep).
  *   dsec-shim kill-others    inside a sandbox: SIGKILL everything but the init.
@@ -108,6 +108,8 @@ static void reap(void);
  * soft; the shim keeps the hard one (a reserve above the user's, so it can always start a
  * process). Unlimited where a host cgroup holds the pids limit instead. */
 static struct rlimit user_nproc = {RLIM_INFINITY, RLIM_INFINITY};
+/* `init gvisor`: the kernel gives PID 1 no protection from signals there (see run_init). */
+static int ignore_all;
 
 static void close_fds(int *fds, int n) {
     for (int i = 0; i < n; i++) close(fds[i]);
@@ -120,8 +122,10 @@ static void child_exec(int errfd, int *fds, int ncg, int32_t uid, int32_t gid,
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
-    for (int s = 1; s < NSIG; s++) /* the init ignores what it can (run_init): not its children */
-        if (s != SIGKILL && s != SIGSTOP) signal(s, SIG_DFL);
+    signal(SIGPIPE, SIG_DFL);
+    if (ignore_all) /* the init ignored every signal it could (run_init): not its children */
+        for (int s = 1; s < NSIG; s++)
+            if (s != SIGKILL && s != SIGSTOP) signal(s, SIG_DFL);
     setsid();
     for (int i = 0; i < ncg; i++) {
         if (write(fds[3 + i], "0", 1) != 1) { err = errno; goto fail; }
@@ -310,7 +314,7 @@ static void reap(void) {
     }
 }
 
-static int run_init(void) {
+static int run_init(int gvisor) {
     static char buf[MAX_MSG];
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     if (getrlimit(RLIMIT_NPROC, &user_nproc) == 0 && user_nproc.rlim_cur != user_nproc.rlim_max) {
@@ -319,11 +323,15 @@ static int run_init(void) {
     } else {
         user_nproc.rlim_cur = RLIM_INFINITY; /* nothing to keep in reserve */
     }
+    signal(SIGPIPE, SIG_IGN);
     /* A kernel protects the init of a pid namespace from signals it does not handle; gVisor
-     * does not (a `kill -TERM 1` inside would end the sandbox): ignore every signal that can
-     * be ignored. SIGCHLD stays (blocked, read from the signalfd). */
-    for (int s = 1; s < NSIG; s++)
-        if (s != SIGKILL && s != SIGSTOP && s != SIGCHLD) signal(s, SIG_IGN);
+     * does not (a `kill -TERM 1` inside would end the sandbox): there, ignore every signal
+     * that can be ignored (children reset them). SIGCHLD stays (blocked, read from the
+     * signalfd). */
+    ignore_all = gvisor;
+    if (ignore_all)
+        for (int s = 1; s < NSIG; s++)
+            if (s != SIGKILL && s != SIGSTOP && s != SIGCHLD) signal(s, SIG_IGN);
     /* Our stdio came from the runtime's launcher: hold nothing of the host. */
     int devnull = open("/dev/null", O_RDWR | O_CLOEXEC);
     if (devnull >= 0) {
@@ -593,7 +601,7 @@ static int run_kill_others(void) {
 }
 
 int main(int argc, char **argv) {
-    if (argc >= 2 && strcmp(argv[1], "init") == 0) return run_init();
+    if (argc >= 2 && strcmp(argv[1], "init") == 0) return run_init(argc >= 3 && strcmp(argv[2], "gvisor") == 0);
     if (argc >= 2 && strcmp(argv[1], "crun-wrap") == 0) return run_crun_wrap(argc, argv);
     if (argc >= 2 && strcmp(argv[1], "runsc-keep") == 0) return run_keep(argc, argv);
     if (argc >= 2 && strcmp(argv[1], "kill-others") == 0) return run_kill_others();
