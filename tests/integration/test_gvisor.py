@@ -249,3 +249,66 @@ async def test_a_warm_pool_keys_on_the_backend(edge):
     sb = await edge.create(SandboxSpec(image="python", memory_mb=256, backend="gvisor"))
     assert sb.id in ready and "pool" in sb.timings_ms and sb.spec.backend == "gvisor"
     assert "4.4.0" in await _run(edge, sb.id, "cat /proc/version")
+
+
+async def test_runsc_failing_to_start_is_a_clear_error_and_leaves_nothing(python_image, edge_dirs):
+    """The keeper's exit (runsc's status) is told from the shim's first pong: a sandbox whose
+    runsc fails is an error quoting runsc, and its bundle, state and cgroups are gone."""
+    from dsec.backends import registry
+    from dsec.backends.gvisor import GvisorBackend
+    from dsec.config import EdgeSettings
+    from dsec.edge import Edge
+
+    class BrokenRunsc(GvisorBackend):
+        name = "gvisor-broken"
+
+        def _flags(self) -> list[str]:
+            return [*super()._flags(), "--no-such-flag-for-the-test"]
+
+    registry.register("gvisor-broken", BrokenRunsc)
+    name = "t" + secrets.token_hex(4)
+    e = Edge(
+        EdgeSettings(
+            name=name, reconcile_interval_s=3600, fncall_image="", backends=["gvisor-broken"], **edge_dirs
+        )
+    )
+    await e.start()
+    try:
+        with pytest.raises(errors.InternalError, match=r"runsc failed to start the sandbox \(exit 2\)"):
+            await e.create(SandboxSpec(image="python", backend="gvisor-broken"))
+        assert e.sandboxes == {}
+        gv = e.backends["gvisor-broken"]
+        assert list(gv.sandboxes_dir.iterdir()) == []
+        assert [p for p in gv.runtime_root.iterdir()] == []
+        assert not [c for c in e.cgroups.listed_sandboxes() if c.startswith(f"{name}-")]
+    finally:
+        await e.close()
+        registry.unregister("gvisor-broken")
+
+
+async def test_a_bundle_path_the_sentry_cannot_reach_reports_gvisor_absent(python_image, edge_dirs, tmp_path):
+    from dsec.config import EdgeSettings
+    from dsec.edge import Edge
+    from dsec.isolation.procs import mounts_under, unmount_all
+
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o700)
+    locked.chmod(0o700)
+    run_dir = locked / "a" / "run"
+    e = Edge(
+        EdgeSettings(
+            name="t" + secrets.token_hex(4),
+            reconcile_interval_s=3600,
+            fncall_image="",
+            **{**edge_dirs, "run_dir": run_dir},
+        )
+    )
+    try:
+        await e.start()
+        gv = next(b for b in e.status().backend_info if b.name == "gvisor")
+        assert not gv.available and "not searchable by others" in gv.reason and "chmod o+x" in gv.reason
+        assert "container" in e.backends  # the other tier is unaffected
+    finally:
+        await e.close()
+        for m in sorted(mounts_under(locked), key=len, reverse=True):
+            unmount_all(Path(m))

@@ -136,6 +136,7 @@ class GvisorBackend(ContainerBackend):
         except RunscUnavailable as e:
             raise BackendUnavailable(str(e)) from e
         super().__init__(host)
+        _traversable(self.sandboxes_dir, own=host.run_dir)
         self.runtime = str(binary)
         self.runtime_root = host.run_dir / "runsc"
         self.runtime_root.mkdir(parents=True, exist_ok=True)
@@ -245,15 +246,20 @@ class GvisorBackend(ContainerBackend):
             )
         finally:
             loop.remove_reader(edge_end.fileno())
+        pong = b""
         if ready in done:
+            with contextlib.suppress(BlockingIOError, OSError):
+                pong = edge_end.recv(64)  # EOF (b""): runsc failed and every end of the shim's went
+        if pong[:1] == b"p":
             exited.cancel()  # the keeper stays; its pidfd is watched from _attach on
             _awaited.add(pid)
-            with contextlib.suppress(BlockingIOError, OSError):
-                edge_end.recv(64)
             return
+        if not exited.done():  # the keeper exits with runsc's status
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(exited), 5.0)
         ready.cancel()
         msg = (d / "runtime.log").read_text(errors="replace").strip()[-2000:]
-        if exited in done:
+        if exited.done() and not exited.cancelled():
             raise InternalError(f"runsc failed to start the sandbox (exit {exited.result()}): {msg}")
         exited.cancel()
         raise InternalError(f"the gVisor sandbox did not start within {READY_TIMEOUT_S:.0f} s: {msg}")
@@ -338,6 +344,23 @@ class GvisorBackend(ContainerBackend):
             for fd in devnull:
                 os.close(fd)
         await asyncio.wait_for(exited, 10.0)
+
+
+def _traversable(d: Path, *, own: Path) -> None:
+    """The sentry and the gofer run as the sandbox's unprivileged host ids and must reach its
+    bundle: the edge's own directories (from `own` down) are made searchable by others; an
+    ancestor above them that is not is an error that names it."""
+    for p in [d, *d.parents]:
+        mode = p.stat().st_mode
+        if mode & 0o001:
+            continue
+        if p == own or own in p.parents or p == own.parent:  # the edge's run dir and its parent
+            p.chmod((mode & 0o7777) | 0o011)
+            continue
+        raise BackendUnavailable(
+            f"{p} is not searchable by others (mode {mode & 0o777:o}): gVisor's sentry runs as an "
+            "unprivileged host id and must reach the sandbox bundles below it; chmod o+x it"
+        )
 
 
 def _read(path: str) -> bytes:
