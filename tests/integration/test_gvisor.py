@@ -312,3 +312,31 @@ async def test_a_bundle_path_the_sentry_cannot_reach_reports_gvisor_absent(pytho
         await e.close()
         for m in sorted(mounts_under(locked), key=len, reverse=True):
             unmount_all(Path(m))
+
+
+async def test_a_tmp_symlink_cannot_turn_the_tmp_bind_onto_the_host(edge):
+    """runsc binds the overlay's /tmp at /tmp, resolving the source on the host: a sandbox
+    that replaces /tmp with a symlink (to /proc, /etc...) and is then forked or restored from
+    a snapshot must not get the host's directory; the keeper refuses such a rootfs."""
+    sb = await edge.create(GV)
+    await edge.delete_file(sb.id, "/tmp", recursive=True)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        link = tarfile.TarInfo("tmp")
+        link.type, link.linkname = tarfile.SYMTYPE, "/proc"
+        tf.addfile(link)
+    await edge.upload_tar(sb.id, "/", buf.getvalue())
+    assert await _run(edge, sb.id, "readlink /tmp") == "/proc\n"
+    before = set(edge.sandboxes)
+    with pytest.raises(errors.InvalidRequest, match="needs /tmp to be a directory"):
+        await edge.fork(sb.id, 1)
+    snap = await edge.snapshot(sb.id)
+    with pytest.raises(errors.InvalidRequest, match="needs /tmp to be a directory"):
+        await edge.create(SandboxSpec(image=snap.id, backend="gvisor"))
+    assert set(edge.sandboxes) == before
+    # the same snapshot on the container backend is just a sandbox whose /tmp is a symlink
+    plain = await edge.create(SandboxSpec(image=snap.id))
+    assert (
+        await _run(edge, plain.id, "readlink /tmp; cat /proc/1/cmdline | tr '\\0' ' '")
+        == "/proc\n/.dsec/shim init "
+    )

@@ -776,6 +776,31 @@ async def test_shim_untouchable(edge, backend):
     await assert_alive(edge, sb.id)
 
 
+async def test_pid1_limits_and_io_signals_are_out_of_reach(edge, backend):
+    """Other ways to the shim than a signal: its resource limits (with 5 descriptors it could
+    take no exec's stdio) and an I/O signal (F_SETOWN 1 + F_SETSIG SIGKILL: gVisor gives PID 1
+    no init protection). Threads still start (libc's clone3 fallback works)."""
+    sb = await edge.create(SandboxSpec(image="python", backend=backend))
+    r = await py(
+        edge,
+        sb.id,
+        "import ctypes, errno, fcntl, os, resource, threading\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "t = threading.Thread(target=lambda: None); t.start(); t.join(); print('thread ok')\n"
+        "for lim in (resource.RLIMIT_NOFILE, resource.RLIMIT_NPROC):\n"
+        "    try: resource.prlimit(1, lim, (1, 1)); print('prlimit OK')\n"
+        "    except OSError as e: print('prlimit', errno.errorcode[e.errno])\n"
+        "r, w = os.pipe(); fcntl.fcntl(r, fcntl.F_SETOWN, 1)\n"
+        "rc = libc.fcntl(r, 10, 9)\n"  # F_SETSIG SIGKILL
+        "fcntl.fcntl(r, fcntl.F_SETFL, os.O_ASYNC | os.O_NONBLOCK); os.write(w, b'x')\n"
+        "print('setsig', rc)\n",
+    )
+    assert r.exit_code == 0, r
+    assert r.stdout.startswith("thread ok\nprlimit EPERM\nprlimit EPERM\n"), r.stdout
+    await assert_alive(edge, sb.id)
+    assert (await run(edge, sb.id, "echo still")).stdout == "still\n"
+
+
 async def test_shim_fd_dir_not_listable(edge, backend):
     # The shim's proc entries belong to the sandbox's root (it is non-dumpable, but in the
     # sandbox's user namespace): its descriptor dirs are masked instead.

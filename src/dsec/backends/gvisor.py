@@ -55,7 +55,7 @@ from dsec.backends.base import BackendHost, BackendUnavailable, Capability, Sand
 from dsec.backends.container import Container, ContainerBackend
 from dsec.backends.runsc import PLATFORMS, RunscUnavailable, find_runsc, probe_platforms
 from dsec.backends.shim import ShimChannel
-from dsec.errors import InternalError
+from dsec.errors import InternalError, InvalidRequest
 from dsec.isolation.cgroups import CgroupHost, ExecGroup
 from dsec.isolation.procs import _awaited, resolve_once, spawn_quick, wait_quick
 from dsec.isolation.spec import _mount
@@ -63,7 +63,12 @@ from dsec.isolation.spec import _mount
 log = logging.getLogger("dsec.backends.gvisor")
 
 READY_TIMEOUT_S = 30.0
-arg0_is_1 = {"index": 0, "value": 1, "op": "SCMP_CMP_EQ"}
+F_SETSIG = 10
+KEEP_BAD_TMP = 3  # the keeper's exit status: the rootfs's /tmp is no directory (dsec-shim.c)
+
+
+def _arg(index: int, value: int) -> dict[str, object]:
+    return {"index": index, "value": value, "op": "SCMP_CMP_EQ"}
 
 
 class SessionGroup(ExecGroup):
@@ -179,13 +184,36 @@ class GvisorBackend(ContainerBackend):
         caps = config["process"]["capabilities"]  # (lists shared with the spec's defaults: copied)
         config["process"]["capabilities"] = {k: [*v, "CAP_SYSLOG"] for k, v in caps.items()}
         seccomp = linux["seccomp"]
-        seccomp["syscalls"] = [r for r in seccomp["syscalls"] if r["names"] != ["syslog"]]
-        # gVisor gives PID 1 no init protection: the shim ignores every catchable signal, and
-        # these keep the rest (SIGKILL, SIGSTOP) from reaching it (the sentry applies them).
-        seccomp["syscalls"] += [
-            {"names": [name], "action": "SCMP_ACT_ERRNO", "errnoRet": 1, "args": [arg0_is_1]}
-            for name in ("kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "pidfd_open")
+        # syslog: gVisor's own log. The ENOSYS rules (clone3, so libc falls back to clone): the
+        # sentry answers them EPERM, which breaks every thread start; it implements what it
+        # implements, inside gVisor.
+        seccomp["syscalls"] = [
+            r for r in seccomp["syscalls"] if r["names"] != ["syslog"] and r.get("errnoRet") != 38
         ]
+        # gVisor gives PID 1 no init protection: the shim ignores every catchable signal, and
+        # these keep the rest (SIGKILL, SIGSTOP) and its scheduling away from it (its limits: the
+        # profile's prlimit64 rule, on every backend)
+        # (the sentry applies them). A signal on I/O readiness (fcntl F_SETSIG) could name
+        # SIGKILL for an owner that is PID 1: refused (SIGIO, the default, is ignored).
+        seccomp["syscalls"] += [
+            {"names": [name], "action": "SCMP_ACT_ERRNO", "errnoRet": 1, "args": [_arg(0, 1)]}
+            for name in (
+                "kill",
+                "tkill",
+                "tgkill",
+                "rt_sigqueueinfo",
+                "rt_tgsigqueueinfo",
+                "pidfd_open",
+                "sched_setaffinity",
+                "sched_setscheduler",
+                "sched_setparam",
+                "migrate_pages",
+                "move_pages",
+            )
+        ]
+        seccomp["syscalls"].append(
+            {"names": ["fcntl"], "action": "SCMP_ACT_ERRNO", "errnoRet": 1, "args": [_arg(1, F_SETSIG)]}
+        )
         # runsc mounts a tmpfs of its own on an image's empty /tmp, whose files would be
         # outside the writable layer: bind the overlay's own /tmp instead.
         mounts = [m for m in config["mounts"] if m["type"] != "mqueue"]
@@ -260,6 +288,12 @@ class GvisorBackend(ContainerBackend):
         ready.cancel()
         msg = (d / "runtime.log").read_text(errors="replace").strip()[-2000:]
         if exited.done() and not exited.cancelled():
+            if exited.result() == KEEP_BAD_TMP:
+                raise InvalidRequest(
+                    "a gvisor sandbox needs /tmp to be a directory, and this one's (its image, or "
+                    "the sandbox it was forked or snapshotted from) is a symlink or missing: make "
+                    "/tmp a directory, or use backend='container'"
+                )
             raise InternalError(f"runsc failed to start the sandbox (exit {exited.result()}): {msg}")
         exited.cancel()
         raise InternalError(f"the gVisor sandbox did not start within {READY_TIMEOUT_S:.0f} s: {msg}")

@@ -46,6 +46,7 @@ eperm clone arg0 masked_eq 0x08000000 0x08000000   # CLONE_NEWIPC
 eperm clone arg0 masked_eq 0x04000000 0x04000000   # CLONE_NEWUTS
 eperm clone arg0 masked_eq 0x02000000 0x02000000   # CLONE_NEWCGROUP
 enosys clone3                     # flags live in memory and cannot be filtered: make libc fall back to clone
+eperm prlimit64 arg0 eq 1         # the shim's (PID 1) limits: with 5 descriptors it could take no exec's stdio
 
 # --- the kernel itself ---
 eperm bpf                         # load programs into the kernel

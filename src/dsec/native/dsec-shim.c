@@ -380,7 +380,15 @@ static int run_init(int gvisor) {
                     for (int i = 0; i < n && nfds < MAX_FDS; i++) memcpy(&fds[nfds++], CMSG_DATA(c) + i * sizeof(int), sizeof(int));
                 }
             }
-            if (msg.msg_flags & MSG_CTRUNC) { close_fds(fds, nfds); continue; }
+            if (msg.msg_flags & MSG_CTRUNC) {
+                /* Descriptors lost (this process is out of them): refuse the request rather
+                 * than leave the edge waiting for an answer. */
+                close_fds(fds, nfds);
+                uint32_t id = 0;
+                if (len >= 5) memcpy(&id, buf + 1, 4);
+                if (buf[0] == 'S' || buf[0] == 'W') send_msg('F', id, EMFILE);
+                continue;
+            }
             switch (buf[0]) {
             case 'S': handle_spawn(buf, len, fds, nfds); break;
             case 'K': close_fds(fds, nfds); handle_kill(buf, len); break;
@@ -550,6 +558,17 @@ static int run_crun_wrap(int argc, char **argv) {
 static int run_keep(int argc, char **argv) {
     char **runtime = prepare_launch(argc, argv, "runsc-keep");
     if (runtime == NULL) return 1;
+    /* runsc binds ROOTFS/tmp at /tmp (its own tmpfs would keep /tmp out of the writable
+     * layer), and resolves the source on the host: it must be a directory of the overlay,
+     * not a symlink a sandbox left there (nothing runs in this rootfs yet: no race). */
+    char tmp[4096];
+    struct stat st;
+    snprintf(tmp, sizeof tmp, "%s/tmp", argv[7]);
+    if (lstat(tmp, &st) < 0 || !S_ISDIR(st.st_mode)) {
+        fprintf(stderr, "dsec-shim: the sandbox's /tmp is not a directory (a symlink or missing): "
+                        "refusing to bind it\n");
+        return 3;
+    }
     if (unshare(CLONE_NEWNET) < 0) { perror("dsec-shim: unshare net"); return 1; }
     /* A new network namespace has its loopback down (an OCI runtime brings it up). */
     int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
