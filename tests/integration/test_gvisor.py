@@ -340,3 +340,24 @@ async def test_a_tmp_symlink_cannot_turn_the_tmp_bind_onto_the_host(edge):
         await _run(edge, plain.id, "readlink /tmp; cat /proc/1/cmdline | tr '\\0' ' '")
         == "/proc\n/.dsec/shim init "
     )
+
+
+async def test_a_timed_out_exec_takes_its_whole_session_with_it(edge):
+    """No host cgroup holds a gVisor exec: the shim kills its process group and then every
+    process of its session, so a child that moved to a process group of its own dies too.
+    (One that calls setsid leaves the session: test_isolation's known gap.)"""
+    sb = await edge.create(GV)
+    r = await edge.exec(
+        sb.id,
+        ExecRequest(
+            cmd="python3 -c 'import os, time; os.setpgid(0, 0); time.sleep(301)' & (sleep 302 &) ; sleep 300",
+            timeout=1,
+        ),
+    )
+    assert r.timed_out and r.exit_code == 137, r
+    for _ in range(50):
+        left = await _run(edge, sb.id, "ps -eo args= | grep -E 'sleep 30[12]' | grep -v grep || true")
+        if not left:
+            break
+        await asyncio.sleep(0.05)
+    assert left == "", left

@@ -44,6 +44,7 @@
  *   shim -> edge  'F' u32 id, i32 errno       could not start (errno)
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
@@ -279,6 +280,31 @@ static void handle_fill(const char *buf, ssize_t len, int *fds, int nfds) {
     send_msg('R', id, pid);
 }
 
+/* SIGKILL every process of session `sid` (a child leads its own, see child_exec): what moved
+ * to a process group of its own is still in it. Only setsid leaves it. Where a cgroup holds
+ * the exec, the edge kills that instead; this is for gVisor, where none can. */
+static void kill_session(pid_t sid) {
+    DIR *d = opendir("/proc");
+    if (d == NULL) return;
+    struct dirent *e;
+    char path[64], stat[1024];
+    while ((e = readdir(d)) != NULL) {
+        pid_t p = (pid_t)atoi(e->d_name);
+        if (p <= 1) continue;
+        snprintf(path, sizeof path, "/proc/%d/stat", p);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) continue;
+        ssize_t n = read(fd, stat, sizeof stat - 1);
+        close(fd);
+        if (n <= 0) continue;
+        stat[n] = 0;
+        char *rp = strrchr(stat, ')'); /* comm may hold spaces and parentheses */
+        int session = 0;
+        if (rp && sscanf(rp + 1, " %*c %*d %*d %d", &session) == 1 && session == sid) kill(p, SIGKILL);
+    }
+    closedir(d);
+}
+
 static void handle_kill(const char *buf, ssize_t len) {
     uint32_t id; int32_t sig;
     if (len < 9) return;
@@ -287,6 +313,7 @@ static void handle_kill(const char *buf, ssize_t len) {
     for (int i = 0; i < MAX_CHILDREN; i++) {
         if (children[i].pid && children[i].id == id) {
             kill(-children[i].pid, sig);
+            if (sig == SIGKILL && ignore_all) kill_session(children[i].pid);
             return;
         }
     }
@@ -294,6 +321,7 @@ static void handle_kill(const char *buf, ssize_t len) {
         struct child *c = &recent[(recent_next - 1 - n) % RECENT];
         if (c->pid && c->id == id) {
             kill(-c->pid, sig); /* ESRCH once the group is gone */
+            if (sig == SIGKILL && ignore_all) kill_session(c->pid);
             return;
         }
     }
