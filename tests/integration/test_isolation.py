@@ -100,7 +100,8 @@ async def test_host_processes_invisible(edge, backend):
         procs = [line.split(None, 1) for line in r.stdout.strip().splitlines()]
         # Exactly: the shim (PID 1), our shell, and ps itself.
         assert [int(p) for p, _ in procs] == [1, 2, 3], r.stdout
-        assert procs[0][1] == "/.dsec/shim init"
+        init = "/.dsec/shim init gvisor" if backend == "gvisor" else "/.dsec/shim init"
+        assert procs[0][1] == init
         assert marker not in r.stdout
         assert "pytest" not in r.stdout
         # Raw /proc agrees with ps: nothing from the host behind the pid namespace.
@@ -113,7 +114,7 @@ async def test_host_processes_invisible(edge, backend):
         )
         assert r.exit_code == 0, r.stderr
         assert marker not in r.stdout and "pytest" not in r.stdout
-        assert r.stdout.splitlines()[0].rstrip() == "1 /.dsec/shim init"
+        assert r.stdout.splitlines()[0].rstrip() == f"1 {init}"
         assert host_init != "/.dsec/shim init" and host_init not in r.stdout
         assert str(os.getpid()) not in [line.split()[0] for line in r.stdout.splitlines()]
         # Signalling a host pid from inside reaches nothing.
