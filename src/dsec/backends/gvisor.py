@@ -191,10 +191,10 @@ class GvisorBackend(ContainerBackend):
             r for r in seccomp["syscalls"] if r["names"] != ["syslog"] and r.get("errnoRet") != 38
         ]
         # gVisor gives PID 1 no init protection: the shim ignores every catchable signal, and
-        # these keep the rest (SIGKILL, SIGSTOP) and its scheduling away from it (its limits: the
-        # profile's prlimit64 rule, on every backend)
-        # (the sentry applies them). A signal on I/O readiness (fcntl F_SETSIG) could name
-        # SIGKILL for an owner that is PID 1: refused (SIGIO, the default, is ignored).
+        # these rules (the sentry applies them) keep the rest (SIGKILL, SIGSTOP) and its
+        # scheduling away from it; its limits are the profile's prlimit64 rule, on every
+        # backend. A signal on I/O readiness (fcntl F_SETSIG) could name SIGKILL for an owner
+        # that is PID 1: refused (SIGIO, the default, is ignored).
         seccomp["syscalls"] += [
             {"names": [name], "action": "SCMP_ACT_ERRNO", "errnoRet": 1, "args": [_arg(0, 1)]}
             for name in (
