@@ -116,6 +116,12 @@ async def test_a_sandbox_that_dies_is_failed_with_a_reason(edge, backend):
     await edge.stop(sb.id)  # acknowledging it forgets it
     with pytest.raises(errors.SandboxNotFound):
         edge.get(sb.id)
+    # and nothing of it stays on the host (on gvisor its sentry and gofer outlived the keeper)
+    for _ in range(500):
+        if not any(d.exists() for d in edge.cgroups.sandbox_dirs(sb.id)):
+            break
+        await asyncio.sleep(0.01)
+    assert not [d for d in edge.cgroups.sandbox_dirs(sb.id) if d.exists()]
 
 
 async def test_protected_paths_are_out_of_reach_until_verification(edge, backend):

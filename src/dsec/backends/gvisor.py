@@ -56,7 +56,7 @@ from dsec.backends.container import Container, ContainerBackend
 from dsec.backends.runsc import PLATFORMS, RunscUnavailable, find_runsc, probe_platforms
 from dsec.backends.shim import ShimChannel
 from dsec.errors import InternalError, InvalidRequest
-from dsec.isolation.cgroups import CgroupHost, ExecGroup
+from dsec.isolation.cgroups import CgroupHost, ExecGroup, sigkill_each
 from dsec.isolation.procs import _awaited, resolve_once, spawn_quick, wait_quick
 from dsec.isolation.spec import _mount
 
@@ -326,16 +326,27 @@ class GvisorBackend(ContainerBackend):
             container.id_range = None
 
     def _kill_sandbox(self, keeper: int, sandbox_id: str) -> None:
-        """SIGKILL the sentry and the gofer (the keeper's children): the keeper reaps them and
-        exits. A keeper that is not ours any more (its pid reused) is left alone."""
+        """SIGKILL the sentry and the gofer: the keeper's children, and whatever is in the
+        sandbox's cgroup (where they are even when the keeper was killed: they are then this
+        process's children, a subreaper's, and are reaped here). A keeper that is not ours
+        any more (its pid reused) is left alone."""
         with contextlib.suppress(OSError):
             self.cgroups.thaw(sandbox_id)  # frozen tasks take SIGKILL only once thawed
+        victims = set(self.cgroups.procs(sandbox_id))
         cmdline = _read(f"/proc/{keeper}/cmdline")
-        if b"runsc-keep" not in cmdline or sandbox_id.encode() not in cmdline:
-            return
-        for child in _children(keeper):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signal.SIGKILL)
+        if b"runsc-keep" in cmdline and sandbox_id.encode() in cmdline:
+            victims.update(_children(keeper))
+        sigkill_each(victims)
+        deadline = time.monotonic() + 2.0
+        while victims and time.monotonic() < deadline:
+            for pid in list(victims):
+                try:
+                    if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                        victims.discard(pid)
+                except ChildProcessError:  # the keeper's to reap (or gone)
+                    victims.discard(pid)
+            if victims:
+                time.sleep(0.005)
 
     async def _teardown(self, sandbox_id: str, d: Path, *, use_runtime: bool = True) -> None:
         if use_runtime and any(self.runtime_root.glob(f"{sandbox_id}_sandbox:*")):
