@@ -149,8 +149,12 @@ def _install_edge_routes(app: FastAPI, st: ApiServerState, principal: _Principal
     async def backends(request: Request) -> dict[str, Any]:
         """Every backend (isolation tier) the healthy edges run, with what it can do, and
         those an edge was asked to run but cannot (with why). Anyone may ask."""
-        principal(request)
-        return {"backends": [b.model_dump(mode="json") for b in cluster_backends(directory)]}
+        tiers = cluster_backends(directory)
+        if st.iam.visible_projects(principal(request)) is not None:  # a tenant: no host paths
+            tiers = [
+                b if b.available else b.model_copy(update={"reason": "not available here"}) for b in tiers
+            ]
+        return {"backends": [b.model_dump(mode="json") for b in tiers]}
 
     @app.post("/v1/edges/register")
     async def register(body: RegisterEdge, request: Request) -> dict[str, str]:
