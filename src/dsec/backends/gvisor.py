@@ -45,7 +45,6 @@ import shutil
 import signal
 import socket
 import struct
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +56,14 @@ from dsec.backends.runsc import PLATFORMS, RunscUnavailable, find_runsc, probe_p
 from dsec.backends.shim import ShimChannel
 from dsec.errors import InternalError, InvalidRequest
 from dsec.isolation.cgroups import CgroupHost, ExecGroup, sigkill_each
-from dsec.isolation.procs import _awaited, resolve_once, spawn_quick, wait_quick
+from dsec.isolation.procs import (
+    _awaited,
+    children_of,
+    resolve_once,
+    run_process_quick,
+    spawn_quick,
+    wait_quick,
+)
 from dsec.isolation.spec import _mount
 
 log = logging.getLogger("dsec.backends.gvisor")
@@ -335,7 +341,7 @@ class GvisorBackend(ContainerBackend):
         victims = set(self.cgroups.procs(sandbox_id))
         cmdline = _read(f"/proc/{keeper}/cmdline")
         if b"runsc-keep" in cmdline and sandbox_id.encode() in cmdline:
-            victims.update(_children(keeper))
+            victims.update(children_of(keeper))
         sigkill_each(victims)
         deadline = time.monotonic() + 2.0
         while victims and time.monotonic() < deadline:
@@ -351,7 +357,8 @@ class GvisorBackend(ContainerBackend):
     async def _teardown(self, sandbox_id: str, d: Path, *, use_runtime: bool = True) -> None:
         if use_runtime and any(self.runtime_root.glob(f"{sandbox_id}_sandbox:*")):
             argv = [self.runtime, *self._flags(), "delete", "--force", sandbox_id]
-            await asyncio.get_running_loop().run_in_executor(None, _quiet, argv)
+            with open(os.devnull, "wb") as devnull:
+                await run_process_quick(argv, devnull.fileno())
         for leftover in self.runtime_root.glob(f"*{sandbox_id}*"):  # runsc leaves its socket at times
             with contextlib.suppress(OSError):
                 leftover.unlink()
@@ -414,15 +421,3 @@ def _read(path: str) -> bytes:
             return f.read()
     except OSError:
         return b""
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    with contextlib.suppress(OSError):
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            out += [int(x) for x in _read(f"/proc/{pid}/task/{tid}/children").split()]
-    return out
-
-
-def _quiet(argv: list[str]) -> None:
-    subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=30, check=False)

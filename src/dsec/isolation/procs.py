@@ -19,21 +19,22 @@ from dsec.isolation import linux
 _awaited: set[int] = set()
 
 
+def children_of(pid: int) -> set[int]:
+    """The child processes of `pid` (of every one of its threads)."""
+    kids: set[int] = set()
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids.update(int(x) for x in f.read().split())
+    return kids
+
+
 def reap_strays(comms: frozenset[str] = frozenset({"crun", "runc"})) -> int:
     """Reap exited runtime processes nobody waits for; how many. Only zombies whose command
     is the runtime's are taken: other children (subprocess.run in a worker thread, say) are
     waited for by their owners, who must get their exit status."""
-    me = os.getpid()
     n = 0
-    try:
-        tasks = os.listdir(f"/proc/{me}/task")
-    except OSError:
-        return 0
-    kids: set[int] = set()
-    for tid in tasks:
-        with contextlib.suppress(OSError, ValueError), open(f"/proc/{me}/task/{tid}/children") as f:
-            kids.update(int(x) for x in f.read().split())
-    for pid in kids - _awaited:
+    for pid in children_of(os.getpid()) - _awaited:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 stat = f.read()
