@@ -12,7 +12,8 @@ VENV="$ROOT/.venv"
 
 APT_PACKAGES=(crun runc mmdebstrap bubblewrap gcc libc6-dev iproute2 nftables procps ca-certificates
               btrfs-progs xfsprogs tar gzip zstd python3-venv debian-archive-keyring
-              bash-static)  # bash-static: the trusted shell of bash sessions (/.dsec-tools/bash)
+              bash-static  # bash-static: the trusted shell of bash sessions (/.dsec-tools/bash)
+              qemu-system-x86 erofs-utils e2fsprogs)  # the microVM tier: QEMU microvm, EROFS layers, ext4 disks
 
 log() { printf '\033[1m[dsec-install]\033[0m %s\n' "$*" >&2; }
 
@@ -57,6 +58,12 @@ fi
 # crashes): trixie's, unpacked into /var/lib/dsec/runsc the same way, smoke-tested before it is kept.
 if ! "$VENV/bin/python" -c 'from pathlib import Path; from dsec.backends.runsc import ensure_runsc; ensure_runsc(Path("/var/lib/dsec"))'; then
   log "warning: runsc could not be fetched: the gvisor backend is reported absent (everything else works)"
+fi
+
+# backend="microvm" boots Debian's cloud kernel (virtio, EROFS, overlayfs as modules) under QEMU:
+# unpacked into /var/lib/dsec/microvm/kernel the same way (nothing installed into /boot).
+if ! "$VENV/bin/python" -c 'from pathlib import Path; from dsec.backends.qemu import ensure_guest_kernel; ensure_guest_kernel(Path("/var/lib/dsec"))'; then
+  log "warning: the guest kernel could not be fetched: microVMs stay unavailable (everything else works)"
 fi
 
 log "images: python (default) and code (fncall / SandboxFusion); cached after the first build, ~30 s each"

@@ -4,6 +4,7 @@ digest of their source so that an upgrade never runs a stale build):
 * ``dsec-shim``: PID 1 of every sandbox and the runtime launcher (see dsec-shim.c).
 * ``dsec-copy``: the parallel, exact tree copy behind forks and snapshots (see dsec-copy.c).
 * ``dsec-trusted``: runs verify and trusted execs with the image's own toolchain (see dsec-trusted.c).
+* ``dsec-guest``: PID 1 and agent of a microVM guest, in its initramfs (see dsec-guest.c).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from dsec.errors import InternalError
 
-_FLAGS = {"dsec-shim": [], "dsec-copy": ["-pthread"], "dsec-trusted": []}
+_FLAGS = {"dsec-shim": [], "dsec-copy": ["-pthread"], "dsec-trusted": [], "dsec-guest": []}
 
 
 _INCLUDE = re.compile(rb'^#include "(dsec-[a-z]+\.h)"$', re.M)

@@ -5,6 +5,7 @@
  *   dsec-shim runsc-keep ... like crun-wrap, for runsc: stays as the host side of a gVisor
  *                            sandbox (see run_keep).
  *   dsec-shim kill-others    inside a sandbox: SIGKILL everything but the init.
+ *   dsec-shim idmap-run ...  run a command over an idmapped view of a layer (see run_idmap_run).
  *   dsec-shim crun-wrap A B HYBRID UP TMPFS_OPTS ROOTFS OWNER IDMAP LOWERS N SRC... -- RUNTIME ARGS...
  *                            launch the runtime with fds A,B moved to 3,4, in a
  *                            private mount namespace holding the sandbox's
@@ -647,11 +648,37 @@ static int run_kill_others(void) {
     return 1;
 }
 
+/* idmap-run FROM:TO:COUNT SRC MOUNTPOINT -- CMD...: run CMD in a mount namespace of its own
+ * where MOUNTPOINT is a read-only view of the directory SRC, its owners shown through the
+ * idmap (the microVM backend makes a layer's disk image from the guest's view of it). */
+static int run_idmap_run(int argc, char **argv) {
+    long from, to, count;
+    if (argc < 7 || strcmp(argv[5], "--") != 0 ||
+        sscanf(argv[2], "%ld:%ld:%ld", &from, &to, &count) != 3 || from < 0 || to < 0 || count <= 0) {
+        fprintf(stderr, "usage: dsec-shim idmap-run FROM:TO:COUNT SRC MOUNTPOINT -- CMD...\n");
+        return 2;
+    }
+    if (unshare(CLONE_NEWNS) < 0 || mount(NULL, "/", NULL, MS_REC | MS_SLAVE, NULL) < 0) {
+        perror("dsec-shim: mount namespace");
+        return 1;
+    }
+    int userns = idmap_userns(from, to, count);
+    if (userns < 0 || idmap_bind(argv[3], argv[4], userns) < 0) {
+        fprintf(stderr, "dsec-shim: idmapped view of %s: %s\n", argv[3], strerror(errno));
+        return 1;
+    }
+    close(userns);
+    execvp(argv[6], argv + 6);
+    perror("dsec-shim: exec");
+    return 127;
+}
+
 int main(int argc, char **argv) {
     if (argc >= 2 && strcmp(argv[1], "init") == 0) return run_init(argc >= 3 && strcmp(argv[2], "gvisor") == 0);
     if (argc >= 2 && strcmp(argv[1], "crun-wrap") == 0) return run_crun_wrap(argc, argv);
     if (argc >= 2 && strcmp(argv[1], "runsc-keep") == 0) return run_keep(argc, argv);
     if (argc >= 2 && strcmp(argv[1], "kill-others") == 0) return run_kill_others();
+    if (argc >= 2 && strcmp(argv[1], "idmap-run") == 0) return run_idmap_run(argc, argv);
     fprintf(stderr, "usage: dsec-shim init | crun-wrap ... | runsc-keep ... | kill-others (see the source)\n");
     return 2;
 }

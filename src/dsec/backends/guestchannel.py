@@ -1,0 +1,324 @@
+"""The edge's end of a microVM guest agent's port: the shim's protocol, framed on a stream.
+
+A guest agent (dsec-guest.c) cannot take descriptors: the virtio-serial port is a byte
+stream. So this channel keeps the stdio descriptors `spawn` is given and carries their bytes
+in frames (u8 type, u32 id, u32 len, payload): stdin is read here and sent as 'I', stdout
+and stderr come back as 'O' and 'E' and are written into the descriptors. The exit of a
+process is reported only once its output has been written and its pipes closed, so a
+reader sees what it would see from a container: the output, EOF, then the exit status.
+The rest is ShimChannel's interface (spawn, signal, ping, close), so the edge's exec path
+does not know which one it drives.
+
+Output a reader does not take is held up to OUT_CAP bytes per stream and then dropped (the
+edge caps what it keeps of an exec's output far below that); the guest stops reading its
+processes' pipes when the port backs up, so nothing inside can make the edge hold more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import stat
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsec.backends.shim import Launch, ShimChannel
+from dsec.errors import CapacityExhausted, InternalError, InvalidRequest
+
+_FRAME = struct.Struct("<cII")
+_SPAWN = struct.Struct("<iiHHB")
+OUT_CAP = 16 << 20
+SEND_CAP = 64 << 20
+
+
+@dataclass
+class _Stream:
+    fd: int
+    buf: bytearray = field(default_factory=bytearray)
+    eof: bool = False  # the guest said the stream ended: close once buf is written
+    writer: bool = False  # a writer callback is registered
+
+
+@dataclass
+class _Proc:
+    stdin: int  # -1 once sent in full
+    out: _Stream
+    err: _Stream
+    status: int | None = None
+
+
+class GuestChannel(ShimChannel):
+    """The shim protocol over a connected stream socket to a guest agent."""
+
+    def __init__(self, sock: socket.socket) -> None:  # no super(): another framing
+        sock.setblocking(False)
+        self.sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._next = 1 << 20
+        self._started: dict[int, asyncio.Future[int]] = {}
+        self._exited: dict[int, asyncio.Future[int]] = {}
+        self._pongs: dict[int, asyncio.Future[None]] = {}
+        self._procs: dict[int, _Proc] = {}
+        self._rbuf = bytearray()
+        self._wbuf = bytearray()
+        self._writing = False
+        self.hello: asyncio.Future[None] = self._loop.create_future()
+        self._setup: asyncio.Future[int] | None = None
+        self.closed = False
+        self._loop.add_reader(sock.fileno(), self._on_readable)
+
+    # --- frames ---------------------------------------------------------------------
+
+    def _frame(self, kind: bytes, ident: int, body: bytes = b"") -> None:
+        if self.closed:
+            raise InternalError("the sandbox's control channel is closed")
+        if len(self._wbuf) > SEND_CAP:
+            raise CapacityExhausted("the sandbox's control channel is congested; retry")
+        self._wbuf += _FRAME.pack(kind, ident, len(body)) + body
+        self._flush()
+
+    def _flush(self) -> None:
+        while self._wbuf:
+            try:
+                n = self.sock.send(self._wbuf)
+            except BlockingIOError:
+                break
+            except OSError:
+                self.close()
+                return
+            del self._wbuf[:n]
+        if self._wbuf and not self._writing:
+            self._loop.add_writer(self.sock.fileno(), self._flush)
+            self._writing = True
+        elif not self._wbuf and self._writing:
+            self._loop.remove_writer(self.sock.fileno())
+            self._writing = False
+
+    def _on_readable(self) -> None:
+        try:
+            data = self.sock.recv(1 << 18)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.close()
+            return
+        self._rbuf += data
+        off = 0
+        while len(self._rbuf) - off >= _FRAME.size:
+            kind, ident, n = _FRAME.unpack_from(self._rbuf, off)
+            if len(self._rbuf) - off - _FRAME.size < n:
+                break
+            body = bytes(self._rbuf[off + _FRAME.size : off + _FRAME.size + n])
+            off += _FRAME.size + n
+            self._dispatch(kind, ident, body)
+        del self._rbuf[:off]
+
+    def _dispatch(self, kind: bytes, ident: int, body: bytes) -> None:
+        value = struct.unpack_from("<i", body)[0] if len(body) >= 4 else 0
+        if kind in (b"H", b"m", b"p"):
+            self._answer(kind, ident, value)
+        elif kind == b"R":
+            fut = self._started.pop(ident, None)
+            if fut and not fut.done():
+                fut.set_result(value)
+        elif kind == b"F":
+            fut = self._started.pop(ident, None)
+            self._exited.pop(ident, None)
+            self._drop(ident)
+            if fut and not fut.done():
+                fut.set_exception(OSError(value, os.strerror(value)))
+        elif kind in (b"O", b"E"):
+            proc = self._procs.get(ident)
+            if proc is not None:
+                self._output(ident, proc.out if kind == b"O" else proc.err, body)
+        elif kind == b"X":
+            proc = self._procs.get(ident)
+            if proc is not None:
+                proc.status = value
+                self._maybe_exited(ident)
+
+    def _answer(self, kind: bytes, ident: int, value: int) -> None:
+        if kind == b"H":
+            if not self.hello.done():
+                self.hello.set_result(None)
+        elif kind == b"m":
+            if self._setup is not None and not self._setup.done():
+                self._setup.set_result(value)
+        else:
+            pong = self._pongs.pop(ident, None)
+            if pong and not pong.done():
+                pong.set_result(None)
+
+    # --- stdio ----------------------------------------------------------------------
+
+    def _output(self, ident: int, s: _Stream, data: bytes) -> None:
+        if s.fd < 0:
+            return
+        if not data:
+            s.eof = True
+        elif len(s.buf) < OUT_CAP:
+            s.buf += data
+        self._write_stream(ident, s)
+
+    def _write_stream(self, ident: int, s: _Stream) -> None:
+        while s.buf and s.fd >= 0:
+            try:
+                n = os.write(s.fd, s.buf)
+            except BlockingIOError:
+                if not s.writer:
+                    self._loop.add_writer(s.fd, self._write_stream, ident, s)
+                    s.writer = True
+                return
+            except OSError:  # the reader went away: nothing more to deliver
+                s.buf.clear()
+                s.eof = True
+                break
+            del s.buf[:n]
+        if s.writer:
+            self._loop.remove_writer(s.fd)
+            s.writer = False
+        if s.eof and s.fd >= 0:
+            os.close(s.fd)
+            s.fd = -1
+            self._maybe_exited(ident)
+
+    def _maybe_exited(self, ident: int) -> None:
+        proc = self._procs.get(ident)
+        if proc is None or proc.status is None or proc.out.fd >= 0 or proc.err.fd >= 0:
+            return
+        self._drop(ident)
+        fut = self._exited.pop(ident, None)
+        if fut and not fut.done():
+            fut.set_result(proc.status)
+
+    def _pump_stdin(self, ident: int) -> None:
+        proc = self._procs.get(ident)
+        if proc is None or proc.stdin < 0:
+            return
+        try:
+            data = os.read(proc.stdin, 1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        with contextlib.suppress(InternalError, CapacityExhausted):
+            self._frame(b"I", ident, data)
+        if not data:
+            self._close_stdin(proc)
+
+    def _close_stdin(self, proc: _Proc) -> None:
+        if proc.stdin >= 0:
+            with contextlib.suppress(ValueError, OSError):
+                self._loop.remove_reader(proc.stdin)
+            os.close(proc.stdin)
+            proc.stdin = -1
+
+    def _drop(self, ident: int) -> None:
+        proc = self._procs.pop(ident, None)
+        if proc is None:
+            return
+        self._close_stdin(proc)
+        for s in (proc.out, proc.err):
+            if s.writer:
+                self._loop.remove_writer(s.fd)
+            if s.fd >= 0:
+                os.close(s.fd)
+                s.fd = -1
+
+    # --- the ShimChannel interface ----------------------------------------------------
+
+    async def setup(self, body: bytes, timeout: float = 60.0) -> None:
+        """Send the guest's setup ('M') and wait for its answer."""
+        self._setup = self._loop.create_future()
+        self._frame(b"M", 0, body)
+        err = await asyncio.wait_for(self._setup, timeout)
+        if err:
+            raise InternalError(f"the guest could not set up the sandbox: {os.strerror(err)}")
+
+    async def ping(self, timeout: float = 5.0) -> None:
+        ident = self._new_id()
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._pongs[ident] = fut
+        self._frame(b"P", ident)
+        try:
+            await asyncio.wait_for(fut, timeout)
+        finally:
+            self._pongs.pop(ident, None)
+
+    async def spawn(
+        self, launch: Launch, *, stdio: tuple[int, int, int], cgroup_fds: Sequence[int] = ()
+    ) -> tuple[int, int, asyncio.Future[int]]:
+        env_items = [f"{k}={v}" for k, v in launch.env.items()]
+        strings = [launch.cwd, *launch.argv, *env_items]
+        if any("\0" in s for s in strings):
+            raise InvalidRequest("arguments, environment and cwd must not contain NUL bytes")
+        body = _SPAWN.pack(launch.uid, launch.gid, len(launch.argv), len(env_items), 0)
+        body += b"".join(s.encode() + b"\0" for s in strings)
+        if len(body) > 262_000:
+            raise InvalidRequest(
+                "command line and environment exceed 256 KiB; pass large data through stdin or a file"
+            )
+        ident = self._new_id()
+        fds = [os.dup(fd) for fd in stdio]  # the caller closes its own
+        proc = _Proc(fds[0], _Stream(fds[1]), _Stream(fds[2]))
+        for s in (proc.out, proc.err):
+            if stat.S_ISFIFO(os.fstat(s.fd).st_mode):
+                os.set_blocking(s.fd, False)
+        started: asyncio.Future[int] = self._loop.create_future()
+        exited: asyncio.Future[int] = self._loop.create_future()
+        self._started[ident], self._exited[ident], self._procs[ident] = started, exited, proc
+        try:
+            self._frame(b"S", ident, body)
+            if stat.S_ISFIFO(os.fstat(proc.stdin).st_mode) or stat.S_ISSOCK(os.fstat(proc.stdin).st_mode):
+                os.set_blocking(proc.stdin, False)
+                self._loop.add_reader(proc.stdin, self._pump_stdin, ident)
+            else:  # /dev/null or a file: nothing to wait for
+                self._frame(b"I", ident, b"")
+                self._close_stdin(proc)
+            pid = await started
+        except BaseException:
+            self._started.pop(ident, None)
+            self._exited.pop(ident, None)
+            self._drop(ident)
+            raise
+        return ident, pid, exited
+
+    async def fill(self, src: int, dst: int, timeout: float = 5.0) -> tuple[int, asyncio.Future[int]]:
+        raise InternalError("a guest agent takes no host descriptors (no charged writes)")
+
+    def signal(self, ident: int, sig: int) -> None:
+        with contextlib.suppress(InternalError, CapacityExhausted, OSError):
+            self._frame(b"K", ident, struct.pack("<i", sig))
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(Exception):
+            self._loop.remove_reader(self.sock.fileno())
+        if self._writing:
+            with contextlib.suppress(Exception):
+                self._loop.remove_writer(self.sock.fileno())
+        self.sock.close()
+        for ident in list(self._procs):
+            self._drop(ident)
+        err = InternalError("the sandbox stopped")
+        for futs in (self._started, self._exited, self._pongs):
+            for f in futs.values():
+                if not f.done():
+                    f.set_exception(err)
+                    f.exception()
+            futs.clear()
+        waiting: list[asyncio.Future[Any]] = [self.hello]
+        if self._setup is not None:
+            waiting.append(self._setup)
+        for f in waiting:
+            if not f.done():
+                f.set_exception(err)
+                f.exception()

@@ -1,0 +1,356 @@
+"""What the microVM backend runs on: QEMU, a guest kernel from Debian, the guest's initramfs,
+the image's layers as EROFS disks, and whether KVM really works here.
+
+* QEMU is Debian's qemu-system-x86 (install.sh installs it), its `microvm` machine: no PCI,
+  no firmware, virtio-mmio devices found through ACPI.
+* The guest kernel is Debian's linux-image-cloud-amd64 (virtio, EROFS, overlayfs as modules),
+  unpacked under the data directory with the private apt state of `dsec.backends.debian`
+  (nothing is installed on the host, /boot is untouched).
+* The initramfs holds only `dsec-guest` (the agent, built from dsec-guest.c) as /init and
+  the few modules it loads, in dependency order.
+* Layers: the layer store keeps each tree owned by its canonical id range; its EROFS image
+  is made by mkfs.erofs over an idmapped read-only view of the tree showing those owners as
+  the guest's own ids (0..), cached beside the store by the layer's path and mtime.
+* KVM: /dev/kvm can exist and still not boot a stock guest (PVM-backed here: this guest
+  gives no sign of life under KVM within 20 s, Dec 2026). `vm_argv(kvm=...)` differs only
+  in the accelerator; the probe that picks it belongs to the backend (not built yet).
+* A VM: `vm_argv` (the same machine for a template and its clones), `Qmp` (save a booted
+  template's state to a descriptor, restore it into a new VM), `setup_body` (the agent's
+  per-sandbox setup: fresh entropy, clock, layers, limits, name).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dsec.backends.debian import FetchError, fetch_tree
+
+
+KERNEL_PACKAGE = "linux-image-cloud-amd64"
+KERNEL_SUITE = "bookworm"
+# what the agent needs, in the order it loads them (dependencies first)
+GUEST_MODULES = (
+    "virtio",
+    "virtio_ring",
+    "virtio_mmio",
+    "virtio_blk",
+    "virtio_console",
+    "failover",
+    "net_failover",
+    "virtio_net",
+    "libcrc32c",
+    "erofs",
+    "overlay",
+    "virtio-rng",
+)
+
+
+class QemuUnavailable(RuntimeError):
+    pass
+
+
+def find_qemu() -> Path:
+    path = shutil.which("qemu-system-x86_64")
+    if path is None:
+        raise QemuUnavailable("qemu-system-x86_64 is not installed (install.sh installs qemu-system-x86)")
+    for tool in ("mkfs.erofs", "mkfs.ext4"):
+        if shutil.which(tool) is None:
+            raise QemuUnavailable(f"{tool} is not installed (install.sh installs erofs-utils and e2fsprogs)")
+    return Path(path)
+
+
+def kernel_dir(data_dir: Path) -> Path:
+    return data_dir / "microvm" / "kernel"
+
+
+def guest_kernel(data_dir: Path) -> tuple[Path, Path]:
+    """(vmlinuz, the modules directory) of the guest kernel unpacked under `data_dir`."""
+    root = kernel_dir(data_dir)
+    if not (root / ".ready").exists():
+        raise QemuUnavailable(f"no guest kernel under {root}: run the install script")
+    kernels = sorted((root / "boot").glob("vmlinuz-*"))
+    if not kernels:
+        raise QemuUnavailable(f"no vmlinuz in {root}/boot")
+    vmlinuz = kernels[-1]
+    release = vmlinuz.name.removeprefix("vmlinuz-")
+    return vmlinuz, root / "lib" / "modules" / release
+
+
+def ensure_guest_kernel(data_dir: Path) -> Path:
+    """Fetch and unpack Debian's cloud kernel once; the vmlinuz path."""
+    root = kernel_dir(data_dir)
+    if not (root / ".ready").exists():
+
+        def check(tree: Path, _work: Path) -> str:
+            kernels = sorted((tree / "boot").glob("vmlinuz-*"))
+            if not kernels:
+                raise FetchError(f"{KERNEL_PACKAGE} has no vmlinuz")
+            return kernels[-1].name + "\n"
+
+        fetch_tree(root, KERNEL_PACKAGE, suite=KERNEL_SUITE, only="linux-image", check=check)
+    return guest_kernel(data_dir)[0]
+
+
+# --- the initramfs ------------------------------------------------------------------------
+
+
+def _cpio_entry(name: str, mode: int, data: bytes = b"", ino: int = 0) -> bytes:
+    """One entry of a newc cpio archive (what the kernel unpacks as the initramfs)."""
+    encoded = name.encode() + b"\0"
+    fields = [ino, mode, 0, 0, 1, 0, len(data), 0, 0, 0, 0, len(encoded), 0]
+    head = b"070701" + b"".join(f"{v:08x}".encode() for v in fields) + encoded
+    head += b"\0" * (-len(head) % 4)
+    return head + data + b"\0" * (-len(data) % 4)
+
+
+def build_initramfs(dest: Path, agent: Path, modules_dir: Path) -> Path:
+    """The guest's initramfs at `dest` (rebuilt only when the agent or the kernel change)."""
+    key = hashlib.sha256(agent.read_bytes() + str(modules_dir).encode()).hexdigest()[:16]
+    target = dest / f"initramfs-{key}.cpio"
+    if target.exists():
+        return target
+    found = {p.name.removesuffix(".ko"): p for p in modules_dir.rglob("*.ko")}
+    missing = [m for m in GUEST_MODULES if m not in found]
+    if missing:
+        raise QemuUnavailable(f"the guest kernel lacks modules: {', '.join(missing)}")
+    parts = [
+        _cpio_entry("dev", 0o40755, ino=1),
+        _cpio_entry("modules", 0o40700, ino=2),
+        _cpio_entry("init", 0o100755, agent.read_bytes(), ino=3),
+    ]
+    for i, name in enumerate(GUEST_MODULES):
+        parts.append(_cpio_entry(f"modules/{i:02d}-{name}.ko", 0o100600, found[name].read_bytes(), 10 + i))
+    parts.append(_cpio_entry("TRAILER!!!", 0))
+    dest.mkdir(parents=True, exist_ok=True)
+    tmp = dest / f".{target.name}.{os.getpid()}"
+    tmp.write_bytes(b"".join(parts))
+    os.replace(tmp, target)
+    return target
+
+
+# --- disks --------------------------------------------------------------------------------
+
+
+def layer_image(cache: Path, layer: Path, idmap_run: list[str], timeout: float = 600.0) -> Path:
+    """The EROFS image of layer directory `layer` (made once; layers do not change).
+
+    `idmap_run` is the command prefix that runs a command with the tree visible at a path
+    through the idmap (dsec-shim idmap-run FROM:TO:COUNT SRC MOUNTPOINT --)."""
+    st = layer.stat()
+    key = hashlib.sha256(f"{layer.resolve()}:{st.st_ino}:{st.st_mtime_ns}".encode()).hexdigest()[:24]
+    target = cache / f"{key}.erofs"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".erofs-", dir=cache) as tmp:
+        view = Path(tmp) / "view"
+        view.mkdir()
+        out = Path(tmp) / "image.erofs"
+        argv = [
+            *idmap_run,
+            str(layer),
+            str(view),
+            "--",
+            "mkfs.erofs",
+            "-E",
+            "noinline_data",
+            str(out),
+            str(view),
+        ]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+        if r.returncode != 0:
+            raise RuntimeError(f"mkfs.erofs of layer {layer} failed: {(r.stderr or r.stdout)[-800:]}")
+        os.chmod(out, 0o644)
+        os.replace(out, target)
+    return target
+
+
+def blank_disk(cache: Path, size_mb: int, inodes: int) -> Path:
+    """An empty ext4 file system of `size_mb`, its root owned by the guest's root, made once
+    per size: each sandbox's writable disk starts as a sparse copy of it."""
+    target = cache / f"blank-{size_mb}m-{inodes}i.ext4"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = cache / f".{target.name}.{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    with open(tmp, "wb") as f:
+        f.truncate(size_mb << 20)
+    r = subprocess.run(
+        ["mkfs.ext4", "-q", "-F", "-N", str(inodes), "-E", "root_owner=0:0,lazy_itable_init=0,nodiscard",
+         "-O", "^has_journal", "-L", "dsec-rw", str(tmp)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    if r.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"mkfs.ext4 failed: {r.stderr[-800:]}")
+    os.replace(tmp, target)
+    return target
+
+
+def sparse_copy(src: Path, dst: Path) -> None:
+    """Copy a disk image keeping its holes (a fresh writable disk costs only what mkfs wrote)."""
+    subprocess.run(["cp", "--sparse=always", "--reflink=auto", str(src), str(dst)], check=True, timeout=120)
+
+
+# --- one VM -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Disk:
+    path: Path
+    serial: str  # how the guest finds it: "l0".. the layers, "rw" the writable disk
+    readonly: bool
+
+
+def vm_argv(
+    qemu: Path,
+    *,
+    vmlinuz: Path,
+    initrd: Path,
+    disks: Sequence[Disk],
+    ctl: Path,
+    qmp: Path,
+    memory_mb: int,
+    cpus: int,
+    kvm: bool,
+    console: Path,
+    incoming: bool = False,
+    runas: str | None = None,
+) -> list[str]:
+    """The command line of a guest: the same for a template and every clone of it (a
+    migration restores only into the same machine), apart from the disk files, the sockets
+    and `incoming`."""
+    # Under TCG the kernel's TSC calibration against the emulated PIT fails now and then
+    # (then it hangs without a clock source): give it the rate instead.
+    append = "console=ttyS0 quiet panic=-1" + ("" if kvm else " tsc_early_khz=2000000")
+    argv = [
+        str(qemu),
+        "-M", "microvm,isa-serial=on",
+        "-accel", "kvm" if kvm else "tcg,tb-size=32",
+        "-cpu", "host" if kvm else "max",
+        "-m", f"{memory_mb}M",
+        "-smp", str(cpus),
+        "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+        "-kernel", str(vmlinuz),
+        "-initrd", str(initrd),
+        "-append", append,
+        "-chardev", f"socket,id=ctl,path={ctl},server=on,wait=off",
+        "-qmp", f"unix:{qmp},server=on,wait=off",
+        "-device", "virtio-serial-device",
+        "-device", "virtserialport,chardev=ctl,name=dsec",
+        "-device", "virtio-rng-device",
+        "-serial", f"file:{console}",
+        # QEMU's own system calls: no new processes, no privileges, nothing obsolete
+        "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+    ]  # fmt: skip
+    for i, d in enumerate(disks):
+        ro = ",readonly=on" if d.readonly else ""
+        argv += ["-drive", f"id=d{i},file={d.path},format=raw,if=none{ro}"]
+        argv += ["-device", f"virtio-blk-device,drive=d{i},serial={d.serial}"]
+    if runas:
+        argv += ["-runas", runas]
+    if incoming:
+        argv += ["-incoming", "defer"]
+    return argv
+
+
+class Qmp:
+    """QEMU's machine protocol on its unix socket (one command at a time)."""
+
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, sock: socket.socket
+    ) -> None:
+        self.reader, self.writer, self.sock = reader, writer, sock
+
+    @classmethod
+    async def connect(cls, path: Path, timeout: float = 10.0) -> Qmp:
+        deadline = time.monotonic() + timeout
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            try:
+                sock.connect(str(path))
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                sock.close()
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.002)
+        reader, writer = await asyncio.open_unix_connection(sock=sock)
+        q = cls(reader, writer, sock)
+        await asyncio.wait_for(reader.readline(), timeout)  # the greeting
+        await q.cmd("qmp_capabilities")
+        return q
+
+    async def cmd(self, name: str, args: dict[str, Any] | None = None, fd: int | None = None) -> Any:
+        msg = json.dumps({"execute": name, **({"arguments": args} if args else {})}).encode()
+        if fd is None:
+            self.writer.write(msg)
+            await self.writer.drain()
+        else:
+            await self.writer.drain()
+            socket.send_fds(self.sock, [msg], [fd])  # a short message on an idle socket
+        while True:
+            line = await self.reader.readline()
+            if not line:
+                raise RuntimeError(f"QEMU closed its QMP socket during {name}")
+            reply = json.loads(line)
+            if "event" in reply:
+                continue
+            if "error" in reply:
+                raise RuntimeError(f"QMP {name}: {reply['error'].get('desc')}")
+            return reply.get("return")
+
+    async def wait_status(self, leave: str, timeout: float = 30.0) -> str:
+        deadline = time.monotonic() + timeout
+        while (status := (await self.cmd("query-status"))["status"]) == leave:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the VM stayed {leave}")
+            await asyncio.sleep(0.002)
+        return str(status)
+
+    async def save(self, fd: int, timeout: float = 60.0) -> None:
+        """Stop the VM and write its state to `fd` (a migration)."""
+        await self.cmd("stop")
+        await self.cmd("getfd", {"fdname": "save"}, fd=fd)
+        await self.cmd("migrate", {"uri": "fd:save"})
+        deadline = time.monotonic() + timeout
+        while (st := (await self.cmd("query-migrate")).get("status")) not in ("completed", "failed"):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the VM's state was not written in time")
+            await asyncio.sleep(0.005)
+        if st != "completed":
+            raise RuntimeError("QEMU failed to write the VM's state")
+
+    async def restore(self, fd: int) -> None:
+        """Load a state written by `save` into this VM (started with `incoming`) and run it."""
+        await self.cmd("getfd", {"fdname": "load"}, fd=fd)
+        await self.cmd("migrate-incoming", {"uri": "fd:load"})
+        await self.wait_status("inmigrate")
+        await self.cmd("cont")
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def setup_body(*, nlower: int, pids: int, hostname: str, address: str = "", gateway: str = "") -> bytes:
+    """The agent's 'M' frame: fresh entropy (a template's clones share its random state),
+    the clock, the layers, the process limit, the name and the network."""
+    seed = os.urandom(64)
+    now = time.time_ns()
+    body = struct.pack("<I", len(seed)) + seed + struct.pack("<qq", now // 10**9, now % 10**9)
+    body += bytes([nlower]) + struct.pack("<I", pids)
+    return body + b"".join(s.encode() + b"\0" for s in (hostname, address, gateway))

@@ -1,0 +1,757 @@
+/*
+ * dsec-guest: PID 1 of a microVM guest, the agent the edge talks to (backend "microvm").
+ *
+ * The guest boots from an initramfs holding only this binary and the kernel modules it
+ * loads (modules/NN-name.ko, in order). It opens the virtio-serial port "dsec" (the
+ * only way in: there is no network service and no vsock) and says 'H'. The host may
+ * take the VM's memory image right there (a template: every sandbox of an image starts
+ * from it), so nothing specific to one sandbox happens before the host's 'M' (setup):
+ * fresh entropy and the clock, the layers (read-only EROFS disks vda.., in order, top
+ * first) under an overlay whose upper is the sandbox's own writable ext4 disk (the last
+ * one; disks are found by their serial), the usual /proc, /dev, /sys, then a chroot into it. The initramfs is emptied
+ * first, so what a process might reach outside the chroot holds nothing.
+ *
+ * Then it speaks the shim's protocol (dsec-shim.c), framed on the port's byte stream
+ * instead of datagrams with descriptors: stdio travels in frames.
+ *   frame: u8 type, u32 id, u32 len, then len bytes (little endian)
+ *   host -> guest  'M' setup      u32 seed_len, seed, i64 sec, i64 nsec, u8 nlower,
+ *                                 u32 pids, NUL-terminated hostname, addr/prefix, gateway
+ *                  'S' spawn      i32 uid, i32 gid, u16 argc, u16 envc, u8 flags (0),
+ *                                 NUL-terminated cwd, argv, env
+ *                  'I' stdin      bytes for the process's stdin; empty: close it
+ *                  'K' signal     i32 signal (SIGKILL also kills its cgroup)
+ *                  'P' ping
+ *   guest -> host  'H' hello, 'm' setup done (i32 errno, 0 on success)
+ *                  'R' started (i32 pid), 'F' failed (i32 errno), 'X' exited (i32 status)
+ *                  'O' / 'E' stdout / stderr bytes; empty: end of that stream
+ *                  'p' pong
+ * A process's 'X' comes after the last of its output that was in its pipes when it
+ * exited, so a reader that stops at 'X' misses nothing the process itself wrote.
+ *
+ * What a sandbox process is: its own session and guest cgroup (a timeout kills the cgroup,
+ * setsid does not leave it), the container backend's capability set and no more (no
+ * CAP_SYS_ADMIN, CAP_SYS_MODULE, CAP_SYS_PTRACE, CAP_MKNOD, CAP_SYS_CHROOT), no new
+ * privileges. The agent is non-dumpable, so no process can ptrace it or open its
+ * descriptors through /proc; the cgroup file system is mounted nowhere a process can see
+ * (the agent holds a detached mount). The guest kernel is the sandbox's: code running as
+ * root inside may still find a kernel bug, and what it could then forge is what this
+ * agent reports; the host side trusts nothing else of the guest.
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <linux/capability.h>
+#include <linux/random.h>
+#include <net/if.h>
+#include <net/route.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/sysmacros.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define PORT "/dev/vport0p1"
+#define MAX_FRAME (262144 + 64)
+#define MAX_PROCS 1024
+#define OUT_CAP (8 << 20)        /* the port's send queue */
+#define OUT_HIGH (1 << 20)       /* above it, stop reading the processes' output */
+#define IN_CAP (16 << 20)        /* stdin held for one process that does not read it */
+#define CHUNK 32768
+
+extern char **environ;
+
+struct proc {
+    uint32_t id;
+    pid_t pid;               /* 0: free slot */
+    int in, out, err;        /* our ends of its stdin, stdout and stderr pipes (-1: closed) */
+    char *inbuf;             /* stdin not yet taken by the pipe */
+    size_t inlen, inoff;
+    int in_eof;              /* the host closed stdin: close the pipe once inbuf is written */
+    int status, exited;      /* reaped; 'X' goes once out and err are drained */
+    char cg[16];
+};
+
+static struct proc procs[MAX_PROCS];
+static int port = -1, ep = -1, cgroot = -1;
+static char *outq;
+static size_t outlen, outoff;
+static int reading_paused;
+static uint32_t user_pids = 1024;
+
+static void die(const char *what) {
+    /* Nothing to report to: the console is the only witness (and the host sees the VM end). */
+    int fd = open("/dev/console", O_WRONLY | O_NOCTTY);
+    if (fd >= 0) {
+        dprintf(fd, "dsec-guest: %s: %s\n", what, strerror(errno));
+        close(fd);
+    }
+    sync();
+    reboot_now:
+    syscall(SYS_reboot, 0xfee1dead, 672274793, 0x4321fedc, NULL); /* power off */
+    goto reboot_now;
+}
+
+/* --- the port ------------------------------------------------------------------------ */
+
+static void flush_port(void);
+
+static void send_frame(char type, uint32_t id, const void *data, uint32_t len) {
+    if (outlen + 9 + len > OUT_CAP) return; /* the host does not read: drop (it will see gaps) */
+    char *p = outq + outlen;
+    p[0] = type;
+    memcpy(p + 1, &id, 4);
+    memcpy(p + 5, &len, 4);
+    if (len) memcpy(p + 9, data, len);
+    outlen += 9 + len;
+    flush_port();
+}
+
+static void send_value(char type, uint32_t id, int32_t value) { send_frame(type, id, &value, 4); }
+
+static void update_port_events(void);
+
+static void flush_port(void) {
+    while (outoff < outlen) {
+        ssize_t n = write(port, outq + outoff, outlen - outoff);
+        if (n > 0) { outoff += n; continue; }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && errno != EAGAIN) outoff = outlen; /* host gone: drop what was queued */
+        break;
+    }
+    if (outoff == outlen) outoff = outlen = 0;
+    else if (outoff > OUT_CAP / 2) {
+        memmove(outq, outq + outoff, outlen - outoff);
+        outlen -= outoff;
+        outoff = 0;
+    }
+    update_port_events();
+}
+
+static void watch(int fd, uint32_t events, uint64_t key) {
+    struct epoll_event ev = {.events = events, .data.u64 = key};
+    if (epoll_ctl(ep, EPOLL_CTL_MOD, fd, &ev) < 0 && errno == ENOENT) epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev);
+}
+
+/* keys: 0 the port, 1 the signalfd, 2 + 4*slot + {0 stdin, 1 stdout, 2 stderr} */
+static void set_output_watch(int pause) {
+    for (int i = 0; i < MAX_PROCS; i++) {
+        if (!procs[i].pid) continue;
+        if (procs[i].out >= 0) watch(procs[i].out, pause ? 0 : EPOLLIN, 2 + 4 * i + 1);
+        if (procs[i].err >= 0) watch(procs[i].err, pause ? 0 : EPOLLIN, 2 + 4 * i + 2);
+    }
+    reading_paused = pause;
+}
+
+static void update_port_events(void) {
+    if (ep < 0 || port < 0) return;
+    watch(port, EPOLLIN | (outlen > outoff ? EPOLLOUT : 0), 0);
+    size_t pending = outlen - outoff;
+    if (!reading_paused && pending > OUT_HIGH) set_output_watch(1);
+    else if (reading_paused && pending < OUT_HIGH / 2) set_output_watch(0);
+}
+
+/* --- processes ----------------------------------------------------------------------- */
+
+static void close_fd(int *fd) {
+    if (*fd >= 0) {
+        epoll_ctl(ep, EPOLL_CTL_DEL, *fd, NULL);
+        close(*fd);
+        *fd = -1;
+    }
+}
+
+static void maybe_finish(struct proc *p) {
+    if (!p->exited || p->out >= 0 || p->err >= 0) return;
+    send_value('X', p->id, p->status);
+    close_fd(&p->in);
+    free(p->inbuf);
+    if (cgroot >= 0 && p->cg[0]) unlinkat(cgroot, p->cg, AT_REMOVEDIR);
+    memset(p, 0, sizeof *p);
+    p->in = p->out = p->err = -1;
+}
+
+/* Read what the pipe holds now (all of it when `drain`, else one chunk); at its end, say so. */
+static void pump_output(struct proc *p, int which, int drain) {
+    static char buf[CHUNK];
+    int *fd = which == 1 ? &p->out : &p->err;
+    char type = which == 1 ? 'O' : 'E';
+    while (*fd >= 0) {
+        ssize_t n = read(*fd, buf, sizeof buf);
+        if (n > 0) {
+            send_frame(type, p->id, buf, (uint32_t)n);
+            if (!drain) return;
+            continue;
+        }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && errno == EAGAIN) {
+            /* It exited: what is still open is held by something it started in the
+             * background. Its own output is all sent; stop here (the stream ends). */
+            if (!p->exited) return;
+        }
+        close_fd(fd);
+        send_frame(type, p->id, NULL, 0);
+    }
+}
+
+static void pump_input(struct proc *p) {
+    while (p->in >= 0 && p->inoff < p->inlen) {
+        ssize_t n = write(p->in, p->inbuf + p->inoff, p->inlen - p->inoff);
+        if (n > 0) { p->inoff += n; continue; }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && errno == EAGAIN) {
+            watch(p->in, EPOLLOUT, 2 + 4 * (p - procs));
+            return;
+        }
+        close_fd(&p->in); /* EPIPE: it closed its stdin */
+    }
+    if (p->inoff == p->inlen) {
+        p->inoff = p->inlen = 0;
+        if (p->in >= 0) {
+            if (p->in_eof) close_fd(&p->in);
+            else watch(p->in, 0, 2 + 4 * (p - procs));
+        }
+    }
+}
+
+static struct proc *find(uint32_t id) {
+    for (int i = 0; i < MAX_PROCS; i++)
+        if (procs[i].pid && procs[i].id == id) return &procs[i];
+    return NULL;
+}
+
+static void reap(void) {
+    int status;
+    pid_t pid;
+    while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+        for (int i = 0; i < MAX_PROCS; i++) {
+            struct proc *p = &procs[i];
+            if (p->pid != pid) continue;
+            p->status = status;
+            p->exited = 1;
+            if (p->out >= 0) pump_output(p, 1, 1);
+            if (p->err >= 0) pump_output(p, 2, 1);
+            maybe_finish(p);
+            break;
+        }
+    }
+}
+
+static const int user_caps[] = {CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_FOWNER, CAP_FSETID, CAP_KILL,
+                                CAP_SETGID, CAP_SETUID, CAP_NET_BIND_SERVICE};
+
+static int drop_capabilities(void) {
+    uint64_t keep = 0;
+    for (size_t i = 0; i < sizeof user_caps / sizeof user_caps[0]; i++) keep |= 1ULL << user_caps[i];
+    for (int c = 0; c <= 63; c++) {
+        if (keep & (1ULL << c)) continue;
+        if (prctl(PR_CAPBSET_DROP, c, 0, 0, 0) < 0 && errno != EINVAL) return -1;
+    }
+    struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3, .pid = 0};
+    struct __user_cap_data_struct data[2] = {{0}};
+    data[0].effective = data[0].permitted = data[0].inheritable = (uint32_t)keep;
+    if (syscall(SYS_capset, &hdr, data) < 0) return -1;
+    prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
+    return prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
+}
+
+static void child_exec(int errfd, int pin, int pout, int perr, int cgprocs, int32_t uid, int32_t gid,
+                       const char *cwd, char **argv, char **envp) {
+    int err = 0;
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    signal(SIGPIPE, SIG_DFL);
+    setsid();
+    if (cgprocs >= 0 && write(cgprocs, "0", 1) != 1) { err = errno; goto fail; }
+    if (dup2(pin, 0) < 0 || dup2(pout, 1) < 0 || dup2(perr, 2) < 0) { err = errno; goto fail; }
+    if (dup3(errfd, 3, O_CLOEXEC) < 0) { err = errno; goto fail; }
+    errfd = 3;
+    syscall(SYS_close_range, 4, ~0U, 0);
+    if (gid >= 0) {
+        if (setgroups(0, NULL) < 0) { err = errno; goto fail; }
+        if (setresgid(gid, gid, gid) < 0) { err = errno; goto fail; }
+    }
+    if (drop_capabilities() < 0) { err = errno; goto fail; }
+    if (uid >= 0 && setresuid(uid, uid, uid) < 0) { err = errno; goto fail; }
+    if (cwd[0] && chdir(cwd) < 0) { err = errno; goto fail; }
+    environ = envp;
+    execvp(argv[0], argv);
+    err = errno;
+fail:
+    (void)!write(errfd, &err, sizeof err);
+    _exit(127);
+}
+
+static void handle_spawn(uint32_t id, const char *buf, uint32_t len) {
+    int32_t uid, gid;
+    uint16_t argc, envc;
+    if (len < 13) { send_value('F', id, EINVAL); return; }
+    memcpy(&uid, buf, 4);
+    memcpy(&gid, buf + 4, 4);
+    memcpy(&argc, buf + 8, 2);
+    memcpy(&envc, buf + 10, 2);
+    int slot = -1;
+    for (int i = 0; i < MAX_PROCS; i++)
+        if (!procs[i].pid) { slot = i; break; }
+    if (slot < 0) { send_value('F', id, EAGAIN); return; }
+    if (argc == 0 || find(id)) { send_value('F', id, EINVAL); return; }
+    char **argv = calloc(argc + 1, sizeof(char *));
+    char **envp = calloc(envc + 1, sizeof(char *));
+    const char *p = buf + 13, *end = buf + len, *cwd = NULL;
+    for (int i = 0; i < 1 + argc + envc; i++) {
+        const char *z = memchr(p, 0, end - p);
+        if (!z) { free(argv); free(envp); send_value('F', id, EINVAL); return; }
+        if (i == 0) cwd = p;
+        else if (i <= argc) argv[i - 1] = (char *)p;
+        else envp[i - 1 - argc] = (char *)p;
+        p = z + 1;
+    }
+    int in[2] = {-1, -1}, out[2] = {-1, -1}, er[2] = {-1, -1}, errpipe[2] = {-1, -1}, cgprocs = -1;
+    struct proc *pr = &procs[slot];
+    snprintf(pr->cg, sizeof pr->cg, "x%u", id);
+    if (cgroot >= 0 && mkdirat(cgroot, pr->cg, 0700) == 0) {
+        char path[64];
+        snprintf(path, sizeof path, "%s/cgroup.procs", pr->cg);
+        cgprocs = openat(cgroot, path, O_WRONLY | O_CLOEXEC);
+    } else {
+        pr->cg[0] = 0;
+    }
+    int e = 0;
+    if (pipe2(in, O_CLOEXEC) < 0 || pipe2(out, O_CLOEXEC) < 0 || pipe2(er, O_CLOEXEC) < 0 ||
+        pipe2(errpipe, O_CLOEXEC) < 0)
+        e = errno;
+    pid_t pid = e ? -1 : fork();
+    if (pid == 0) child_exec(errpipe[1], in[0], out[1], er[1], cgprocs, uid, gid, cwd, argv, envp);
+    if (!e && pid < 0) e = errno;
+    free(argv);
+    free(envp);
+    int child_err = 0;
+    if (!e) {
+        close(errpipe[1]);
+        errpipe[1] = -1;
+        ssize_t n;
+        do { n = read(errpipe[0], &child_err, sizeof child_err); } while (n < 0 && errno == EINTR);
+        if (n == sizeof child_err) { waitpid(pid, NULL, 0); e = child_err; }
+    }
+    int fds[] = {in[0], out[1], er[1], errpipe[0], errpipe[1], cgprocs};
+    for (size_t i = 0; i < sizeof fds / sizeof fds[0]; i++) if (fds[i] >= 0) close(fds[i]);
+    if (e) {
+        int mine[] = {in[1], out[0], er[0]};
+        for (int i = 0; i < 3; i++) if (mine[i] >= 0) close(mine[i]);
+        if (pr->cg[0]) unlinkat(cgroot, pr->cg, AT_REMOVEDIR);
+        memset(pr, 0, sizeof *pr);
+        send_value('F', id, e);
+        return;
+    }
+    pr->id = id;
+    pr->pid = pid;
+    pr->in = in[1];
+    pr->out = out[0];
+    pr->err = er[0];
+    fcntl(pr->in, F_SETFL, O_NONBLOCK);
+    fcntl(pr->out, F_SETFL, O_NONBLOCK);
+    fcntl(pr->err, F_SETFL, O_NONBLOCK);
+    struct epoll_event ev = {.events = 0, .data.u64 = 2 + 4 * slot};
+    epoll_ctl(ep, EPOLL_CTL_ADD, pr->in, &ev);
+    ev.events = reading_paused ? 0 : EPOLLIN;
+    ev.data.u64 = 2 + 4 * slot + 1;
+    epoll_ctl(ep, EPOLL_CTL_ADD, pr->out, &ev);
+    ev.data.u64 = 2 + 4 * slot + 2;
+    epoll_ctl(ep, EPOLL_CTL_ADD, pr->err, &ev);
+    send_value('R', id, pid);
+}
+
+static void handle_stdin(uint32_t id, const char *buf, uint32_t len) {
+    struct proc *p = find(id);
+    if (!p || p->in < 0) return;
+    if (len == 0) {
+        p->in_eof = 1;
+    } else {
+        if (p->inlen + len > IN_CAP) { close_fd(&p->in); return; }
+        char *nb = realloc(p->inbuf, p->inlen + len);
+        if (!nb) { close_fd(&p->in); return; }
+        p->inbuf = nb;
+        memcpy(p->inbuf + p->inlen, buf, len);
+        p->inlen += len;
+    }
+    pump_input(p);
+}
+
+static void handle_kill(uint32_t id, const char *buf, uint32_t len) {
+    int32_t sig;
+    struct proc *p = find(id);
+    if (len < 4 || !p) return;
+    memcpy(&sig, buf, 4);
+    kill(-p->pid, sig);
+    if (sig == SIGKILL && p->cg[0] && cgroot >= 0) {
+        char path[64];
+        snprintf(path, sizeof path, "%s/cgroup.kill", p->cg);
+        int fd = openat(cgroot, path, O_WRONLY | O_CLOEXEC);
+        if (fd >= 0) {
+            (void)!write(fd, "1", 1);
+            close(fd);
+        }
+    }
+}
+
+/* --- setup ----------------------------------------------------------------------------- */
+
+static int write_file(int dir, const char *path, const char *text) {
+    int fd = openat(dir, path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = write(fd, text, strlen(text));
+    close(fd);
+    return n == (ssize_t)strlen(text) ? 0 : -1;
+}
+
+static int load_modules(void) {
+    DIR *d = opendir("/modules");
+    if (!d) return -1;
+    struct dirent **names;
+    int n = scandir("/modules", &names, NULL, alphasort);
+    closedir(d);
+    for (int i = 0; i < n; i++) {
+        if (names[i]->d_name[0] != '.') {
+            char path[300];
+            snprintf(path, sizeof path, "/modules/%s", names[i]->d_name);
+            int fd = open(path, O_RDONLY | O_CLOEXEC);
+            if (fd < 0 || (syscall(SYS_finit_module, fd, "", 0) < 0 && errno != EEXIST)) return -1;
+            close(fd);
+            unlink(path);
+        }
+        free(names[i]);
+    }
+    free(names);
+    rmdir("/modules");
+    return 0;
+}
+
+static int set_address(const char *ifname, const char *cidr, const char *gateway) {
+    char addr[64];
+    snprintf(addr, sizeof addr, "%s", cidr);
+    char *slash = strchr(addr, '/');
+    int prefix = slash ? atoi(slash + 1) : 32;
+    if (slash) *slash = 0;
+    int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (s < 0) return -1;
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof ifr);
+    snprintf(ifr.ifr_name, IFNAMSIZ, "%s", ifname);
+    struct sockaddr_in *sin = (struct sockaddr_in *)&ifr.ifr_addr;
+    sin->sin_family = AF_INET;
+    int rc = -1;
+    if (inet_pton(AF_INET, addr, &sin->sin_addr) != 1 || ioctl(s, SIOCSIFADDR, &ifr) < 0) goto out;
+    sin->sin_addr.s_addr = prefix ? htonl(~0U << (32 - prefix)) : 0;
+    if (ioctl(s, SIOCSIFNETMASK, &ifr) < 0) goto out;
+    if (ioctl(s, SIOCGIFFLAGS, &ifr) < 0) goto out;
+    ifr.ifr_flags |= IFF_UP;
+    if (ioctl(s, SIOCSIFFLAGS, &ifr) < 0) goto out;
+    if (gateway[0]) {
+        struct rtentry rt;
+        memset(&rt, 0, sizeof rt);
+        ((struct sockaddr_in *)&rt.rt_dst)->sin_family = AF_INET;
+        ((struct sockaddr_in *)&rt.rt_genmask)->sin_family = AF_INET;
+        struct sockaddr_in *gw = (struct sockaddr_in *)&rt.rt_gateway;
+        gw->sin_family = AF_INET;
+        if (inet_pton(AF_INET, gateway, &gw->sin_addr) != 1) goto out;
+        rt.rt_flags = RTF_UP | RTF_GATEWAY;
+        if (ioctl(s, SIOCADDRT, &rt) < 0) goto out;
+    }
+    rc = 0;
+out:
+    close(s);
+    return rc;
+}
+
+static int lo_up(void) {
+    int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof ifr);
+    strcpy(ifr.ifr_name, "lo");
+    int rc = (s >= 0 && ioctl(s, SIOCGIFFLAGS, &ifr) == 0 && (ifr.ifr_flags |= IFF_UP, ioctl(s, SIOCSIFFLAGS, &ifr)) == 0) ? 0 : -1;
+    if (s >= 0) close(s);
+    return rc;
+}
+
+static const struct { const char *name; int major, minor; } devices[] = {
+    {"null", 1, 3}, {"zero", 1, 5}, {"full", 1, 7}, {"random", 1, 8}, {"urandom", 1, 9}, {"tty", 5, 0},
+};
+
+/* The disk whose virtio serial is `serial` ("l0".. the layers, "rw" the writable disk), as
+ * /dev/vdX: the order the kernel names them in is not the order QEMU was given them in. */
+static int find_disk(const char *serial, char *dev, size_t size) {
+    DIR *d = opendir("/sys/block");
+    if (!d) return -1;
+    struct dirent *e;
+    int rc = -1;
+    while ((e = readdir(d)) != NULL) {
+        if (strncmp(e->d_name, "vd", 2) != 0) continue;
+        char path[300], got[64];
+        snprintf(path, sizeof path, "/sys/block/%s/serial", e->d_name);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) continue;
+        ssize_t n = read(fd, got, sizeof got - 1);
+        close(fd);
+        if (n <= 0) continue;
+        got[n] = 0;
+        if (got[n - 1] == '\n') got[n - 1] = 0;
+        if (strcmp(got, serial) == 0) {
+            snprintf(dev, size, "/dev/%s", e->d_name);
+            rc = 0;
+            break;
+        }
+    }
+    closedir(d);
+    if (rc < 0) errno = ENODEV;
+    return rc;
+}
+
+/* The sandbox's root at /root: layers, writable disk, overlay, the kernel file systems. */
+static int mount_root(int nlower) {
+    static char opts[8192];
+    char dev[300], dir[32], serial[8];
+    size_t off = (size_t)snprintf(opts, sizeof opts, "lowerdir=");
+    mkdir("/l", 0700);
+    for (int i = 0; i < nlower; i++) {
+        snprintf(serial, sizeof serial, "l%d", i);
+        if (find_disk(serial, dev, sizeof dev) < 0) return -1;
+        snprintf(dir, sizeof dir, "/l/%d", i);
+        mkdir(dir, 0700);
+        if (mount(dev, dir, "erofs", MS_RDONLY, NULL) < 0) return -1;
+        off += (size_t)snprintf(opts + off, sizeof opts - off, "%s%s", i ? ":" : "", dir);
+    }
+    if (find_disk("rw", dev, sizeof dev) < 0) return -1;
+    mkdir("/rw", 0700);
+    if (mount(dev, "/rw", "ext4", MS_NOATIME, NULL) < 0) return -1;
+    mkdir("/rw/upper", 0755);
+    mkdir("/rw/work", 0700);
+    snprintf(opts + off, sizeof opts - off, ",upperdir=/rw/upper,workdir=/rw/work");
+    mkdir("/root", 0755);
+    if (mount("dsec-rootfs", "/root", "overlay", 0, opts) < 0) return -1;
+    /* what the container backend mounts, the same way */
+    mkdir("/root/proc", 0555);
+    mkdir("/root/dev", 0755);
+    mkdir("/root/sys", 0555);
+    mkdir("/root/tmp", 01777);
+    if (mount("proc", "/root/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0) return -1;
+    if (mount("sysfs", "/root/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, NULL) < 0) return -1;
+    if (mount("tmpfs", "/root/dev", "tmpfs", MS_NOSUID | MS_STRICTATIME, "mode=755,size=65536k") < 0) return -1;
+    for (size_t i = 0; i < sizeof devices / sizeof devices[0]; i++) {
+        snprintf(dir, sizeof dir, "/root/dev/%s", devices[i].name);
+        if (mknod(dir, S_IFCHR | 0666, makedev(devices[i].major, devices[i].minor)) < 0) return -1;
+        chmod(dir, 0666);
+    }
+    mkdir("/root/dev/pts", 0755);
+    mkdir("/root/dev/shm", 01777);
+    if (mount("devpts", "/root/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620") < 0) return -1;
+    if (symlink("pts/ptmx", "/root/dev/ptmx") < 0) return -1;
+    if (mount("shm", "/root/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=1777,size=65536k") < 0) return -1;
+    symlink("/proc/self/fd", "/root/dev/fd");
+    symlink("/proc/self/fd/0", "/root/dev/stdin");
+    symlink("/proc/self/fd/1", "/root/dev/stdout");
+    symlink("/proc/self/fd/2", "/root/dev/stderr");
+    return 0;
+}
+
+/* The guest cgroups: a detached mount only this process holds (by fd); every exec gets a
+ * child of "u", which holds the sandbox's process limit. */
+static int setup_cgroups(void) {
+    mkdir("/cg", 0700);
+    if (mount("cgroup2", "/cg", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0) return -1;
+    int root = open("/cg", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (root < 0) return -1;
+    write_file(root, "cgroup.subtree_control", "+pids +memory");
+    if (mkdirat(root, "u", 0700) < 0 && errno != EEXIST) return -1;
+    char lim[32];
+    snprintf(lim, sizeof lim, "%u", user_pids);
+    write_file(root, "u/pids.max", lim);
+    write_file(root, "u/cgroup.subtree_control", "+pids +memory");
+    cgroot = openat(root, "u", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    close(root);
+    umount2("/cg", MNT_DETACH);
+    rmdir("/cg");
+    return cgroot < 0 ? -1 : 0;
+}
+
+static int handle_setup(const char *buf, uint32_t len) {
+    uint32_t seed_len, pids;
+    int64_t sec, nsec;
+    if (len < 4) return EINVAL;
+    memcpy(&seed_len, buf, 4);
+    if (seed_len > 512 || len < 4 + seed_len + 16 + 1 + 4) return EINVAL;
+    const char *p = buf + 4;
+    /* A template's clones share its memory, so its random state: reseed before anything. */
+    struct { int entropy_count, buf_size; unsigned char buf[512]; } ent;
+    ent.entropy_count = (int)seed_len * 8;
+    ent.buf_size = (int)seed_len;
+    memcpy(ent.buf, p, seed_len);
+    int rnd = open("/dev/urandom", O_RDWR | O_CLOEXEC);
+    if (rnd < 0 || ioctl(rnd, RNDADDENTROPY, &ent) < 0 || ioctl(rnd, RNDRESEEDCRNG) < 0) return errno ? errno : EIO;
+    close(rnd);
+    p += seed_len;
+    memcpy(&sec, p, 8);
+    memcpy(&nsec, p + 8, 8);
+    struct timespec ts = {.tv_sec = sec, .tv_nsec = nsec};
+    if (clock_settime(CLOCK_REALTIME, &ts) < 0) return errno;
+    p += 16;
+    int nlower = (unsigned char)*p++;
+    memcpy(&pids, p, 4);
+    p += 4;
+    user_pids = pids;
+    const char *end = buf + len, *strs[3];
+    for (int i = 0; i < 3; i++) {
+        const char *z = memchr(p, 0, end - p);
+        if (!z) return EINVAL;
+        strs[i] = p;
+        p = z + 1;
+    }
+    if (nlower < 1 || nlower > 25) return EINVAL;
+    if (sethostname(strs[0], strlen(strs[0])) < 0) return errno;
+    if (lo_up() < 0) return errno;
+    if (strs[1][0] && set_address("eth0", strs[1], strs[2]) < 0) return errno;
+    if (setup_cgroups() < 0) return errno;
+    if (mount_root(nlower) < 0) return errno;
+    /* Leave the initramfs: nothing of it stays reachable (its files are gone, /dev /proc
+     * /sys of the agent are detached), then the overlay becomes "/". */
+    unlink("/init");
+    umount2("/proc", MNT_DETACH);
+    umount2("/sys", MNT_DETACH);
+    umount2("/dev", MNT_DETACH);
+    if (chdir("/root") < 0 || mount(".", "/", NULL, MS_MOVE, NULL) < 0 || chroot(".") < 0 || chdir("/") < 0)
+        return errno;
+    return 0;
+}
+
+/* --- the loop ------------------------------------------------------------------------ */
+
+static char inframe[MAX_FRAME];
+static size_t inlen;
+
+static int handle_frames(int *setup_done) {
+    size_t off = 0;
+    while (inlen - off >= 9) {
+        char type = inframe[off];
+        uint32_t id, len;
+        memcpy(&id, inframe + off + 1, 4);
+        memcpy(&len, inframe + off + 5, 4);
+        if (len > MAX_FRAME - 9) return -1; /* not our protocol: nothing sane to do */
+        if (inlen - off < 9 + len) break;
+        const char *body = inframe + off + 9;
+        switch (type) {
+        case 'M':
+            if (*setup_done) { send_value('m', id, EALREADY); break; }
+            {
+                int e = handle_setup(body, len);
+                if (e == 0) *setup_done = 1;
+                send_value('m', id, e);
+            }
+            break;
+        case 'S':
+            if (*setup_done) handle_spawn(id, body, len);
+            else send_value('F', id, EAGAIN);
+            break;
+        case 'I': handle_stdin(id, body, len); break;
+        case 'K': handle_kill(id, body, len); break;
+        case 'P': send_value('p', id, 0); break;
+        default: break;
+        }
+        off += 9 + len;
+    }
+    memmove(inframe, inframe + off, inlen - off);
+    inlen -= off;
+    return 0;
+}
+
+int main(void) {
+    if (getpid() != 1) {
+        fprintf(stderr, "dsec-guest is the init of a dsec microVM\n");
+        return 2;
+    }
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    signal(SIGPIPE, SIG_IGN);
+    mkdir("/dev", 0755);
+    mkdir("/proc", 0555);
+    mkdir("/sys", 0555);
+    if (mount("devtmpfs", "/dev", "devtmpfs", MS_NOSUID, "mode=0755") < 0) die("mount /dev");
+    if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0) die("mount /proc");
+    if (mount("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0) die("mount /sys");
+    int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+    for (int i = 0; i < 3; i++) dup2(null, i);
+    if (load_modules() < 0) die("load modules");
+    for (int tries = 0; (port = open(PORT, O_RDWR | O_NONBLOCK | O_CLOEXEC)) < 0; tries++) {
+        if (tries > 5000) die("open " PORT);
+        usleep(1000);
+    }
+    outq = malloc(OUT_CAP);
+    if (!outq) die("malloc");
+    for (int i = 0; i < MAX_PROCS; i++) procs[i].in = procs[i].out = procs[i].err = -1;
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &mask, NULL);
+    int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+    ep = epoll_create1(EPOLL_CLOEXEC);
+    if (sfd < 0 || ep < 0) die("signalfd/epoll");
+    struct epoll_event ev = {.events = EPOLLIN, .data.u64 = 1};
+    epoll_ctl(ep, EPOLL_CTL_ADD, sfd, &ev);
+    ev.data.u64 = 0;
+    epoll_ctl(ep, EPOLL_CTL_ADD, port, &ev);
+    send_frame('H', 0, NULL, 0);
+    int setup_done = 0, host_gone = 0;
+    struct epoll_event evs[64];
+    for (;;) {
+        int n = epoll_wait(ep, evs, 64, host_gone ? 100 : -1);
+        if (n < 0 && errno != EINTR) die("epoll_wait");
+        if (host_gone) { /* the host hung up (an edge restart): look for a new one */
+            host_gone = 0;
+            watch(port, EPOLLIN | (outlen > outoff ? EPOLLOUT : 0), 0);
+        }
+        for (int i = 0; i < n; i++) {
+            uint64_t key = evs[i].data.u64;
+            if (key == 0) {
+                if (evs[i].events & EPOLLOUT) flush_port();
+                if (evs[i].events & (EPOLLIN | EPOLLHUP | EPOLLERR)) {
+                    ssize_t r = read(port, inframe + inlen, sizeof inframe - inlen);
+                    if (r > 0) {
+                        inlen += r;
+                        if (handle_frames(&setup_done) < 0) inlen = 0;
+                    } else if (r == 0 || (r < 0 && errno != EAGAIN && errno != EINTR)) {
+                        inlen = 0;
+                        host_gone = 1;
+                        watch(port, 0, 0);
+                    }
+                }
+            } else if (key == 1) {
+                struct signalfd_siginfo si;
+                while (read(sfd, &si, sizeof si) > 0) {
+                }
+                reap();
+            } else {
+                struct proc *p = &procs[(key - 2) / 4];
+                int which = (int)((key - 2) % 4);
+                if (!p->pid) continue;
+                if (which == 0) pump_input(p);
+                else pump_output(p, which, 0);
+                maybe_finish(p);
+            }
+        }
+    }
+}
