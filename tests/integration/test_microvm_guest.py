@@ -13,10 +13,8 @@ import contextlib
 import hashlib
 import os
 import signal
-import socket
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -24,7 +22,6 @@ import pytest
 from dsec.backends import qemu
 from dsec.backends.guestchannel import GuestChannel
 from dsec.backends.shim import Launch
-from dsec.isolation.procs import spawn_quick, wait_quick
 from dsec.native import ensure_shim, ensure_tool
 
 pytestmark = pytest.mark.root
@@ -34,17 +31,8 @@ CACHE = DATA / "microvm" / "cache"
 PATH = "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"
 
 
-@dataclass
-class Parts:
-    qemu: Path
-    vmlinuz: Path
-    initrd: Path
-    layers: list[Path]
-    blank: Path
-
-
 @pytest.fixture(scope="module")
-def parts(python_image: str, tmp_path_factory: pytest.TempPathFactory) -> Parts:
+def image(python_image: str, tmp_path_factory: pytest.TempPathFactory) -> qemu.GuestImage:
     from dsec.layers import LayerStore
     from tests.conftest import LAYERS
 
@@ -61,60 +49,20 @@ def parts(python_image: str, tmp_path_factory: pytest.TempPathFactory) -> Parts:
     store = LayerStore(LAYERS)
     idmap = [str(shim), "idmap-run", f"{100000}:0:65536"]
     layers = [qemu.layer_image(CACHE, p, idmap) for p in store.lowerdirs(store.get_image(python_image))]
-    return Parts(
-        binary,
-        vmlinuz,
-        qemu.build_initramfs(CACHE, agent, modules),
-        layers,
-        qemu.blank_disk(CACHE, 512, 32768),
-    )
-
-
-@dataclass
-class Vm:
-    pid: int
-    pidfd: int
-    channel: GuestChannel
-    qmp: qemu.Qmp
-    dir: Path
-    nlower: int
+    return qemu.GuestImage(binary, vmlinuz, qemu.build_initramfs(CACHE, agent, modules), layers)
 
 
 @contextlib.asynccontextmanager
-async def vm(parts: Parts, d: Path, *, incoming: bool = False) -> AsyncIterator[Vm]:
+async def vm(image: qemu.GuestImage, d: Path, *, incoming: bool = False) -> AsyncIterator[qemu.GuestVm]:
     d.mkdir(parents=True, exist_ok=True)
     disk = d / "rw.ext4"
-    qemu.sparse_copy(parts.blank, disk)
-    disks = [qemu.Disk(p, f"l{i}", True) for i, p in enumerate(parts.layers)]
-    disks.append(qemu.Disk(disk, "rw", False))
-    argv = qemu.vm_argv(
-        parts.qemu,
-        vmlinuz=parts.vmlinuz,
-        initrd=parts.initrd,
-        disks=disks,
-        ctl=d / "ctl.sock",
-        qmp=d / "qmp.sock",
-        memory_mb=256,
-        cpus=1,
-        kvm=False,
-        console=d / "console.log",
-        incoming=incoming,
-    )
-    with open(d / "qemu.log", "wb") as log:
-        pid, pidfd = spawn_quick(argv, log.fileno(), log.fileno())
+    qemu.sparse_copy(qemu.blank_disk(CACHE, 512, 32768), disk)
+    v = await qemu.start_vm(image, d, disk, incoming=incoming)
     try:
-        q = await qemu.Qmp.connect(d / "qmp.sock")
-        sock = socket.socket(socket.AF_UNIX)
-        sock.connect(str(d / "ctl.sock"))
-        channel = GuestChannel(sock)
-        yield Vm(pid, pidfd, channel, q, d, len(parts.layers))
+        yield v
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        await wait_quick(pid, pidfd)
-        with contextlib.suppress(Exception):
-            channel.close()
-            q.close()
+        await v.kill()
+        assert not Path(f"/proc/{v.pid}").exists()  # killed and reaped: no QEMU left
 
 
 async def run(
@@ -151,13 +99,13 @@ async def run(
     return got[1].decode(), got[2].decode(), code
 
 
-async def start(v: Vm, hostname: str = "guest") -> None:
+async def start(v: qemu.GuestVm, hostname: str = "guest") -> None:
     await asyncio.wait_for(v.channel.hello, 60)
     await v.channel.setup(qemu.setup_body(nlower=v.nlower, pids=256, hostname=hostname))
 
 
-async def test_guest_boots_runs_and_confines(parts: Parts, tmp_path: Path) -> None:
-    async with vm(parts, tmp_path / "cold") as v:
+async def test_guest_boots_runs_and_confines(image: qemu.GuestImage, tmp_path: Path) -> None:
+    async with vm(image, tmp_path / "cold") as v:
         await start(v, "sb-cold")
         out, err, code = await run(v.channel, "id -u; hostname; cat /proc/version; echo oops >&2; exit 3")
         assert code == 3 and err == "oops\n"
@@ -179,8 +127,10 @@ async def test_guest_boots_runs_and_confines(parts: Parts, tmp_path: Path) -> No
         assert code == 0 and out.startswith("hi\n")
 
 
-async def test_guest_processes_lack_what_would_reach_the_agent(parts: Parts, tmp_path: Path) -> None:
-    async with vm(parts, tmp_path / "conf") as v:
+async def test_guest_processes_lack_what_would_reach_the_agent(
+    image: qemu.GuestImage, tmp_path: Path
+) -> None:
+    async with vm(image, tmp_path / "conf") as v:
         await start(v)
         probes = {
             "caps": "grep CapEff /proc/self/status",
@@ -203,9 +153,9 @@ async def test_guest_processes_lack_what_would_reach_the_agent(parts: Parts, tmp
         assert got["cgroup"].split("\n")[0] == "0"  # no cgroup file system anywhere inside
 
 
-async def test_a_kill_reaches_what_left_the_session(parts: Parts, tmp_path: Path) -> None:
+async def test_a_kill_reaches_what_left_the_session(image: qemu.GuestImage, tmp_path: Path) -> None:
     """SIGKILL of an exec kills its guest cgroup: a setsid child goes too."""
-    async with vm(parts, tmp_path / "kill") as v:
+    async with vm(image, tmp_path / "kill") as v:
         await start(v)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
@@ -222,21 +172,21 @@ async def test_a_kill_reaches_what_left_the_session(parts: Parts, tmp_path: Path
         assert out.strip() == "0"
 
 
-async def test_clones_of_a_template_are_fresh(parts: Parts, tmp_path: Path) -> None:
+async def test_clones_of_a_template_are_fresh(image: qemu.GuestImage, tmp_path: Path) -> None:
     """A template booted to the agent's hello and saved; each clone restored from it gets
     its own entropy and clock, its own writable disk, and runs."""
     state = tmp_path / "template.state"
-    async with vm(parts, tmp_path / "template") as t:
+    async with vm(image, tmp_path / "template") as t:
         await asyncio.wait_for(t.channel.hello, 60)
         with open(state, "wb") as f:
             await t.qmp.save(f.fileno())
     seen = []
     for k in range(2):
         t0 = time.monotonic()
-        async with vm(parts, tmp_path / f"clone{k}", incoming=True) as c:
+        async with vm(image, tmp_path / f"clone{k}", incoming=True) as c:
             with open(state, "rb") as f:
                 await c.qmp.restore(f.fileno())
-            await c.channel.setup(qemu.setup_body(nlower=len(parts.layers), pids=256, hostname=f"c{k}"))
+            await c.channel.setup(qemu.setup_body(nlower=len(image.layers), pids=256, hostname=f"c{k}"))
             out, _, code = await run(c.channel, "hostname; head -c 16 /dev/urandom | od -An -tx1; date +%s")
             assert code == 0, out
             host, rnd, clock = out.split("\n")[0], out.split("\n")[1], int(out.split()[-1])

@@ -33,6 +33,8 @@ _FRAME = struct.Struct("<cII")
 _SPAWN = struct.Struct("<iiHHB")
 OUT_CAP = 16 << 20
 SEND_CAP = 64 << 20
+MAX_FRAME = 1 << 20  # the agent sends at most 32 KiB of output per frame
+STDIN_HIGH = 1 << 20  # stop reading stdin pipes while this much waits for the guest
 
 
 @dataclass
@@ -66,6 +68,7 @@ class GuestChannel(ShimChannel):
         self._rbuf = bytearray()
         self._wbuf = bytearray()
         self._writing = False
+        self._stalled: set[int] = set()  # stdin readers paused while the guest is behind
         self.hello: asyncio.Future[None] = self._loop.create_future()
         self._setup: asyncio.Future[int] | None = None
         self.closed = False
@@ -91,6 +94,12 @@ class GuestChannel(ShimChannel):
                 self.close()
                 return
             del self._wbuf[:n]
+        if len(self._wbuf) < STDIN_HIGH // 4 and self._stalled:
+            for ident in self._stalled:
+                proc = self._procs.get(ident)
+                if proc is not None and proc.stdin >= 0:
+                    self._loop.add_reader(proc.stdin, self._pump_stdin, ident)
+            self._stalled.clear()
         if self._wbuf and not self._writing:
             self._loop.add_writer(self.sock.fileno(), self._flush)
             self._writing = True
@@ -112,6 +121,11 @@ class GuestChannel(ShimChannel):
         off = 0
         while len(self._rbuf) - off >= _FRAME.size:
             kind, ident, n = _FRAME.unpack_from(self._rbuf, off)
+            if n > MAX_FRAME:
+                # Not what the agent sends: the guest is not ours any more. Holding a frame
+                # it says is this large would let it fill the edge's memory.
+                self.close()
+                return
             if len(self._rbuf) - off - _FRAME.size < n:
                 break
             body = bytes(self._rbuf[off + _FRAME.size : off + _FRAME.size + n])
@@ -200,6 +214,10 @@ class GuestChannel(ShimChannel):
     def _pump_stdin(self, ident: int) -> None:
         proc = self._procs.get(ident)
         if proc is None or proc.stdin < 0:
+            return
+        if len(self._wbuf) > STDIN_HIGH:  # the guest reads slowly: wait for it (see _flush)
+            self._loop.remove_reader(proc.stdin)
+            self._stalled.add(ident)
             return
         try:
             data = os.read(proc.stdin, 1 << 16)

@@ -22,10 +22,12 @@ the image's layers as EROFS disks, and whether KVM really works here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -37,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from dsec.backends.debian import FetchError, fetch_tree
-
+from dsec.backends.guestchannel import GuestChannel
+from dsec.isolation.procs import spawn_quick, wait_quick
 
 KERNEL_PACKAGE = "linux-image-cloud-amd64"
 KERNEL_SUITE = "bookworm"
@@ -354,3 +357,59 @@ def setup_body(*, nlower: int, pids: int, hostname: str, address: str = "", gate
     body = struct.pack("<I", len(seed)) + seed + struct.pack("<qq", now // 10**9, now % 10**9)
     body += bytes([nlower]) + struct.pack("<I", pids)
     return body + b"".join(s.encode() + b"\0" for s in (hostname, address, gateway))
+
+
+@dataclass(frozen=True)
+class GuestImage:
+    """What every VM of one image boots: QEMU, the kernel, the initramfs, the layer disks."""
+
+    qemu: Path
+    vmlinuz: Path
+    initrd: Path
+    layers: Sequence[Path]
+
+
+@dataclass
+class GuestVm:
+    """One running QEMU and the edge's ends of its port and its monitor."""
+
+    pid: int
+    pidfd: int
+    channel: GuestChannel
+    qmp: Qmp
+    dir: Path
+    nlower: int
+
+    async def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+        await wait_quick(self.pid, self.pidfd)
+        self.channel.close()
+        self.qmp.close()
+
+
+async def start_vm(
+    image: GuestImage, d: Path, disk: Path, *, memory_mb: int = 256, cpus: int = 1, kvm: bool = False,
+    incoming: bool = False,
+) -> GuestVm:  # fmt: skip
+    """Start QEMU for a VM in directory `d` with writable disk `disk` (`incoming`: waiting
+    for a saved state, see Qmp.restore) and connect to it."""
+    disks = [Disk(p, f"l{i}", True) for i, p in enumerate(image.layers)]
+    disks.append(Disk(disk, "rw", False))
+    argv = vm_argv(
+        image.qemu, vmlinuz=image.vmlinuz, initrd=image.initrd, disks=disks, ctl=d / "ctl.sock",
+        qmp=d / "qmp.sock", memory_mb=memory_mb, cpus=cpus, kvm=kvm, console=d / "console.log",
+        incoming=incoming,
+    )  # fmt: skip
+    with open(d / "qemu.log", "wb") as log:
+        pid, pidfd = spawn_quick(argv, log.fileno(), log.fileno())
+    try:
+        q = await Qmp.connect(d / "qmp.sock")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.connect(str(d / "ctl.sock"))  # QMP answered: the chardev listens already
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        await wait_quick(pid, pidfd)
+        raise
+    return GuestVm(pid, pidfd, GuestChannel(sock), q, d, len(image.layers))
