@@ -37,9 +37,11 @@ class EdgeSettings(BaseSettings):
     layers_dir: Path | None = None
     runtime: str = "crun"
     # The backends this edge runs sandboxes on (dsec.backends.registry), started at edge start.
-    backends: list[str] = ["container", "gvisor"]  # one that cannot run here is reported absent
+    backends: list[str] = ["container", "gvisor", "microvm"]  # one that cannot run here is reported absent
     criu_dir: Path = Path("/var/lib/dsec/criu")  # host-wide, unpacked by install.sh
     runsc_dir: Path = Path("/var/lib/dsec/runsc")  # gVisor, host-wide, unpacked by install.sh
+    # microVMs: the guest kernel (install.sh), layer disk images, blank disks, template VMs; host-wide
+    microvm_dir: Path = Path("/var/lib/dsec/microvm")
     # The layer store's canonical id range (container id N is stored as host id uid_offset + N);
     # each sandbox runs as a range of its own above it (isolation/idranges.py), allocated
     # host-wide through id_registry, shared by every edge of the host.

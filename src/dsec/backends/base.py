@@ -84,6 +84,7 @@ class BackendHost:
     tools_dir: Path | None = None  # bound read-only at /.dsec-tools in every sandbox
     criu_root: Path | None = None  # where a CRIU the project built lives
     runsc_root: Path | None = None  # where install.sh unpacked gVisor's runsc
+    microvm_root: Path | None = None  # the guest kernel, layer disk images and template VMs
 
 
 class CheckpointTreeRecord(Protocol):

@@ -33,7 +33,7 @@ import struct
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -225,14 +225,14 @@ def vm_argv(
     vmlinuz: Path,
     initrd: Path,
     disks: Sequence[Disk],
-    ctl: Path,
-    qmp: Path,
+    ctl: Path | int,
+    qmp: Path | int,
     memory_mb: int,
     cpus: int,
     kvm: bool,
     console: Path,
     incoming: bool = False,
-    runas: str | None = None,
+    tap_fd: int | None = None,
 ) -> list[str]:
     """The command line of a guest: the same for a template and every clone of it (a
     migration restores only into the same machine), apart from the disk files, the sockets
@@ -251,8 +251,9 @@ def vm_argv(
         "-kernel", str(vmlinuz),
         "-initrd", str(initrd),
         "-append", append,
-        "-chardev", f"socket,id=ctl,path={ctl},server=on,wait=off",
-        "-qmp", f"unix:{qmp},server=on,wait=off",
+        "-chardev", f"socket,id=ctl,{_listen(ctl)},server=on,wait=off",
+        "-chardev", f"socket,id=qmp,{_listen(qmp)},server=on,wait=off",
+        "-mon", "chardev=qmp,mode=control",
         "-device", "virtio-serial-device",
         "-device", "virtserialport,chardev=ctl,name=dsec",
         "-device", "virtio-rng-device",
@@ -264,11 +265,17 @@ def vm_argv(
         ro = ",readonly=on" if d.readonly else ""
         argv += ["-drive", f"id=d{i},file={d.path},format=raw,if=none{ro}"]
         argv += ["-device", f"virtio-blk-device,drive=d{i},serial={d.serial}"]
-    if runas:
-        argv += ["-runas", runas]
+    if tap_fd is not None:  # the tap in QEMU's own network namespace (see start_vm)
+        argv += ["-netdev", f"tap,id=n0,fd={tap_fd}"]
+        argv += ["-device", "virtio-net-device,netdev=n0,mac=52:54:00:d5:ec:01"]
     if incoming:
         argv += ["-incoming", "defer"]
     return argv
+
+
+def _listen(where: Path | int) -> str:
+    """A chardev's listening socket: a path QEMU binds, or one the caller bound (an fd)."""
+    return f"fd={where}" if isinstance(where, int) else f"path={where}"
 
 
 class Qmp:
@@ -388,28 +395,150 @@ class GuestVm:
         self.qmp.close()
 
 
-async def start_vm(
-    image: GuestImage, d: Path, disk: Path, *, memory_mb: int = 256, cpus: int = 1, kvm: bool = False,
-    incoming: bool = False,
-) -> GuestVm:  # fmt: skip
-    """Start QEMU for a VM in directory `d` with writable disk `disk` (`incoming`: waiting
-    for a saved state, see Qmp.restore) and connect to it."""
-    disks = [Disk(p, f"l{i}", True) for i, p in enumerate(image.layers)]
-    disks.append(Disk(disk, "rw", False))
-    argv = vm_argv(
-        image.qemu, vmlinuz=image.vmlinuz, initrd=image.initrd, disks=disks, ctl=d / "ctl.sock",
-        qmp=d / "qmp.sock", memory_mb=memory_mb, cpus=cpus, kvm=kvm, console=d / "console.log",
-        incoming=incoming,
-    )  # fmt: skip
-    with open(d / "qemu.log", "wb") as log:
-        pid, pidfd = spawn_quick(argv, log.fileno(), log.fileno())
+# QEMU of a sandbox runs in a network namespace of its own holding one tap ("tap0", the
+# guest's eth0; nothing beyond it until the edge links the namespace to its gateway), as the
+# sandbox's own unprivileged host uid, with no capabilities and no new privileges, under
+# QEMU's own seccomp filter (`dsec-shim vm-launch` does all but the filter). It opens no host
+# path: the kernel, the initramfs, the disks, the console, the tap and both sockets come as
+# descriptors.
+
+
+def _listener(path: Path) -> socket.socket:
+    path.unlink(missing_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
-        q = await Qmp.connect(d / "qmp.sock")
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        sock.connect(str(d / "ctl.sock"))  # QMP answered: the chardev listens already
+        sock.bind(str(path))
+        sock.listen(4)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def start_vm(
+    image: GuestImage,
+    d: Path,
+    disk: Path,
+    *,
+    memory_mb: int = 256,
+    cpus: int = 1,
+    kvm: bool = False,
+    incoming: bool = False,
+    confine: tuple[Path, int] | None = None,
+    place: Callable[[int], None] | None = None,
+) -> GuestVm:
+    """Start QEMU for a VM in directory `d` with writable disk `disk` (`incoming`: waiting
+    for a saved state, see Qmp.restore) and connect to it. `confine`: (dsec-shim, host uid):
+    confined as that uid in a network namespace of its own with a tap; `place`: called with
+    QEMU's pid at once (to put it into the sandbox's host cgroups)."""
+    held: list[int] = []
+
+    def fd_path(path: Path, flags: int = os.O_RDONLY) -> Path:
+        held.append(os.open(path, flags | os.O_CLOEXEC))
+        return Path(f"/proc/self/fd/{held[-1]}")
+
+    console = d / "console.log"
+    console.touch(mode=0o600)
+    if confine is not None:  # QEMU reopens these through /proc/self/fd: its own uid must own them
+        for owned in (console, disk):
+            os.chown(owned, confine[1], confine[1])
+    socks = [_listener(d / "ctl.sock"), _listener(d / "qmp.sock")]
+    pid = pidfd = -1
+    try:
+        disks = [Disk(fd_path(p), f"l{i}", True) for i, p in enumerate(image.layers)]
+        disks.append(Disk(fd_path(disk, os.O_RDWR), "rw", False))
+        boot = fd_path(image.vmlinuz), fd_path(image.initrd), fd_path(console, os.O_WRONLY)
+        inherit = [*held, *(s.fileno() for s in socks)]
+        tap_fd = max(inherit) + 1 if confine is not None else None  # free in the launcher
+        argv = vm_argv(
+            image.qemu, vmlinuz=boot[0], initrd=boot[1], disks=disks, ctl=socks[0].fileno(),
+            qmp=socks[1].fileno(), memory_mb=memory_mb, cpus=cpus, kvm=kvm, console=boot[2],
+            incoming=incoming, tap_fd=tap_fd,
+        )  # fmt: skip
+        if confine is not None:
+            argv = [str(confine[0]), "vm-launch", str(confine[1]), str(tap_fd), "--", *argv]
+        with open(d / "qemu.log", "wb") as log:
+            pid, pidfd = spawn_quick(argv, log.fileno(), log.fileno(), inherit=inherit)
+        if place is not None:
+            place(pid)
+    except BaseException:
+        if pid > 0:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            await wait_quick(pid, pidfd)
+        raise
+    finally:
+        for s in socks:
+            s.close()
+        for fd in held:
+            os.close(fd)
+    try:
+        return await connect_vm(d, pid, pidfd, len(image.layers))
     except BaseException:
         with contextlib.suppress(ProcessLookupError):
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
         await wait_quick(pid, pidfd)
         raise
-    return GuestVm(pid, pidfd, GuestChannel(sock), q, d, len(image.layers))
+
+
+async def connect_vm(d: Path, pid: int, pidfd: int, nlower: int, timeout: float = 20.0) -> GuestVm:
+    """The edge's ends of a running QEMU's monitor and port (also after an edge restart)."""
+    try:
+        q = await Qmp.connect(d / "qmp.sock", timeout)
+    except (OSError, RuntimeError, TimeoutError) as e:
+        log = (d / "qemu.log").read_text(errors="replace").strip()[-800:]
+        raise QemuUnavailable(f"QEMU did not answer: {log or e}") from e
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.connect(str(d / "ctl.sock"))  # QMP answered: the port's chardev listens already
+    except BaseException:
+        sock.close()
+        q.close()
+        raise
+    return GuestVm(pid, pidfd, GuestChannel(sock), q, d, nlower)
+
+
+def probe_kvm(image: GuestImage, state: Path, timeout: float = 10.0) -> tuple[bool, str]:
+    """Whether a guest really boots under KVM here (to the agent's hello within `timeout`),
+    and why not; probed once per host boot, kernel and initramfs (cached in `state`). A
+    /dev/kvm that exists may still not run a stock guest (PVM-backed hosts: the guest hangs)."""
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        return False, "no usable /dev/kvm"
+    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    key = {"boot": boot_id, "kernel": image.vmlinuz.name, "initrd": image.initrd.name}
+    cache = state / "kvm.json"
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        cached = json.loads(cache.read_text())
+        if cached["key"] == key:
+            return bool(cached["works"]), str(cached["why"])
+    state.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".kvm-", dir=state) as tmp:
+        d = Path(tmp)
+        socks = [_listener(d / "ctl.sock"), _listener(d / "qmp.sock")]
+        argv = vm_argv(
+            image.qemu, vmlinuz=image.vmlinuz, initrd=image.initrd, disks=[], ctl=socks[0].fileno(),
+            qmp=socks[1].fileno(), memory_mb=128, cpus=1, kvm=True, console=d / "console.log",
+        )  # fmt: skip
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            pass_fds=[s.fileno() for s in socks],
+        )  # fmt: skip
+        for s in socks:
+            s.close()
+        works = False
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as c:
+                c.settimeout(timeout)
+                c.connect(str(d / "ctl.sock"))
+                with contextlib.suppress(OSError):
+                    works = c.recv(1) == b"H"
+        except OSError:
+            pass
+        finally:
+            proc.kill()
+            proc.wait()
+    why = "" if works else f"a guest did not boot under KVM within {timeout:.0f} s"
+    with contextlib.suppress(OSError):
+        tmp_cache = cache.with_suffix(f".{os.getpid()}")
+        tmp_cache.write_text(json.dumps({"key": key, "works": works, "why": why}))
+        tmp_cache.replace(cache)
+    return works, why

@@ -20,6 +20,7 @@ Factory = Callable[[BackendHost], Backend]
 _KNOWN: dict[str, str | Factory] = {
     "container": "dsec.backends.container:ContainerBackend",
     "gvisor": "dsec.backends.gvisor:GvisorBackend",
+    "microvm": "dsec.backends.microvm:MicrovmBackend",
 }
 
 DEFAULT = "container"

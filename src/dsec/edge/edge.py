@@ -196,6 +196,7 @@ class Edge:
             tools_dir=prepare_tools(s.edge_run_dir / "tools"),
             criu_root=s.criu_root,
             runsc_root=s.runsc_dir,
+            microvm_root=s.microvm_dir,
         )
         for name in dict.fromkeys(s.backends):
             try:

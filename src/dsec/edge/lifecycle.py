@@ -228,7 +228,10 @@ class EdgeLifecycle(EdgePart):
             )
             try:
                 sb = self._open_sandbox(record, backend, handle)
-                sb.files._mkdirs(spec.workdir)
+                if sb.root_fd >= 0:
+                    sb.files._mkdirs(spec.workdir)
+                else:  # no file access from the host (a microVM): the guest makes it
+                    await self._in_guest(sb, ["mkdir", "-p", "--", spec.workdir])
                 if spec.network is not None:
                     await self._apply_network(sb, spec.network)
                 self.store.put(record)
@@ -250,7 +253,8 @@ class EdgeLifecycle(EdgePart):
             sb.audit_session = ses
 
     def _open_sandbox(self, record: Record, backend: Backend, handle: SandboxHandle) -> Sandbox:
-        root_fd = handle.open_root()
+        # A backend without host file access (a microVM's files are in its guest) has no root.
+        root_fd = handle.open_root() if Capability.FILES in backend.capabilities else -1
         try:
             base = handle.id_base  # the sandbox's own host id range
             files = SandboxFiles(
@@ -263,7 +267,8 @@ class EdgeLifecycle(EdgePart):
             uid, gid, home = self._resolve_user(files, record.spec.user)
             files.uid, files.gid = uid + base, gid + base
         except BaseException:
-            os.close(root_fd)
+            if root_fd >= 0:
+                os.close(root_fd)
             raise
         sb = Sandbox(record, backend, handle, root_fd, files, uid, gid, home)
         self._track_denials(sb)
@@ -281,6 +286,11 @@ class EdgeLifecycle(EdgePart):
             if not (0 <= uid < 65536 and 0 <= gid < 65536):
                 raise errors.InvalidRequest(f"user {user!r}: ids must be below 65536")
             return uid, gid, "/"
+        if files.root_fd < 0:
+            raise errors.InvalidRequest(
+                f"user {user!r}: this sandbox's backend cannot read the image's /etc/passwd from the "
+                "host; give root, a uid or uid:gid"
+            )
         with contextlib.suppress(errors.DsecError):
             for line in files.read("/etc/passwd", 1 << 20).decode(errors="replace").splitlines():
                 f = line.split(":")
@@ -402,8 +412,21 @@ class EdgeLifecycle(EdgePart):
 
     async def _apply_network(self, sb: Sandbox, policy: NetworkPolicy, *, check: bool = True) -> None:
         timings = await self.net.apply(sb.id, sb.handle.pid, policy, check=check)
-        sb.files.write("/etc/resolv.conf", self.net.resolv_conf().encode())
+        if sb.root_fd >= 0:
+            sb.files.write("/etc/resolv.conf", self.net.resolv_conf().encode())
+        else:
+            write = ["/bin/sh", "-c", 'cat > "$0"', "/etc/resolv.conf"]
+            await self._in_guest(sb, write, self.net.resolv_conf())
         sb.handle.timings_ms.update({f"network_{k}": v for k, v in timings.items()})
+
+    async def _in_guest(self, sb: Sandbox, argv: list[str], stdin: str | None = None) -> None:
+        """A platform step done by a process inside the sandbox, as its root (for backends
+        whose files the host cannot reach)."""
+        req = ExecRequest(cmd=argv, cwd="/", user="0", timeout=60, max_output_bytes=4096)
+        res = await self._run(sb, req, stdin=stdin.encode() if stdin is not None else None)
+        if res.exit_code != 0:
+            msg = (res.stderr or res.stdout).decode(errors="replace").strip()[-300:]
+            raise errors.InvalidRequest(f"{' '.join(argv[:2])} failed in the sandbox: {msg}")
 
     async def set_network(self, sandbox_id: str, policy: NetworkPolicy | None) -> dict[str, Any]:
         """Replace a running sandbox's egress allowlist atomically (None: detach it, back to
@@ -492,7 +515,8 @@ class EdgeLifecycle(EdgePart):
             with contextlib.suppress(Exception):
                 s.close(kill=False)  # the whole pid namespace dies with the shim
         sb.sessions.clear()
-        os.close(sb.root_fd)
+        if sb.root_fd >= 0:
+            os.close(sb.root_fd)
         shutil.rmtree(self._vault(sb.id), ignore_errors=True)
         if sb.audit_session is not None:
             self.denials.drain()  # its last records first
@@ -515,4 +539,5 @@ class EdgeLifecycle(EdgePart):
             with contextlib.suppress(Exception):
                 s.close()
         sb.backend.detach(sb.handle)
-        os.close(sb.root_fd)
+        if sb.root_fd >= 0:
+            os.close(sb.root_fd)

@@ -27,6 +27,8 @@ PARENT = "dsec"
 USER_GROUP = "dsec-user"
 PID_RESERVE = 16
 # v1 hierarchies the runtime populates for a sandbox; we track execs in pids.
+# the v1 hierarchies a host process of a sandbox joins (create_for_process)
+_HOST_PROCESS_V1 = ("memory", "cpu", "cpuacct", "pids", "freezer")
 V1_CONTROLLERS = ("memory", "cpu", "cpuacct", "cpuset", "pids", "freezer", "blkio", "devices", "systemd")
 
 
@@ -211,6 +213,39 @@ class CgroupHost:
         d.mkdir(exist_ok=True)
         if self.version == 1:
             (d / "pids.max").write_text(str(pids))
+
+    def create_for_process(self, sandbox_id: str, *, cpu: float, memory_bytes: int, pids: int) -> None:
+        """The cgroups of a sandbox whose processes the edge starts itself (not an OCI
+        runtime): a microVM's QEMU. Limits on the sandbox's group; join() puts a process in."""
+        if self.version == 2:
+            d = self.root / PARENT / sandbox_id
+            d.mkdir(parents=True)
+            (d / "memory.max").write_text(str(memory_bytes))
+            (d / "memory.swap.max").write_text("0")
+            (d / "cpu.max").write_text(f"{max(1000, int(cpu * 100000))} 100000")
+            (d / "pids.max").write_text(str(pids))
+            return
+        for name in _HOST_PROCESS_V1:
+            if name in self.v1_mounts:
+                (self.v1_mounts[name] / PARENT / sandbox_id).mkdir(parents=True, exist_ok=True)
+        mem = self.v1_mounts["memory"] / PARENT / sandbox_id
+        (mem / "memory.limit_in_bytes").write_text(str(memory_bytes))
+        with contextlib.suppress(OSError):  # no swap accounting: nothing to limit
+            (mem / "memory.memsw.limit_in_bytes").write_text(str(memory_bytes))
+        cpu_dir = self.v1_mounts["cpu"] / PARENT / sandbox_id
+        (cpu_dir / "cpu.cfs_period_us").write_text("100000")
+        (cpu_dir / "cpu.cfs_quota_us").write_text(str(max(1000, int(cpu * 100000))))
+        (self.v1_mounts["pids"] / PARENT / sandbox_id / "pids.max").write_text(str(pids))
+
+    def join(self, sandbox_id: str, pid: int) -> None:
+        """Move host process `pid` into the sandbox's cgroups (see create_for_process)."""
+        dirs = (
+            [self.root / PARENT / sandbox_id]
+            if self.version == 2
+            else [self.v1_mounts[n] / PARENT / sandbox_id for n in _HOST_PROCESS_V1 if n in self.v1_mounts]
+        )
+        for d in dirs:
+            (d / "cgroup.procs").write_text(str(pid))
 
     def open_exec_group(self, sandbox_id: str, name: str) -> ExecGroup:
         d = self.user_dir(sandbox_id) / name

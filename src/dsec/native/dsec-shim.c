@@ -6,6 +6,7 @@
  *                            sandbox (see run_keep).
  *   dsec-shim kill-others    inside a sandbox: SIGKILL everything but the init.
  *   dsec-shim idmap-run ...  run a command over an idmapped view of a layer (see run_idmap_run).
+ *   dsec-shim vm-launch ...  start a microVM's QEMU confined (see run_vm_launch).
  *   dsec-shim crun-wrap A B HYBRID UP TMPFS_OPTS ROOTFS OWNER IDMAP LOWERS N SRC... -- RUNTIME ARGS...
  *                            launch the runtime with fds A,B moved to 3,4, in a
  *                            private mount namespace holding the sandbox's
@@ -49,6 +50,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
+#include <linux/capability.h>
+#include <linux/if_tun.h>
 #include <net/if.h>
 #include <poll.h>
 #include <sched.h>
@@ -673,12 +676,57 @@ static int run_idmap_run(int argc, char **argv) {
     return 127;
 }
 
+/* vm-launch UID TAPFD -- QEMU ARGS...: QEMU of a microVM sandbox, confined before it runs.
+ * In a network namespace of its own, make the tap "tap0" (the guest's NIC: nothing lies
+ * beyond it until the edge links this namespace to its gateway) and put its descriptor at
+ * TAPFD (QEMU takes it as -netdev tap,fd=TAPFD: it never opens /dev/net/tun), bring it up,
+ * then become host uid and gid UID (the sandbox's own range; no supplementary groups, no
+ * capabilities in any set, no new privileges) and exec QEMU. QEMU's own -runas is no help:
+ * it drops privileges after installing its seccomp filter, which then kills it at setgid. */
+static int run_vm_launch(int argc, char **argv) {
+    long uid, tapfd;
+    char *end;
+    if (argc < 6 || strcmp(argv[4], "--") != 0) goto usage;
+    uid = strtol(argv[2], &end, 10);
+    if (*end || uid <= 0 || uid > 0x7fffffff) goto usage;
+    tapfd = strtol(argv[3], &end, 10);
+    if (*end || tapfd < 3 || tapfd > 1000) goto usage;
+    if (unshare(CLONE_NEWNET) < 0) { perror("dsec-shim: network namespace"); return 1; }
+    int tun = open("/dev/net/tun", O_RDWR);
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof ifr);
+    snprintf(ifr.ifr_name, IFNAMSIZ, "tap0");
+    ifr.ifr_flags = IFF_TAP | IFF_NO_PI;
+    if (tun < 0 || ioctl(tun, TUNSETIFF, &ifr) < 0) { perror("dsec-shim: tap0"); return 1; }
+    if (tun != tapfd && (dup2(tun, (int)tapfd) < 0 || close(tun) < 0)) { perror("dsec-shim: dup2"); return 1; }
+    int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (s < 0 || ioctl(s, SIOCGIFFLAGS, &ifr) < 0) { perror("dsec-shim: tap0 flags"); return 1; }
+    ifr.ifr_flags |= IFF_UP;
+    if (ioctl(s, SIOCSIFFLAGS, &ifr) < 0) { perror("dsec-shim: tap0 up"); return 1; }
+    close(s);
+    for (int cap = 0; cap <= CAP_LAST_CAP; cap++) prctl(PR_CAPBSET_DROP, cap, 0, 0, 0);
+    gid_t gid = (gid_t)uid;
+    if (setgroups(0, NULL) < 0 || setresgid(gid, gid, gid) < 0 || setresuid((uid_t)uid, (uid_t)uid, (uid_t)uid) < 0 ||
+        prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) {
+        perror("dsec-shim: drop privileges");
+        return 1;
+    }
+    if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) < 0 && errno != EINVAL) return 1;
+    execv(argv[5], argv + 5);
+    perror("dsec-shim: exec");
+    return 127;
+usage:
+    fprintf(stderr, "usage: dsec-shim vm-launch UID TAPFD -- QEMU ARGS...\n");
+    return 2;
+}
+
 int main(int argc, char **argv) {
     if (argc >= 2 && strcmp(argv[1], "init") == 0) return run_init(argc >= 3 && strcmp(argv[2], "gvisor") == 0);
     if (argc >= 2 && strcmp(argv[1], "crun-wrap") == 0) return run_crun_wrap(argc, argv);
     if (argc >= 2 && strcmp(argv[1], "runsc-keep") == 0) return run_keep(argc, argv);
     if (argc >= 2 && strcmp(argv[1], "kill-others") == 0) return run_kill_others();
     if (argc >= 2 && strcmp(argv[1], "idmap-run") == 0) return run_idmap_run(argc, argv);
+    if (argc >= 2 && strcmp(argv[1], "vm-launch") == 0) return run_vm_launch(argc, argv);
     fprintf(stderr, "usage: dsec-shim init | crun-wrap ... | runsc-keep ... | kill-others (see the source)\n");
     return 2;
 }
