@@ -70,7 +70,7 @@ async def edge(python_image: str, edge_dirs: dict[str, Path]) -> AsyncIterator[o
         await e.close()
 
 
-@pytest.fixture(params=["container", "gvisor"])
+@pytest.fixture(params=["container", "gvisor", "microvm"])
 def backend(request: pytest.FixtureRequest, edge: object) -> str:
     """Each isolation tier in turn (SandboxSpec.backend). One the edge cannot run fails the
     test (install.sh installs what each needs), unless DSEC_TEST_SKIP_ABSENT_BACKENDS=1."""

@@ -65,6 +65,8 @@ from dsec.isolation import linux
 from dsec.isolation.cgroups import CgroupHost, ExecGroup
 from dsec.isolation.idranges import IdRange
 from dsec.isolation.procs import _awaited, run_process_quick
+from dsec.isolation.seccomp import bpf_program
+from dsec.isolation.spec import MASKED_PATHS, READONLY_PATHS
 from dsec.native import ensure_tool
 
 log = logging.getLogger("dsec.backends.microvm")
@@ -194,6 +196,7 @@ class MicrovmBackend(Backend):
         if not self.kvm:
             log.warning("microvm: running guests under TCG emulation (slow): %s", why)
         self.accel_detail = "kvm" if self.kvm else f"tcg ({why})"
+        self.seccomp = bpf_program()  # the container profile, for the agent to install in the guest
         self._layer_images: dict[Path, Path] = {}
         self._template_locks: dict[str, asyncio.Lock] = {}
 
@@ -244,10 +247,10 @@ class MicrovmBackend(Backend):
             with open(state, "rb") as f:
                 await guest.qmp.restore(f.fileno())
             t2 = time.perf_counter()
-            n = len(image.layers)
             body = qemu.setup_body(
-                nlower=n, pids=plan.pids, hostname=plan.id, address=GUEST_ADDR, gateway=GUEST_GW
-            )
+                nlower=len(image.layers), pids=plan.pids, hostname=plan.id, address=GUEST_ADDR,
+                gateway=GUEST_GW, seccomp=self.seccomp, masked=MASKED_PATHS, readonly=READONLY_PATHS,
+            )  # fmt: skip
             await vm.channel.setup(body, READY_TIMEOUT_S)  # setup
             await self._route_guest(vm)
             await vm.channel.ping(READY_TIMEOUT_S)  # ready

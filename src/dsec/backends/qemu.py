@@ -356,14 +356,30 @@ class Qmp:
         self.writer.close()
 
 
-def setup_body(*, nlower: int, pids: int, hostname: str, address: str = "", gateway: str = "") -> bytes:
+def setup_body(
+    *,
+    nlower: int,
+    pids: int,
+    hostname: str,
+    address: str = "",
+    gateway: str = "",
+    seccomp: bytes = b"",
+    masked: Sequence[str] = (),
+    readonly: Sequence[str] = (),
+) -> bytes:
     """The agent's 'M' frame: fresh entropy (a template's clones share its random state),
-    the clock, the layers, the process limit, the name and the network."""
+    the clock, the layers, the process limit, the name and the network; then what every
+    process gets (the seccomp program, a `struct sock_filter` array) and the kernel paths
+    masked and made read-only, as in a container (dsec.isolation.spec)."""
     seed = os.urandom(64)
     now = time.time_ns()
     body = struct.pack("<I", len(seed)) + seed + struct.pack("<qq", now // 10**9, now % 10**9)
     body += bytes([nlower]) + struct.pack("<I", pids)
-    return body + b"".join(s.encode() + b"\0" for s in (hostname, address, gateway))
+    body += b"".join(s.encode() + b"\0" for s in (hostname, address, gateway))
+    body += struct.pack("<I", len(seccomp)) + seccomp
+    for paths in (masked, readonly):
+        body += struct.pack("<H", len(paths)) + b"".join(p.encode() + b"\0" for p in paths)
+    return body
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,8 @@
 #include <fcntl.h>
 #include <grp.h>
 #include <linux/capability.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
 #include <linux/random.h>
 #include <net/if.h>
 #include <net/route.h>
@@ -95,6 +97,7 @@ static char *outq;
 static size_t outlen, outoff;
 static int reading_paused;
 static uint32_t user_pids = 1024;
+static struct sock_fprog user_filter; /* installed in every process before its exec (setup) */
 
 static void die(const char *what) {
     /* Nothing to report to: the console is the only witness (and the host sees the VM end). */
@@ -266,7 +269,7 @@ static int drop_capabilities(void) {
     }
     struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3, .pid = 0};
     struct __user_cap_data_struct data[2] = {{0}};
-    data[0].effective = data[0].permitted = data[0].inheritable = (uint32_t)keep;
+    data[0].effective = data[0].permitted = (uint32_t)keep; /* inheritable: none */
     if (syscall(SYS_capset, &hdr, data) < 0) return -1;
     prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0);
     return prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
@@ -291,6 +294,7 @@ static void child_exec(int errfd, int pin, int pout, int perr, int cgprocs, int3
     }
     if (drop_capabilities() < 0) { err = errno; goto fail; }
     if (uid >= 0 && setresuid(uid, uid, uid) < 0) { err = errno; goto fail; }
+    if (user_filter.len && prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &user_filter) < 0) { err = errno; goto fail; }
     if (cwd[0] && chdir(cwd) < 0) { err = errno; goto fail; }
     environ = envp;
     execvp(argv[0], argv);
@@ -591,6 +595,33 @@ static int setup_cgroups(void) {
     return cgroot < 0 ? -1 : 0;
 }
 
+/* What a container's runtime does to its /proc and /sys (dsec.isolation.spec): masked paths
+ * (a file: /dev/null over it; a directory: an empty read-only tmpfs), read-only paths (a
+ * read-only bind of themselves). Paths this kernel lacks are skipped. Nothing inside can
+ * undo them: no CAP_SYS_ADMIN, and the filter refuses mount and umount. */
+static int protect_paths(const char *masked, int nmasked, const char *readonly, int nreadonly) {
+    char path[4200];
+    for (int i = 0; i < nmasked; i++, masked += strlen(masked) + 1) {
+        struct stat st;
+        snprintf(path, sizeof path, "/root%s", masked);
+        if (lstat(path, &st) < 0) continue;
+        unsigned long ro = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC;
+        int rc = S_ISDIR(st.st_mode) ? mount("dsec-masked", path, "tmpfs", ro, "size=0")
+                                     : mount("/root/dev/null", path, NULL, MS_BIND, NULL);
+        if (rc == 0 && !S_ISDIR(st.st_mode)) rc = mount(NULL, path, NULL, MS_BIND | MS_REMOUNT | ro, NULL);
+        if (rc < 0 && errno != ENOENT) return -1;
+    }
+    for (int i = 0; i < nreadonly; i++, readonly += strlen(readonly) + 1) {
+        snprintf(path, sizeof path, "/root%s", readonly);
+        if (mount(path, path, NULL, MS_BIND | MS_REC, NULL) < 0) {
+            if (errno == ENOENT) continue;
+            return -1;
+        }
+        if (mount(NULL, path, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0) return -1;
+    }
+    return 0;
+}
+
 static int handle_setup(const char *buf, uint32_t len) {
     uint32_t seed_len, pids;
     int64_t sec, nsec;
@@ -623,12 +654,47 @@ static int handle_setup(const char *buf, uint32_t len) {
         strs[i] = p;
         p = z + 1;
     }
+    /* then (optional, all or none): u32 filter length, the filter (struct sock_filter[]),
+     * u16 count + NUL-terminated masked paths, u16 count + read-only paths */
+    const char *masked = NULL, *readonly = NULL;
+    uint16_t nmasked = 0, nreadonly = 0;
+    if (p < end) {
+        uint32_t flen;
+        if (end - p < 4) return EINVAL;
+        memcpy(&flen, p, 4);
+        p += 4;
+        if (flen % sizeof(struct sock_filter) || flen / sizeof(struct sock_filter) > BPF_MAXINSNS ||
+            (size_t)(end - p) < flen)
+            return EINVAL;
+        if (flen) {
+            struct sock_filter *f = malloc(flen);
+            if (!f) return ENOMEM;
+            memcpy(f, p, flen);
+            user_filter.filter = f;
+            user_filter.len = (unsigned short)(flen / sizeof(struct sock_filter));
+        }
+        p += flen;
+        const char **lists[2] = {&masked, &readonly};
+        uint16_t *counts[2] = {&nmasked, &nreadonly};
+        for (int l = 0; l < 2; l++) {
+            if (end - p < 2) return EINVAL;
+            memcpy(counts[l], p, 2);
+            p += 2;
+            *lists[l] = p;
+            for (int i = 0; i < *counts[l]; i++) {
+                const char *z = memchr(p, 0, end - p);
+                if (!z || p[0] != '/') return EINVAL;
+                p = z + 1;
+            }
+        }
+    }
     if (nlower < 1 || nlower > 25) return EINVAL;
     if (sethostname(strs[0], strlen(strs[0])) < 0) return errno;
     if (lo_up() < 0) return errno;
     if (strs[1][0] && set_address("eth0", strs[1], strs[2]) < 0) return errno;
     if (setup_cgroups() < 0) return errno;
     if (mount_root(nlower) < 0) return errno;
+    if (protect_paths(masked, nmasked, readonly, nreadonly) < 0) return errno;
     /* Leave the initramfs: nothing of it stays reachable (its files are gone, /dev /proc
      * /sys of the agent are detached), then the overlay becomes "/". */
     unlink("/init");
