@@ -83,6 +83,14 @@ def backend(request: pytest.FixtureRequest, edge: object) -> str:
     return name
 
 
+def require(edge: object, backend: str, capability: object) -> None:
+    """Skip on a backend that declares it lacks `capability` (test_backends and each
+    backend's own tests check that such an operation is refused with unsupported_operation,
+    naming the backend)."""
+    if capability not in edge.backends[backend].capabilities:  # type: ignore[attr-defined]
+        pytest.skip(f"the {backend} backend declares no {capability.value}")  # type: ignore[attr-defined]
+
+
 @pytest.fixture(scope="session")
 def code_image() -> str:
     """The fncall image `code` (python + compilers + node + pytest), built once (~30 s)."""

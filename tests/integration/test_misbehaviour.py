@@ -16,15 +16,9 @@ import pytest
 from dsec import errors
 from dsec.backends.base import Capability
 from dsec.models import ExecRequest, SandboxSpec, SandboxState
+from tests.conftest import require
 
 pytestmark = [pytest.mark.root, pytest.mark.asyncio]
-
-
-def require(edge, backend, capability):
-    """Skip on a backend that declares it lacks `capability` (test_backends tests that each
-    such operation is refused with unsupported_operation, naming the backend)."""
-    if capability not in edge.backends[backend].capabilities:
-        pytest.skip(f"the {backend} backend declares no {capability.value}")
 
 
 async def test_disk_quota_bytes_and_inodes_give_enospc_inside(edge, backend):

@@ -250,6 +250,7 @@ class MicrovmBackend(Backend):
             body = qemu.setup_body(
                 nlower=len(image.layers), pids=plan.pids, hostname=plan.id, address=GUEST_ADDR,
                 gateway=GUEST_GW, seccomp=self.seccomp, masked=MASKED_PATHS, readonly=READONLY_PATHS,
+                memory_mb=plan.limits.memory_mb,
             )  # fmt: skip
             await vm.channel.setup(body, READY_TIMEOUT_S)  # setup
             await self._route_guest(vm)
@@ -285,7 +286,7 @@ class MicrovmBackend(Backend):
 
     async def _blank_disk(self, plan: SandboxPlan, disk: Path) -> Path:
         """The sandbox's writable disk, a sparse copy of a blank one of its size; the blank."""
-        inodes = min(plan.disk_inodes, 65536)
+        inodes = min(plan.disk_inodes, 65536, plan.disk_mb * 256)  # (inode tables: 256 bytes each)
         blank = self.cache / f"blank-{plan.disk_mb}m-{inodes}i.ext4"
         if not blank.exists():
             await asyncio.get_running_loop().run_in_executor(

@@ -366,11 +366,13 @@ def setup_body(
     seccomp: bytes = b"",
     masked: Sequence[str] = (),
     readonly: Sequence[str] = (),
+    memory_mb: int = 0,
 ) -> bytes:
     """The agent's 'M' frame: fresh entropy (a template's clones share its random state),
     the clock, the layers, the process limit, the name and the network; then what every
     process gets (the seccomp program, a `struct sock_filter` array) and the kernel paths
-    masked and made read-only, as in a container (dsec.isolation.spec)."""
+    masked and made read-only, as in a container (dsec.isolation.spec), and the memory of
+    all its processes together (0: the VM's)."""
     seed = os.urandom(64)
     now = time.time_ns()
     body = struct.pack("<I", len(seed)) + seed + struct.pack("<qq", now // 10**9, now % 10**9)
@@ -379,7 +381,7 @@ def setup_body(
     body += struct.pack("<I", len(seccomp)) + seccomp
     for paths in (masked, readonly):
         body += struct.pack("<H", len(paths)) + b"".join(p.encode() + b"\0" for p in paths)
-    return body
+    return body + struct.pack("<Q", memory_mb << 20)
 
 
 @dataclass(frozen=True)

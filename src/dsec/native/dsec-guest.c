@@ -15,7 +15,9 @@
  * instead of datagrams with descriptors: stdio travels in frames.
  *   frame: u8 type, u32 id, u32 len, then len bytes (little endian)
  *   host -> guest  'M' setup      u32 seed_len, seed, i64 sec, i64 nsec, u8 nlower,
- *                                 u32 pids, NUL-terminated hostname, addr/prefix, gateway
+ *                                 u32 pids, NUL-terminated hostname, addr/prefix, gateway,
+ *                                 then optionally u32 len + seccomp program, u16 n + masked
+ *                                 paths, u16 n + read-only paths, u64 memory bytes
  *                  'S' spawn      i32 uid, i32 gid, u16 argc, u16 envc, u8 flags (0),
  *                                 NUL-terminated cwd, argv, env
  *                  'I' stdin      bytes for the process's stdin; empty: close it
@@ -97,6 +99,7 @@ static char *outq;
 static size_t outlen, outoff;
 static int reading_paused;
 static uint32_t user_pids = 1024;
+static uint64_t user_memory; /* bytes for all the sandbox's processes together (0: no limit) */
 static struct sock_fprog user_filter; /* installed in every process before its exec (setup) */
 
 static void die(const char *what) {
@@ -587,6 +590,11 @@ static int setup_cgroups(void) {
     char lim[32];
     snprintf(lim, sizeof lim, "%u", user_pids);
     write_file(root, "u/pids.max", lim);
+    if (user_memory) {
+        snprintf(lim, sizeof lim, "%llu", (unsigned long long)user_memory);
+        write_file(root, "u/memory.max", lim);
+        write_file(root, "u/memory.swap.max", "0");
+    }
     write_file(root, "u/cgroup.subtree_control", "+pids +memory");
     cgroot = openat(root, "u", O_PATH | O_DIRECTORY | O_CLOEXEC);
     close(root);
@@ -655,7 +663,8 @@ static int handle_setup(const char *buf, uint32_t len) {
         p = z + 1;
     }
     /* then (optional, all or none): u32 filter length, the filter (struct sock_filter[]),
-     * u16 count + NUL-terminated masked paths, u16 count + read-only paths */
+     * u16 count + NUL-terminated masked paths, u16 count + read-only paths, u64 the memory
+     * of the sandbox's processes (their guest cgroup's memory.max) */
     const char *masked = NULL, *readonly = NULL;
     uint16_t nmasked = 0, nreadonly = 0;
     if (p < end) {
@@ -687,11 +696,18 @@ static int handle_setup(const char *buf, uint32_t len) {
                 p = z + 1;
             }
         }
+        if (end - p >= 8) {
+            memcpy(&user_memory, p, 8);
+            p += 8;
+        }
     }
     if (nlower < 1 || nlower > 25) return EINVAL;
     if (sethostname(strs[0], strlen(strs[0])) < 0) return errno;
     if (lo_up() < 0) return errno;
     if (strs[1][0] && set_address("eth0", strs[1], strs[2]) < 0) return errno;
+    /* Allocations fail as in a container (the cgroup's OOM killer, not a refused mmap): the
+     * guest is small, its processes' cgroup holds the limit. */
+    write_file(AT_FDCWD, "/proc/sys/vm/overcommit_memory", "1");
     if (setup_cgroups() < 0) return errno;
     if (mount_root(nlower) < 0) return errno;
     if (protect_paths(masked, nmasked, readonly, nreadonly) < 0) return errno;
