@@ -157,6 +157,10 @@ class Backend(ABC):
     name: ClassVar[str]
     capabilities: ClassVar[frozenset[Capability]]
     accelerated: ClassVar[bool] = True  # False: runs, but emulated (a microVM under TCG)
+    # where the sandbox's own packets pass in the network namespace of `handle.pid` (the
+    # network policy's inner table hooks there): output for processes in it, forward for a
+    # VM's guest behind a tap
+    net_hook: ClassVar[str] = "output"
 
     def require(self, capability: Capability, operation: str | None = None) -> None:
         """Refuse `operation` unless this backend declares `capability`."""

@@ -31,6 +31,7 @@ from dsec.errors import CapacityExhausted, InternalError, InvalidRequest
 
 _FRAME = struct.Struct("<cII")
 _SPAWN = struct.Struct("<iiHHB")
+_EXIT = struct.Struct("<iIQQ")  # status, disk full, disk bytes used, disk inodes used
 OUT_CAP = 16 << 20
 SEND_CAP = 64 << 20
 MAX_FRAME = 1 << 20  # the agent sends at most 32 KiB of output per frame
@@ -72,6 +73,7 @@ class GuestChannel(ShimChannel):
         self.hello: asyncio.Future[None] = self._loop.create_future()
         self._setup: asyncio.Future[int] | None = None
         self.closed = False
+        self.disk = (0, 0, False)  # (bytes, inodes) used on the guest's writable disk, and full
         self._loop.add_reader(sock.fileno(), self._on_readable)
 
     # --- frames ---------------------------------------------------------------------
@@ -152,6 +154,9 @@ class GuestChannel(ShimChannel):
             if proc is not None:
                 self._output(ident, proc.out if kind == b"O" else proc.err, body)
         elif kind == b"X":
+            if len(body) >= _EXIT.size:  # the guest's writable disk, as of this exit
+                _, full, used, inodes = _EXIT.unpack_from(body)
+                self.disk = (used, inodes, bool(full))
             proc = self._procs.get(ident)
             if proc is not None:
                 proc.status = value

@@ -411,7 +411,7 @@ class EdgeLifecycle(EdgePart):
     # --- network policy ----------------------------------------------------------------
 
     async def _apply_network(self, sb: Sandbox, policy: NetworkPolicy, *, check: bool = True) -> None:
-        timings = await self.net.apply(sb.id, sb.handle.pid, policy, check=check)
+        timings = await self.net.apply(sb.id, sb.handle.pid, policy, check=check, hook=sb.backend.net_hook)
         if sb.root_fd >= 0:
             sb.files.write("/etc/resolv.conf", self.net.resolv_conf().encode())
         else:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import functools
-import struct
 import platform
+import struct
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any

@@ -24,7 +24,8 @@
  *                  'K' signal     i32 signal (SIGKILL also kills its cgroup)
  *                  'P' ping
  *   guest -> host  'H' hello, 'm' setup done (i32 errno, 0 on success)
- *                  'R' started (i32 pid), 'F' failed (i32 errno), 'X' exited (i32 status)
+ *                  'R' started (i32 pid), 'F' failed (i32 errno), 'X' exited (i32 status,
+ *                  u32 disk full, u64 disk bytes used, u64 disk inodes used)
  *                  'O' / 'E' stdout / stderr bytes; empty: end of that stream
  *                  'p' pong
  * A process's 'X' comes after the last of its output that was in its pipes when it
@@ -66,6 +67,7 @@
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <sys/sysmacros.h>
 #include <sys/wait.h>
@@ -94,7 +96,7 @@ struct proc {
 };
 
 static struct proc procs[MAX_PROCS];
-static int port = -1, ep = -1, cgroot = -1;
+static int port = -1, ep = -1, cgroot = -1, rwfd = -1; /* rwfd: the writable disk's root */
 static char *outq;
 static size_t outlen, outoff;
 static int reading_paused;
@@ -186,7 +188,16 @@ static void close_fd(int *fd) {
 
 static void maybe_finish(struct proc *p) {
     if (!p->exited || p->out >= 0 || p->err >= 0) return;
-    send_value('X', p->id, p->status);
+    /* with the status, the writable disk's use: bytes used, inodes used, and whether either
+     * ran out (the host cannot look into the disk itself) */
+    struct { int32_t status; uint32_t full; uint64_t bytes, inodes; } __attribute__((packed)) x = {p->status, 0, 0, 0};
+    struct statvfs st;
+    if (rwfd >= 0 && fstatvfs(rwfd, &st) == 0) {
+        x.bytes = (uint64_t)(st.f_blocks - st.f_bfree) * st.f_frsize;
+        x.inodes = st.f_files - st.f_ffree;
+        x.full = st.f_bavail == 0 || st.f_favail == 0;
+    }
+    send_frame('X', p->id, &x, sizeof x);
     close_fd(&p->in);
     free(p->inbuf);
     if (cgroot >= 0 && p->cg[0]) unlinkat(cgroot, p->cg, AT_REMOVEDIR);
@@ -703,13 +714,19 @@ static int handle_setup(const char *buf, uint32_t len) {
     }
     if (nlower < 1 || nlower > 25) return EINVAL;
     if (sethostname(strs[0], strlen(strs[0])) < 0) return errno;
-    if (lo_up() < 0) return errno;
-    if (strs[1][0] && set_address("eth0", strs[1], strs[2]) < 0) return errno;
     /* Allocations fail as in a container (the cgroup's OOM killer, not a refused mmap): the
      * guest is small, its processes' cgroup holds the limit. */
     write_file(AT_FDCWD, "/proc/sys/vm/overcommit_memory", "1");
+    /* The network as a container's namespace has it (netpolicy's _sandbox_sysctls): IPv4 only,
+     * ICMP echo sockets for processes without CAP_NET_RAW. */
+    write_file(AT_FDCWD, "/proc/sys/net/ipv6/conf/eth0/disable_ipv6", "1");
+    write_file(AT_FDCWD, "/proc/sys/net/ipv6/conf/default/disable_ipv6", "1");
+    write_file(AT_FDCWD, "/proc/sys/net/ipv4/ping_group_range", "0 2147483647");
+    if (lo_up() < 0) return errno;
+    if (strs[1][0] && set_address("eth0", strs[1], strs[2]) < 0) return errno;
     if (setup_cgroups() < 0) return errno;
     if (mount_root(nlower) < 0) return errno;
+    rwfd = open("/rw", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (protect_paths(masked, nmasked, readonly, nreadonly) < 0) return errno;
     /* Leave the initramfs: nothing of it stays reachable (its files are gone, /dev /proc
      * /sys of the agent are detached), then the overlay becomes "/". */

@@ -335,12 +335,13 @@ class NetHost:
     # --- per sandbox ---------------------------------------------------------------------
 
     async def apply(
-        self, sandbox_id: str, pid: int, policy: NetworkPolicy, *, check: bool = True
+        self, sandbox_id: str, pid: int, policy: NetworkPolicy, *, check: bool = True, hook: str = "output"
     ) -> dict[str, float]:
         """Give a running sandbox `policy` (the first call links it to the gateway; later
         calls replace its rules atomically). Returns timings in ms. `check`: refuse a rule
         that names the platform (see check(); False when re-applying a stored policy: the
-        rules drop those addresses anyway)."""
+        rules drop those addresses anyway). `hook`: where its packets pass in its namespace
+        (output; forward for a VM's guest), taken at the first call."""
         t0 = time.perf_counter()
         await self.ensure_gateway()
         if check:
@@ -356,7 +357,7 @@ class NetHost:
             if index == self._next_index:
                 self._next_index += 1
             try:
-                sb = SandboxNet(sandbox_id, pid, pidfd, index, self._sandbox_ip(index), policy)
+                sb = SandboxNet(sandbox_id, pid, pidfd, index, self._sandbox_ip(index), policy, hook)
                 sb.dns_bucket = TokenBucket(self.limits.dns_rate, self.limits.dns_burst)
             except BaseException:
                 os.close(pidfd)
@@ -385,7 +386,8 @@ class NetHost:
         tables = await self._worker.nft(sb.pidfd, "list tables\n")
         if f"table {INNER_TABLE}" in tables:  # an edge before a restart made it: start over
             await self._worker.nft(sb.pidfd, f"delete table {INNER_TABLE}\n")
-        await self._worker.nft(sb.pidfd, inner_base_script(gw_ip=self.gw_ip, limits=self.limits))
+        base = inner_base_script(gw_ip=self.gw_ip, limits=self.limits, hook=sb.hook)
+        await self._worker.nft(sb.pidfd, base)
         await self._worker.nft(self._gw_fd, gw_sandbox_base_script(chain=sb.chain, ifname=sb.ifname))
 
     async def _load_rules(self, sb: SandboxNet, policy: NetworkPolicy) -> None:

@@ -76,9 +76,11 @@ INNER_TABLE = "inet dsec"
 INNER_DENY = 'counter name "denied" reject with icmpx admin-prohibited'  # connect() fails at once
 
 
-def inner_base_script(*, gw_ip: str, limits: NetLimits) -> str:
+def inner_base_script(*, gw_ip: str, limits: NetLimits, hook: str = "output") -> str:
     """Created once per sandbox: only additions, so it is as fast as a rule load. The
-    ``limits`` chain is never flushed (its counts survive policy updates)."""
+    ``limits`` chain is never flushed (its counts survive policy updates). `hook`: where the
+    sandbox's own packets pass in its namespace: output (its processes are there), or
+    forward (a VM's guest, behind a tap)."""
     t = INNER_TABLE
     lim = 'counter name "limited" reject with icmpx admin-prohibited'
     return (
@@ -87,14 +89,14 @@ def inner_base_script(*, gw_ip: str, limits: NetLimits) -> str:
                 f"add table {t}",
                 f"add counter {t} denied",
                 f"add counter {t} limited",
-                f"add chain {t} limits {{ type filter hook output priority filter - 1; }}",
+                f"add chain {t} limits {{ type filter hook {hook} priority filter - 1; }}",
                 f'add rule {t} limits oif "lo" accept',
                 f"add rule {t} limits ip daddr {gw_ip} meta l4proto {{ tcp, udp }} "
                 f"th dport {DNS_PORT} accept",
                 f"add rule {t} limits ct state new ct count over {limits.ct_open} {lim}",
                 f"add rule {t} limits ct state new limit rate over {limits.ct_rate}/second "
                 f"burst {limits.ct_burst} packets {lim}",
-                f"add chain {t} output {{ type filter hook output priority filter; policy drop; }}",
+                f"add chain {t} output {{ type filter hook {hook} priority filter; policy drop; }}",
                 f"add chain {t} input {{ type filter hook input priority filter; policy drop; }}",
                 f'add rule {t} input iif "lo" accept',
                 f"add rule {t} input ct state established,related accept",

@@ -51,6 +51,7 @@ class SandboxNet:
     index: int
     ip: str
     policy: NetworkPolicy
+    hook: str = "output"  # the sandbox's packets: output, or forward (a VM's guest behind a tap)
     inner: RuleState = field(default_factory=RuleState)  # in the sandbox's table
     outer: RuleState = field(default_factory=RuleState)  # in the gateway's table
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
