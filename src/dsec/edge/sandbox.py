@@ -10,9 +10,7 @@ from dsec.backends.base import Backend, SandboxHandle
 from dsec.edge.files import SandboxFiles
 from dsec.edge.sessions import Session
 from dsec.edge.store import Record
-from dsec.models import (
-    SandboxInfo,
-)
+from dsec.models import SandboxInfo
 
 # A fork stacks its parent's fork layers instead of copying them; beyond this depth the
 # chain is flattened into one layer (overlayfs mount options are limited to a page).
