@@ -84,6 +84,20 @@ def stats_sorted(dirfd: int, names: list[str] | None = None) -> Iterator[tuple[s
             continue
 
 
+def walk_open(
+    dfd: int, name: str, flags: int, error: Callable[[OSError, str], Exception], shown: str
+) -> int | None:
+    """Open entry `name` of directory `dfd` in a tree being walked (RESOLVE_WALK). None where
+    it is no part of the walk: on another mount, a link, gone meanwhile, or a FIFO or device
+    with nothing behind it. Any other failure raises `error(e, shown)`."""
+    try:
+        return linux.openat2(dfd, name, flags, 0, RESOLVE_WALK)
+    except OSError as e:
+        if e.errno in (errno.EXDEV, errno.ELOOP, errno.ENOENT, errno.ENXIO):
+            return None
+        raise error(e, shown) from e
+
+
 async def off_loop(fn: Callable[[], _T]) -> _T:
     return await asyncio.get_running_loop().run_in_executor(_pool, fn)
 
@@ -446,12 +460,9 @@ class SandboxFiles:
     ) -> None:
         m = st.st_mode
         if stat.S_ISDIR(m):
-            try:
-                sub = linux.openat2(dfd, name, os.O_RDONLY | os.O_DIRECTORY, 0, RESOLVE_WALK)
-            except OSError as e:
-                if e.errno in (errno.EXDEV, errno.ELOOP, errno.ENOENT):
-                    return  # a mount point (or swapped away meanwhile): not part of the archive
-                raise _map_error(e, arcname) from e
+            sub = walk_open(dfd, name, os.O_RDONLY | os.O_DIRECTORY, _map_error, arcname)
+            if sub is None:
+                return  # a mount point (or swapped away meanwhile): not part of the archive
             try:
                 self._tar_dir(tf, sub, arcname, budget)
             finally:
@@ -466,12 +477,9 @@ class SandboxFiles:
             budget.entry(arcname)
             tf.addfile(info)
         elif stat.S_ISREG(m):
-            try:
-                fd = linux.openat2(dfd, name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY, 0, RESOLVE_WALK)
-            except OSError as e:
-                if e.errno in (errno.EXDEV, errno.ELOOP, errno.ENOENT, errno.ENXIO):
-                    return
-                raise _map_error(e, arcname) from e
+            fd = walk_open(dfd, name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY, _map_error, arcname)
+            if fd is None:
+                return
             with os.fdopen(fd, "rb", buffering=0) as f:
                 fst = os.fstat(f.fileno())
                 if not stat.S_ISREG(fst.st_mode):

@@ -44,6 +44,7 @@ from dsec.edge.files import (
     RESOLVE_WALK,
     SandboxFiles,
     stats_sorted,
+    walk_open,
 )
 from dsec.edge.process import PipeReader, RawResult, exit_code, feed_pipe, release_group
 from dsec.isolation import linux
@@ -225,12 +226,9 @@ def _copy_dir(src: int, dst: int, owner: int, bound: _Bound, shown: str) -> None
     for name, st in stats_sorted(src):
         m = st.st_mode
         if stat.S_ISDIR(m):
-            try:
-                sub = linux.openat2(src, name, os.O_RDONLY | os.O_DIRECTORY, 0, RESOLVE_WALK)
-            except OSError as e:
-                if e.errno in (errno.EXDEV, errno.ELOOP, errno.ENOENT):
-                    continue  # a mount point inside, or swapped away meanwhile
-                raise _vault_error(e, f"{shown}/{name}") from e
+            sub = walk_open(src, name, os.O_RDONLY | os.O_DIRECTORY, _vault_error, f"{shown}/{name}")
+            if sub is None:
+                continue  # a mount point inside, or swapped away meanwhile
             try:
                 bound.entry()
                 os.mkdir(name, 0o700, dir_fd=dst)
