@@ -48,6 +48,7 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 from dsec import errors
 from dsec.isolation import linux
+from dsec.isolation.procs import fd_ready
 from dsec.models import FileStat
 
 if TYPE_CHECKING:
@@ -550,7 +551,6 @@ class _Exactly:
 
 async def _feed(w: int, data: bytes, exited: asyncio.Future[int], deadline: float) -> None:
     """Write `data` into the non-blocking pipe `w` until done, the reader ends, or the deadline."""
-    loop = asyncio.get_running_loop()
     view = memoryview(data)
     while view:
         try:
@@ -560,23 +560,14 @@ async def _feed(w: int, data: bytes, exited: asyncio.Future[int], deadline: floa
             pass
         except BrokenPipeError:
             return  # the copier ended early: its status says why
-        ready: asyncio.Future[None] = loop.create_future()
-        loop.add_writer(w, _resolve, ready)
-        try:
+        with fd_ready(w, write=True) as writable:
             left = deadline - time.monotonic()
-            waits: list[asyncio.Future[Any]] = [ready, exited]
+            waits: list[asyncio.Future[Any]] = [writable, exited]
             await asyncio.wait(waits, timeout=max(0.0, left), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            loop.remove_writer(w)
         if exited.done():
             return
         if time.monotonic() >= deadline:
             raise TimeoutError
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 async def _start_fill(channel: ShimChannel, r: int, fd: int, path: str) -> tuple[int, asyncio.Future[int]]:

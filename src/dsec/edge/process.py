@@ -14,7 +14,7 @@ from dsec.backends.base import SandboxHandle
 from dsec.backends.shim import Launch
 from dsec.errors import InternalError, InvalidRequest, QuotaExceeded
 from dsec.isolation.cgroups import CgroupHost, ExecGroup, keyed_value, sigkill_each
-from dsec.isolation.procs import resolve_once
+from dsec.isolation.procs import fd_ready
 from dsec.models import ExecResult
 
 
@@ -258,18 +258,13 @@ async def feed_pipe(fd: int, data: bytes) -> None:
         if data:
             os.set_blocking(fd, False)
             view = memoryview(data)
-            loop = asyncio.get_running_loop()
             while view:
                 try:
                     n = os.write(fd, view)
                     view = view[n:]
                 except BlockingIOError:
-                    ready: asyncio.Future[None] = loop.create_future()
-                    loop.add_writer(fd, resolve_once, ready)
-                    try:
-                        await ready
-                    finally:
-                        loop.remove_writer(fd)
+                    with fd_ready(fd, write=True) as writable:
+                        await writable
                 except BrokenPipeError:
                     break
     finally:
