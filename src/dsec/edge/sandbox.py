@@ -48,13 +48,4 @@ class Sandbox:
         return self.record.id
 
     def info(self, edge: str) -> SandboxInfo:
-        return SandboxInfo(
-            id=self.id,
-            state=self.record.state,
-            spec=self.record.spec,
-            edge=edge,
-            created_at=self.record.created_at,
-            last_active=self.record.last_active,
-            reason=self.record.reason,
-            timings_ms=self.handle.timings_ms,
-        )
+        return self.record.info(edge, self.handle.timings_ms)
