@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import os
@@ -158,20 +159,18 @@ def _map_error(e: OSError, path: str) -> errors.DsecError:
     return errors.InternalError(f"{path}: {e.strerror}")
 
 
+@dataclasses.dataclass(eq=False)
 class SandboxFiles:
     """File operations on one sandbox; `uid`/`gid` are the host ids new files get.
 
     `channel`: the sandbox's init, which runs the copies of charged writes; without one
     (tests of this module alone) writes are done by this process."""
 
-    def __init__(
-        self, root_fd: int, uid: int, gid: int, id_offset: int, channel: ShimChannel | None = None
-    ) -> None:
-        self.root_fd = root_fd
-        self.uid = uid
-        self.gid = gid
-        self.id_offset = id_offset
-        self.channel = channel
+    root_fd: int
+    uid: int
+    gid: int
+    id_offset: int
+    channel: ShimChannel | None = None
 
     @contextlib.contextmanager
     def pinned(self) -> Iterator[SandboxFiles]:
@@ -179,7 +178,7 @@ class SandboxFiles:
         sandbox may be stopped (its descriptor closed, the number reused) meanwhile."""
         fd = os.dup(self.root_fd)
         try:
-            yield SandboxFiles(fd, self.uid, self.gid, self.id_offset, self.channel)
+            yield dataclasses.replace(self, root_fd=fd)
         finally:
             os.close(fd)
 
