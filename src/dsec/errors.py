@@ -43,6 +43,24 @@ class DsecError(Exception):
     status: ClassVar[int] = 500
     retryable: ClassVar[bool] = False
 
+    def __init_subclass__(
+        cls,
+        *,
+        code: str | None = None,
+        status: int | None = None,
+        retryable: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """Each error below declares its wire ``code`` (``class X(NotFound, code="x_not_found")``);
+        what a class does not declare it inherits."""
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.code = code
+        if status is not None:
+            cls.status = status
+        if retryable is not None:
+            cls.retryable = retryable
+
     def __init__(self, message: str, **details: Any) -> None:
         super().__init__(message)
         self.message = message
@@ -55,119 +73,78 @@ class DsecError(Exception):
         return {"error": body}
 
 
-class InvalidRequest(DsecError, ValueError):
-    code = "invalid_request"
-    status = 400
+class InvalidRequest(DsecError, ValueError, code="invalid_request", status=400): ...
 
 
-class PayloadTooLarge(InvalidRequest):
-    code = "payload_too_large"
-    status = 413
+class PayloadTooLarge(InvalidRequest, code="payload_too_large", status=413): ...
 
 
-class UnsupportedOperation(InvalidRequest):
-    code = "unsupported_operation"
-    status = 400
+class UnsupportedOperation(InvalidRequest, code="unsupported_operation", status=400): ...
 
 
-class AuthError(DsecError, PermissionError):
-    code = "unauthenticated"
-    status = 401
+class AuthError(DsecError, PermissionError, code="unauthenticated", status=401): ...
 
 
-class Forbidden(AuthError):
-    code = "forbidden"
-    status = 403
+class Forbidden(AuthError, code="forbidden", status=403): ...
 
 
-class NotFound(DsecError, LookupError):
-    code = "not_found"
-    status = 404
+class NotFound(DsecError, LookupError, code="not_found", status=404): ...
 
 
-class SandboxNotFound(NotFound):
-    code = "sandbox_not_found"
+class SandboxNotFound(NotFound, code="sandbox_not_found"): ...
 
 
-class SessionNotFound(NotFound):
-    code = "session_not_found"
+class SessionNotFound(NotFound, code="session_not_found"): ...
 
 
-class ImageNotFound(NotFound):
-    code = "image_not_found"
+class ImageNotFound(NotFound, code="image_not_found"): ...
 
 
-class LayerNotFound(NotFound):
-    code = "layer_not_found"
+class LayerNotFound(NotFound, code="layer_not_found"): ...
 
 
-class CheckpointNotFound(NotFound):
-    code = "checkpoint_not_found"
+class CheckpointNotFound(NotFound, code="checkpoint_not_found"): ...
 
 
-class FileNotFound(NotFound, FileNotFoundError):
-    code = "file_not_found"
+class FileNotFound(NotFound, FileNotFoundError, code="file_not_found"): ...
 
 
-class Conflict(DsecError):
-    code = "conflict"
-    status = 409
+class Conflict(DsecError, code="conflict", status=409): ...
 
 
-class EditMismatch(Conflict):
-    code = "edit_mismatch"
+class EditMismatch(Conflict, code="edit_mismatch"): ...
 
 
-class SandboxFailed(DsecError):
+class SandboxFailed(DsecError, code="sandbox_failed", status=410):
     """The sandbox itself died (its init exited or was killed, e.g. out of memory): an
     environment failure, not the task's. Create a new sandbox."""
 
-    code = "sandbox_failed"
-    status = 410
+
+class SandboxNotRunning(Conflict, code="sandbox_not_running"): ...
 
 
-class SandboxNotRunning(Conflict):
-    code = "sandbox_not_running"
+class TrajectoryDivergence(Conflict, code="trajectory_divergence"): ...
 
 
-class TrajectoryDivergence(Conflict):
-    code = "trajectory_divergence"
+class FileExists_(Conflict, FileExistsError, code="file_exists"): ...
 
 
-class FileExists_(Conflict, FileExistsError):
-    code = "file_exists"
+class PathEscape(DsecError, PermissionError, code="path_escape", status=403): ...
 
 
-class PathEscape(DsecError, PermissionError):
-    code = "path_escape"
-    status = 403
+class QuotaExceeded(DsecError, code="quota_exceeded", status=429): ...
 
 
-class QuotaExceeded(DsecError):
-    code = "quota_exceeded"
-    status = 429
+class CapacityExhausted(DsecError, code="capacity_exhausted", status=503, retryable=True): ...
 
 
-class CapacityExhausted(DsecError):
-    code = "capacity_exhausted"
-    status = 503
-    retryable = True
+class ExecTimeout(DsecError, TimeoutError, code="exec_timeout", status=408): ...
 
 
-class ExecTimeout(DsecError, TimeoutError):
-    code = "exec_timeout"
-    status = 408
+class Unavailable(DsecError, code="unavailable", status=503, retryable=True): ...
 
 
-class Unavailable(DsecError):
-    code = "unavailable"
-    status = 503
-    retryable = True
-
-
-class InternalError(DsecError):
-    code = "internal"
-    status = 500
+class InternalError(DsecError, code="internal", status=500): ...
 
 
 def _all_subclasses(cls: type[DsecError]) -> list[type[DsecError]]:

@@ -9,6 +9,7 @@ opened at start (`store`) is seen by every part at once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar, cast
 
 from dsec.backends.base import Backend
 from dsec.config import EdgeSettings
@@ -18,6 +19,8 @@ from dsec.isolation.cgroups import CgroupHost
 from dsec.isolation.netpolicy import NetHost
 from dsec.layers import LayerStore
 from dsec.trajlog import TrajectoryLog
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -34,48 +37,36 @@ class EdgeCore:
     dirty_active: dict[str, float] = field(default_factory=dict)  # last activity not yet stored
 
 
+class _FromCore(Generic[T]):
+    """A read-only attribute of a part: the field of the same name (without a leading
+    underscore) of the part's core, read at each access."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.field = name.lstrip("_")
+
+    def __get__(self, part: EdgePart, owner: type | None = None) -> T:
+        return cast(T, getattr(part.core, self.field))
+
+    def __set__(self, part: EdgePart, value: T) -> None:
+        raise AttributeError(f"{self.field} is the core's: set it there")
+
+
 class EdgePart:
     """A part of the edge: reads the shared pieces of its `EdgeCore`."""
+
+    settings = _FromCore[EdgeSettings]()
+    layers = _FromCore[LayerStore]()
+    cgroups = _FromCore[CgroupHost]()
+    trajlog = _FromCore[TrajectoryLog]()
+    net = _FromCore[NetHost]()
+    store = _FromCore[EdgeStore | None]()
+    sandboxes = _FromCore[dict[str, Sandbox]]()
+    backends = _FromCore[dict[str, Backend]]()
+    _dirty_active = _FromCore[dict[str, float]]()
 
     def __init__(self, core: EdgeCore) -> None:
         self.core = core
 
     @property
-    def settings(self) -> EdgeSettings:
-        return self.core.settings
-
-    @property
     def name(self) -> str:
         return self.core.settings.name
-
-    @property
-    def layers(self) -> LayerStore:
-        return self.core.layers
-
-    @property
-    def cgroups(self) -> CgroupHost:
-        return self.core.cgroups
-
-    @property
-    def trajlog(self) -> TrajectoryLog:
-        return self.core.trajlog
-
-    @property
-    def net(self) -> NetHost:
-        return self.core.net
-
-    @property
-    def store(self) -> EdgeStore | None:
-        return self.core.store
-
-    @property
-    def sandboxes(self) -> dict[str, Sandbox]:
-        return self.core.sandboxes
-
-    @property
-    def backends(self) -> dict[str, Backend]:
-        return self.core.backends
-
-    @property
-    def _dirty_active(self) -> dict[str, float]:
-        return self.core.dirty_active

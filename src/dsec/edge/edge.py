@@ -27,9 +27,9 @@ import secrets
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, cast
 
 from dsec import errors
 from dsec import models as wire
@@ -41,9 +41,7 @@ from dsec.edge.execs import EdgeExec
 from dsec.edge.fileops import EdgeFiles
 from dsec.edge.fncall import FnCallPool, WorkerHost
 from dsec.edge.lifecycle import EdgeLifecycle
-from dsec.edge.process import RawResult
 from dsec.edge.reaper import EdgeReaper
-from dsec.edge.sandbox import Sandbox
 from dsec.edge.sessions import prepare_tools
 from dsec.edge.state import EdgeState
 from dsec.edge.store import EdgeStore
@@ -62,6 +60,20 @@ from dsec.trajlog import TrajectoryLog
 
 log = logging.getLogger("dsec.edge")
 _ID_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class _Delegated(Generic[P, R]):
+    """An operation of the facade: `method` of the part the edge holds as attribute `part`,
+    looked up at each access and typed as the part declares it."""
+
+    def __init__(self, part: str, method: Callable[Concatenate[Any, P], R]) -> None:
+        self.part = part
+        self.name = method.__name__
+
+    def __get__(self, edge: Edge, owner: type | None = None) -> Callable[P, R]:
+        return cast(Callable[P, R], getattr(getattr(edge, self.part), self.name))
 
 
 class Edge:
@@ -292,212 +304,74 @@ class Edge:
         """The default backend (the container one)."""
         return self.life.backend
 
-    async def create(self, spec: wire.SandboxSpec, *, sandbox_id: str | None = None) -> wire.SandboxInfo:
-        return await self.life.create(spec, sandbox_id=sandbox_id)
-
-    def backend_for(self, name: str) -> Backend:
-        return self.life.backend_for(name)
-
-    def check_access(self, sandbox_id: str, projects: set[str] | None) -> None:
-        return self.life.check_access(sandbox_id, projects)
-
-    def get(self, sandbox_id: str) -> wire.SandboxInfo:
-        return self.life.get(sandbox_id)
-
-    async def sandbox_status(self, sandbox_id: str) -> wire.SandboxInfo:
-        return await self.life.sandbox_status(sandbox_id)
-
-    async def pause(self, sandbox_id: str) -> wire.SandboxInfo:
-        return await self.life.pause(sandbox_id)
-
-    async def resume(self, sandbox_id: str) -> wire.SandboxInfo:
-        return await self.life.resume(sandbox_id)
-
-    async def set_network(self, sandbox_id: str, policy: wire.NetworkPolicy | None) -> dict[str, Any]:
-        return await self.life.set_network(sandbox_id, policy)
-
-    async def network(self, sandbox_id: str) -> dict[str, Any]:
-        return await self.life.network(sandbox_id)
-
-    async def pause_project(self, project: str) -> builtins.list[str]:
-        return await self.life.pause_project(project)
-
-    def list(
-        self, labels: dict[str, str] | None = None, project: str | None = None
-    ) -> list[wire.SandboxInfo]:
-        return self.life.list(labels, project)
-
-    async def stop(self, sandbox_id: str, *, wait: bool = True) -> None:
-        return await self.life.stop(sandbox_id, wait=wait)
-
-    def _detach(self, sb: Sandbox) -> None:
-        return self.life._detach(sb)
+    create = _Delegated("life", EdgeLifecycle.create)
+    backend_for = _Delegated("life", EdgeLifecycle.backend_for)
+    check_access = _Delegated("life", EdgeLifecycle.check_access)
+    get = _Delegated("life", EdgeLifecycle.get)
+    sandbox_status = _Delegated("life", EdgeLifecycle.sandbox_status)
+    pause = _Delegated("life", EdgeLifecycle.pause)
+    resume = _Delegated("life", EdgeLifecycle.resume)
+    set_network = _Delegated("life", EdgeLifecycle.set_network)
+    network = _Delegated("life", EdgeLifecycle.network)
+    pause_project = _Delegated("life", EdgeLifecycle.pause_project)
+    list = _Delegated("life", EdgeLifecycle.list)
+    stop = _Delegated("life", EdgeLifecycle.stop)
+    _detach = _Delegated("life", EdgeLifecycle._detach)
 
     # EdgeExec (execs.py)
-
-    async def exec(self, sandbox_id: str, req: wire.ExecRequest) -> wire.ExecResult:
-        return await self.execs.exec(sandbox_id, req)
-
-    def exec_stream(
-        self, sandbox_id: str, req: wire.ExecRequest
-    ) -> AsyncIterator[tuple[str, bytes | wire.ExecResult]]:
-        return self.execs.exec_stream(sandbox_id, req)
-
-    async def session_create(self, sandbox_id: str, req: wire.SessionCreate) -> wire.SessionInfo:
-        return await self.execs.session_create(sandbox_id, req)
-
-    async def session_run(self, sandbox_id: str, session_id: str, req: wire.SessionRun) -> wire.SessionResult:
-        return await self.execs.session_run(sandbox_id, session_id, req)
-
-    async def session_close(self, sandbox_id: str, session_id: str) -> None:
-        return await self.execs.session_close(sandbox_id, session_id)
-
-    def session_list(self, sandbox_id: str) -> builtins.list[wire.SessionInfo]:
-        return self.execs.session_list(sandbox_id)
-
-    async def trajectory(
-        self, sandbox_id: str, *, after_seq: int = 0, limit: int | None = None
-    ) -> dict[str, Any]:
-        return await self.execs.trajectory(sandbox_id, after_seq=after_seq, limit=limit)
-
-    async def trajectory_export(self, sandbox_id: str, fmt: str) -> bytes:
-        return await self.execs.trajectory_export(sandbox_id, fmt)
-
-    async def write_logged(self, sandbox_id: str, req: wire.FileWrite, data: bytes) -> None:
-        return await self.execs.write_logged(sandbox_id, req, data)
-
-    async def edit_logged(self, sandbox_id: str, req: wire.FileEdit) -> int:
-        return await self.execs.edit_logged(sandbox_id, req)
-
-    async def log_event(
-        self, sandbox_id: str, kind: str, action: dict[str, Any], obs: dict[str, Any]
-    ) -> None:
-        return await self.execs.log_event(sandbox_id, kind, action, obs)
-
-    def _run(
-        self,
-        sb: Sandbox,
-        req: wire.ExecRequest,
-        *,
-        stdin: bytes | None = None,
-        cap: int | None = None,
-        sink: Callable[[str, bytes], None] | None = None,
-    ) -> Coroutine[Any, Any, RawResult]:
-        return self.execs._run(sb, req, stdin=stdin, cap=cap, sink=sink)
+    exec = _Delegated("execs", EdgeExec.exec)
+    exec_stream = _Delegated("execs", EdgeExec.exec_stream)
+    session_create = _Delegated("execs", EdgeExec.session_create)
+    session_run = _Delegated("execs", EdgeExec.session_run)
+    session_close = _Delegated("execs", EdgeExec.session_close)
+    session_list = _Delegated("execs", EdgeExec.session_list)
+    trajectory = _Delegated("execs", EdgeExec.trajectory)
+    trajectory_export = _Delegated("execs", EdgeExec.trajectory_export)
+    write_logged = _Delegated("execs", EdgeExec.write_logged)
+    edit_logged = _Delegated("execs", EdgeExec.edit_logged)
+    log_event = _Delegated("execs", EdgeExec.log_event)
+    _run = _Delegated("execs", EdgeExec._run)
 
     # EdgeFiles (fileops.py)
-
-    async def read_file(self, sandbox_id: str, path: str) -> bytes:
-        return await self.files.read_file(sandbox_id, path)
-
-    async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
-        return await self.files.write_file(sandbox_id, path, data, mode)
-
-    async def edit_file(self, sandbox_id: str, path: str, old: str, new: str) -> int:
-        return await self.files.edit_file(sandbox_id, path, old, new)
-
-    def stat_file(self, sandbox_id: str, path: str) -> wire.FileStat:
-        return self.files.stat_file(sandbox_id, path)
-
-    async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[wire.FileStat]:
-        return await self.files.list_dir(sandbox_id, path)
-
-    async def delete_file(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
-        return await self.files.delete_file(sandbox_id, path, recursive)
-
-    async def upload_tar(self, sandbox_id: str, path: str, data: bytes) -> None:
-        return await self.files.upload_tar(sandbox_id, path, data)
-
-    async def archive(self, sandbox_id: str, path: str) -> IO[bytes]:
-        return await self.files.archive(sandbox_id, path)
-
-    async def download_tar(self, sandbox_id: str, path: str) -> bytes:
-        return await self.files.download_tar(sandbox_id, path)
+    read_file = _Delegated("files", EdgeFiles.read_file)
+    write_file = _Delegated("files", EdgeFiles.write_file)
+    edit_file = _Delegated("files", EdgeFiles.edit_file)
+    stat_file = _Delegated("files", EdgeFiles.stat_file)
+    list_dir = _Delegated("files", EdgeFiles.list_dir)
+    delete_file = _Delegated("files", EdgeFiles.delete_file)
+    upload_tar = _Delegated("files", EdgeFiles.upload_tar)
+    archive = _Delegated("files", EdgeFiles.archive)
+    download_tar = _Delegated("files", EdgeFiles.download_tar)
 
     # EdgeVault (vault.py)
-
-    async def protect(self, sandbox_id: str, paths: builtins.list[str]) -> builtins.list[str]:
-        return await self.vault.protect(sandbox_id, paths)
-
-    async def verify(self, sandbox_id: str, req: wire.ExecRequest) -> wire.ExecResult:
-        return await self.vault.verify(sandbox_id, req)
-
-    def _vault(self, sandbox_id: str) -> Path:
-        return self.vault._vault(sandbox_id)
+    protect = _Delegated("vault", EdgeVault.protect)
+    verify = _Delegated("vault", EdgeVault.verify)
+    _vault = _Delegated("vault", EdgeVault._vault)
 
     # EdgeState (state.py)
-
-    async def snapshot(
-        self, sandbox_id: str, scrub_paths: builtins.list[str] | None = None
-    ) -> wire.SnapshotInfo:
-        return await self.state.snapshot(sandbox_id, scrub_paths)
-
-    def list_snapshots(self, projects: set[str] | None = None) -> builtins.list[dict[str, Any]]:
-        return self.state.list_snapshots(projects)
-
-    def delete_snapshot(self, name: str, projects: set[str] | None = None) -> None:
-        return self.state.delete_snapshot(name, projects)
-
-    async def fork(self, sandbox_id: str, n: int) -> builtins.list[wire.SandboxInfo]:
-        return await self.state.fork(sandbox_id, n)
-
-    async def checkpoint(self, sandbox_id: str, *, leave_running: bool = True) -> wire.Checkpoint:
-        return await self.state.checkpoint(sandbox_id, leave_running=leave_running)
-
-    async def restore(
-        self,
-        checkpoint_id: str,
-        *,
-        sandbox_id: str | None = None,
-        labels: dict[str, str] | None = None,
-        projects: set[str] | None = None,
-    ) -> wire.SandboxInfo:
-        return await self.state.restore(
-            checkpoint_id, sandbox_id=sandbox_id, labels=labels, projects=projects
-        )
-
-    def list_checkpoints(self, projects: set[str] | None = None) -> builtins.list[wire.Checkpoint]:
-        return self.state.list_checkpoints(projects)
-
-    def delete_checkpoint(self, checkpoint_id: str, projects: set[str] | None = None) -> None:
-        return self.state.delete_checkpoint(checkpoint_id, projects)
-
-    def image_manifest(self, name: str) -> dict[str, Any]:
-        return self.state.image_manifest(name)
-
-    def missing_layers(self, manifest: dict[str, Any]) -> builtins.list[str]:
-        return self.state.missing_layers(manifest)
-
-    async def export_layer(self, ref: str, dest: Path) -> None:
-        return await self.state.export_layer(ref, dest)
-
-    async def import_layer(self, ref: str, digest: str, archive: Path) -> None:
-        return await self.state.import_layer(ref, digest, archive)
-
-    def put_image(self, manifest: dict[str, Any]) -> None:
-        return self.state.put_image(manifest)
-
-    def _checkpoint_dir(self, checkpoint_id: str) -> Path:
-        return self.state._checkpoint_dir(checkpoint_id)
-
-    def _checkpoints_dir(self) -> Path:
-        return self.state._checkpoints_dir()
+    snapshot = _Delegated("state", EdgeState.snapshot)
+    list_snapshots = _Delegated("state", EdgeState.list_snapshots)
+    delete_snapshot = _Delegated("state", EdgeState.delete_snapshot)
+    fork = _Delegated("state", EdgeState.fork)
+    checkpoint = _Delegated("state", EdgeState.checkpoint)
+    restore = _Delegated("state", EdgeState.restore)
+    list_checkpoints = _Delegated("state", EdgeState.list_checkpoints)
+    delete_checkpoint = _Delegated("state", EdgeState.delete_checkpoint)
+    image_manifest = _Delegated("state", EdgeState.image_manifest)
+    missing_layers = _Delegated("state", EdgeState.missing_layers)
+    export_layer = _Delegated("state", EdgeState.export_layer)
+    import_layer = _Delegated("state", EdgeState.import_layer)
+    put_image = _Delegated("state", EdgeState.put_image)
+    _checkpoint_dir = _Delegated("state", EdgeState._checkpoint_dir)
+    _checkpoints_dir = _Delegated("state", EdgeState._checkpoints_dir)
 
     # EdgeReaper (reaper.py)
-
-    async def reap_idle(self) -> builtins.list[str]:
-        return await self.reaper.reap_idle()
-
-    async def reconcile(self) -> dict[str, int]:
-        return await self.reaper.reconcile()
+    reap_idle = _Delegated("reaper", EdgeReaper.reap_idle)
+    reconcile = _Delegated("reaper", EdgeReaper.reconcile)
 
     # --- fncall ---------------------------------------------------------------------
-
-    async def fncall_run(self, req: wire.FnCallRequest) -> wire.FnCallResult:
-        return await self.fncall.run(req)
-
-    async def fncall_jupyter(self, req: wire.JupyterRequest) -> wire.JupyterResult:
-        return await self.fncall.jupyter(req)
+    fncall_run = _Delegated("fncall", FnCallPool.run)
+    fncall_jupyter = _Delegated("fncall", FnCallPool.jupyter)
 
     # --- pools ---------------------------------------------------------------------
 

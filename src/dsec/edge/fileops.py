@@ -9,7 +9,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import io
-import logging
 import tarfile
 from collections.abc import Callable, Coroutine
 from typing import IO, Any
@@ -19,12 +18,7 @@ from dsec.backends.base import Capability
 from dsec.edge.files import MAX_ARCHIVE_ENTRIES, SandboxFiles, off_loop
 from dsec.edge.process import RawResult
 from dsec.edge.sandbox import Sandbox
-from dsec.models import (
-    ExecRequest,
-    FileStat,
-)
-
-log = logging.getLogger("dsec.edge")
+from dsec.models import ExecRequest, FileStat
 
 
 class EdgeFiles:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import os
@@ -48,6 +49,7 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 from dsec import errors
 from dsec.isolation import linux
+from dsec.isolation.procs import fd_ready
 from dsec.models import FileStat
 
 if TYPE_CHECKING:
@@ -82,6 +84,20 @@ def stats_sorted(dirfd: int, names: list[str] | None = None) -> Iterator[tuple[s
             yield name, os.stat(name, dir_fd=dirfd, follow_symlinks=False)
         except FileNotFoundError:
             continue
+
+
+def walk_open(
+    dfd: int, name: str, flags: int, error: Callable[[OSError, str], Exception], shown: str
+) -> int | None:
+    """Open entry `name` of directory `dfd` in a tree being walked (RESOLVE_WALK). None where
+    it is no part of the walk: on another mount, a link, gone meanwhile, or a FIFO or device
+    with nothing behind it. Any other failure raises `error(e, shown)`."""
+    try:
+        return linux.openat2(dfd, name, flags, 0, RESOLVE_WALK)
+    except OSError as e:
+        if e.errno in (errno.EXDEV, errno.ELOOP, errno.ENOENT, errno.ENXIO):
+            return None
+        raise error(e, shown) from e
 
 
 async def off_loop(fn: Callable[[], _T]) -> _T:
@@ -143,20 +159,18 @@ def _map_error(e: OSError, path: str) -> errors.DsecError:
     return errors.InternalError(f"{path}: {e.strerror}")
 
 
+@dataclasses.dataclass(eq=False)
 class SandboxFiles:
     """File operations on one sandbox; `uid`/`gid` are the host ids new files get.
 
     `channel`: the sandbox's init, which runs the copies of charged writes; without one
     (tests of this module alone) writes are done by this process."""
 
-    def __init__(
-        self, root_fd: int, uid: int, gid: int, id_offset: int, channel: ShimChannel | None = None
-    ) -> None:
-        self.root_fd = root_fd
-        self.uid = uid
-        self.gid = gid
-        self.id_offset = id_offset
-        self.channel = channel
+    root_fd: int
+    uid: int
+    gid: int
+    id_offset: int
+    channel: ShimChannel | None = None
 
     @contextlib.contextmanager
     def pinned(self) -> Iterator[SandboxFiles]:
@@ -164,7 +178,7 @@ class SandboxFiles:
         sandbox may be stopped (its descriptor closed, the number reused) meanwhile."""
         fd = os.dup(self.root_fd)
         try:
-            yield SandboxFiles(fd, self.uid, self.gid, self.id_offset, self.channel)
+            yield dataclasses.replace(self, root_fd=fd)
         finally:
             os.close(fd)
 
@@ -446,12 +460,9 @@ class SandboxFiles:
     ) -> None:
         m = st.st_mode
         if stat.S_ISDIR(m):
-            try:
-                sub = linux.openat2(dfd, name, os.O_RDONLY | os.O_DIRECTORY, 0, RESOLVE_WALK)
-            except OSError as e:
-                if e.errno in (errno.EXDEV, errno.ELOOP, errno.ENOENT):
-                    return  # a mount point (or swapped away meanwhile): not part of the archive
-                raise _map_error(e, arcname) from e
+            sub = walk_open(dfd, name, os.O_RDONLY | os.O_DIRECTORY, _map_error, arcname)
+            if sub is None:
+                return  # a mount point (or swapped away meanwhile): not part of the archive
             try:
                 self._tar_dir(tf, sub, arcname, budget)
             finally:
@@ -466,12 +477,9 @@ class SandboxFiles:
             budget.entry(arcname)
             tf.addfile(info)
         elif stat.S_ISREG(m):
-            try:
-                fd = linux.openat2(dfd, name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY, 0, RESOLVE_WALK)
-            except OSError as e:
-                if e.errno in (errno.EXDEV, errno.ELOOP, errno.ENOENT, errno.ENXIO):
-                    return
-                raise _map_error(e, arcname) from e
+            fd = walk_open(dfd, name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY, _map_error, arcname)
+            if fd is None:
+                return
             with os.fdopen(fd, "rb", buffering=0) as f:
                 fst = os.fstat(f.fileno())
                 if not stat.S_ISREG(fst.st_mode):
@@ -542,7 +550,6 @@ class _Exactly:
 
 async def _feed(w: int, data: bytes, exited: asyncio.Future[int], deadline: float) -> None:
     """Write `data` into the non-blocking pipe `w` until done, the reader ends, or the deadline."""
-    loop = asyncio.get_running_loop()
     view = memoryview(data)
     while view:
         try:
@@ -552,23 +559,14 @@ async def _feed(w: int, data: bytes, exited: asyncio.Future[int], deadline: floa
             pass
         except BrokenPipeError:
             return  # the copier ended early: its status says why
-        ready: asyncio.Future[None] = loop.create_future()
-        loop.add_writer(w, _resolve, ready)
-        try:
+        with fd_ready(w, write=True) as writable:
             left = deadline - time.monotonic()
-            waits: list[asyncio.Future[Any]] = [ready, exited]
+            waits: list[asyncio.Future[Any]] = [writable, exited]
             await asyncio.wait(waits, timeout=max(0.0, left), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            loop.remove_writer(w)
         if exited.done():
             return
         if time.monotonic() >= deadline:
             raise TimeoutError
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 async def _start_fill(channel: ShimChannel, r: int, fd: int, path: str) -> tuple[int, asyncio.Future[int]]:

@@ -353,15 +353,7 @@ class EdgeLifecycle(EdgePart):
         """The sandbox with its misbehaviour telemetry (a failed one: its state and reason)."""
         failed = self._failed.get(sandbox_id)
         if failed is not None and sandbox_id not in self.sandboxes:
-            return SandboxInfo(
-                id=failed.id,
-                state=SandboxState.FAILED,
-                spec=failed.spec,
-                edge=self.name,
-                created_at=failed.created_at,
-                last_active=failed.last_active,
-                reason=failed.reason,
-            )
+            return failed.info(self.name)  # its state: FAILED (_watch_exit)
         sb = self._lookup(sandbox_id)
         info = sb.info(self.name)
         info.telemetry = self.telemetry(sb)

@@ -7,14 +7,15 @@ import contextlib
 import errno
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from dsec.backends.base import SandboxHandle
 from dsec.backends.shim import Launch
 from dsec.errors import InternalError, InvalidRequest, QuotaExceeded
 from dsec.isolation.cgroups import CgroupHost, ExecGroup, keyed_value, sigkill_each
-from dsec.isolation.procs import resolve_once
+from dsec.isolation.procs import fd_ready
 from dsec.models import ExecResult
 
 
@@ -85,6 +86,50 @@ class PipeReader:
         if not self.eof.done():
             self.eof.set_result(None)
         self.changed.set()
+
+
+class Outputs:
+    """A command's stdout and stderr, each read into a buffer capped at `cap` (`sink`: each
+    piece kept, as it comes), and the one future that settles the wait for the command:
+    either buffer reaching its cap, and, while `watching`, its exit or the timeout."""
+
+    def __init__(self, out_r: int, err_r: int, cap: int, sink: Callable[[str, bytes], None] | None) -> None:
+        self.settled: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.out = PipeReader(out_r, cap, self.settle, (lambda b: sink("stdout", b)) if sink else None)
+        self.err = PipeReader(err_r, cap, self.settle, (lambda b: sink("stderr", b)) if sink else None)
+
+    def settle(self, _: object = None) -> None:
+        if not self.settled.done():
+            self.settled.set_result(None)
+
+    @property
+    def truncated(self) -> bool:
+        return self.out.truncated or self.err.truncated
+
+    @contextlib.contextmanager
+    def watching(
+        self, exited: asyncio.Future[Any], timeout: float, in_w: int, stdin: bytes | None
+    ) -> Iterator[None]:
+        """While the block runs, `exited` done or `timeout` seconds passed settle the wait,
+        and `stdin` is fed into `in_w` (if any: -1 for none)."""
+        exited.add_done_callback(self.settle)
+        timer = asyncio.get_running_loop().call_later(timeout, self.settle)
+        feeder = asyncio.ensure_future(feed_pipe(in_w, stdin or b"")) if in_w >= 0 else None
+        try:
+            yield
+        finally:
+            timer.cancel()
+            exited.remove_done_callback(self.settle)
+            if feeder is not None:
+                feeder.cancel()
+
+    def drain(self) -> None:
+        self.out.drain()
+        self.err.drain()
+
+    def close(self) -> None:
+        self.out.close()
+        self.err.close()
 
 
 def exit_code(status: int) -> int:
@@ -199,43 +244,28 @@ async def run_process(
             if fd >= 0:
                 os.close(fd)
         raise
-    # One future settles the wait: the exit, an output cap reached, or the timeout.
-    settled: asyncio.Future[None] = loop.create_future()
-
-    def settle(_: object = None) -> None:
-        if not settled.done():
-            settled.set_result(None)
-
-    proc.exited.add_done_callback(settle)
-    timer = loop.call_later(timeout, settle)
-    out = PipeReader(out_r, cap, settle, (lambda b: sink("stdout", b)) if sink else None)
-    err = PipeReader(err_r, cap, settle, (lambda b: sink("stderr", b)) if sink else None)
-    feeder = asyncio.ensure_future(feed_pipe(in_w, stdin or b"")) if in_w >= 0 else None
+    outputs = Outputs(out_r, err_r, cap, sink)
+    out, err = outputs.out, outputs.err
     timed_out = False
     status: int | None = None
     try:
-        await settled
-        if not proc.exited.done():
-            timed_out = not (out.truncated or err.truncated)
-            await loop.run_in_executor(None, proc.group.kill)
-            with contextlib.suppress(TimeoutError):
-                status = await asyncio.wait_for(asyncio.shield(proc.exited), 5.0)
-        else:
-            status = proc.exited.result()
-            if not (out.eof.done() and err.eof.done()):
-                # Output already written sits in the pipes; background children may keep
-                # them open, so wait for EOF only briefly.
+        with outputs.watching(proc.exited, timeout, in_w, stdin):
+            await outputs.settled
+            if not proc.exited.done():
+                timed_out = not outputs.truncated
+                await loop.run_in_executor(None, proc.group.kill)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.gather(out.eof, err.eof), 0.01)
-        out.drain()
-        err.drain()
+                    status = await asyncio.wait_for(asyncio.shield(proc.exited), 5.0)
+            else:
+                status = proc.exited.result()
+                if not (out.eof.done() and err.eof.done()):
+                    # Output already written sits in the pipes; background children may keep
+                    # them open, so wait for EOF only briefly.
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(asyncio.gather(out.eof, err.eof), 0.01)
+            outputs.drain()
     finally:
-        timer.cancel()
-        proc.exited.remove_done_callback(settle)
-        if feeder is not None:
-            feeder.cancel()
-        out.close()
-        err.close()
+        outputs.close()
         code = exit_code(status) if status is not None else 137
         # A refused fork is counted in the cgroup of the task that tried (v1), which goes now;
         # read whatever the exit status (a program may catch EAGAIN from fork and exit 0).
@@ -246,7 +276,7 @@ async def run_process(
         stderr=bytes(err.buf),
         exit_code=code,
         duration=time.perf_counter() - t0,
-        truncated=out.truncated or err.truncated,
+        truncated=outputs.truncated,
         timed_out=timed_out,
         pids_limit_hits=refused,
     )
@@ -258,18 +288,13 @@ async def feed_pipe(fd: int, data: bytes) -> None:
         if data:
             os.set_blocking(fd, False)
             view = memoryview(data)
-            loop = asyncio.get_running_loop()
             while view:
                 try:
                     n = os.write(fd, view)
                     view = view[n:]
                 except BlockingIOError:
-                    ready: asyncio.Future[None] = loop.create_future()
-                    loop.add_writer(fd, resolve_once, ready)
-                    try:
-                        await ready
-                    finally:
-                        loop.remove_writer(fd)
+                    with fd_ready(fd, write=True) as writable:
+                        await writable
                 except BrokenPipeError:
                     break
     finally:

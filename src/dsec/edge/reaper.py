@@ -21,9 +21,7 @@ from dsec.isolation.procs import (
     reap_strays,
     unmount_all,
 )
-from dsec.models import (
-    SandboxState,
-)
+from dsec.models import SandboxState
 
 log = logging.getLogger("dsec.edge")
 

@@ -10,9 +10,7 @@ from dsec.backends.base import Backend, SandboxHandle
 from dsec.edge.files import SandboxFiles
 from dsec.edge.sessions import Session
 from dsec.edge.store import Record
-from dsec.models import (
-    SandboxInfo,
-)
+from dsec.models import SandboxInfo
 
 # A fork stacks its parent's fork layers instead of copying them; beyond this depth the
 # chain is flattened into one layer (overlayfs mount options are limited to a page).
@@ -50,13 +48,4 @@ class Sandbox:
         return self.record.id
 
     def info(self, edge: str) -> SandboxInfo:
-        return SandboxInfo(
-            id=self.id,
-            state=self.record.state,
-            spec=self.record.spec,
-            edge=edge,
-            created_at=self.record.created_at,
-            last_active=self.record.last_active,
-            reason=self.record.reason,
-            timings_ms=self.handle.timings_ms,
-        )
+        return self.record.info(edge, self.handle.timings_ms)

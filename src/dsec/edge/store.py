@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dsec.models import SandboxSpec, SandboxState
+from dsec.models import SandboxInfo, SandboxSpec, SandboxState
 from dsec.privatefs import private_file
 
 _SCHEMA = """
@@ -40,6 +40,19 @@ class Record:
     last_active: float
     reason: str | None = None
     extra_lower: str | None = None  # a fork's shared layer (a directory), stacked under the toolkit
+
+    def info(self, edge: str, timings_ms: dict[str, float] | None = None) -> SandboxInfo:
+        """The sandbox as the API shows it (`timings_ms`: its start's, while it runs)."""
+        return SandboxInfo(
+            id=self.id,
+            state=self.state,
+            spec=self.spec,
+            edge=edge,
+            created_at=self.created_at,
+            last_active=self.last_active,
+            reason=self.reason,
+            timings_ms=timings_ms or {},
+        )
 
 
 class EdgeStore:

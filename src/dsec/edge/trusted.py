@@ -44,8 +44,9 @@ from dsec.edge.files import (
     RESOLVE_WALK,
     SandboxFiles,
     stats_sorted,
+    walk_open,
 )
-from dsec.edge.process import PipeReader, RawResult, exit_code, feed_pipe, release_group
+from dsec.edge.process import Outputs, PipeReader, RawResult, exit_code, release_group
 from dsec.isolation import linux
 from dsec.isolation.cgroups import CgroupHost, ExecGroup, keyed_value
 from dsec.isolation.procs import spawn_quick, wait_quick
@@ -225,12 +226,9 @@ def _copy_dir(src: int, dst: int, owner: int, bound: _Bound, shown: str) -> None
     for name, st in stats_sorted(src):
         m = st.st_mode
         if stat.S_ISDIR(m):
-            try:
-                sub = linux.openat2(src, name, os.O_RDONLY | os.O_DIRECTORY, 0, RESOLVE_WALK)
-            except OSError as e:
-                if e.errno in (errno.EXDEV, errno.ELOOP, errno.ENOENT):
-                    continue  # a mount point inside, or swapped away meanwhile
-                raise _vault_error(e, f"{shown}/{name}") from e
+            sub = walk_open(src, name, os.O_RDONLY | os.O_DIRECTORY, _vault_error, f"{shown}/{name}")
+            if sub is None:
+                continue  # a mount point inside, or swapped away meanwhile
             try:
                 bound.entry()
                 os.mkdir(name, 0o700, dir_fd=dst)
@@ -539,23 +537,14 @@ async def run_trusted(
         raise
     launch.close(launch.theirs)
     group.close_fd()
-    settled: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    def settle(_: object = None) -> None:
-        if not settled.done():
-            settled.set_result(None)
-
-    out = PipeReader(out_r, cap, settle, (lambda b: sink("stdout", b)) if sink else None)
-    err = PipeReader(err_r, cap, settle, (lambda b: sink("stderr", b)) if sink else None)
+    outputs = Outputs(out_r, err_r, cap, sink)
+    out, err = outputs.out, outputs.err
     status = PipeReader(status_r, 65536)
     try:
-        timed_out, helper_rc = await _wait(
-            pid, pidfd, group, out, err, (in_w, stdin), timeout, settled, settle
-        )
+        timed_out, helper_rc = await _wait(pid, pidfd, group, outputs, (in_w, stdin), timeout)
     finally:
         status.drain()  # the helper has exited: its whole report is in the pipe
-        out.close()
-        err.close()
+        outputs.close()
         status.close()
         refused = keyed_value(group.path / "pids.events", "max")
         await asyncio.get_running_loop().run_in_executor(None, group.kill)
@@ -572,53 +561,37 @@ async def run_trusted(
         stderr=bytes(err.buf),
         exit_code=code if code is not None else 137,
         duration=time.perf_counter() - t0,
-        truncated=out.truncated or err.truncated,
+        truncated=outputs.truncated,
         timed_out=timed_out,
         pids_limit_hits=refused,
     )
 
 
 async def _wait(
-    pid: int,
-    pidfd: int,
-    group: ExecGroup,
-    out: PipeReader,
-    err: PipeReader,
-    feed: tuple[int, bytes | None],
-    timeout: float,
-    settled: asyncio.Future[None],
-    settle: Callable[..., None],
+    pid: int, pidfd: int, group: ExecGroup, outputs: Outputs, feed: tuple[int, bytes | None], timeout: float
 ) -> tuple[bool, int | None]:
     """Wait for the helper (its end, the output cap, or the timeout); kill what is left of the
     command's tree; (whether it timed out, the helper's exit code). The helper is always reaped."""
     loop = asyncio.get_running_loop()
     exited = asyncio.ensure_future(wait_quick(pid, pidfd))
-    exited.add_done_callback(settle)
-    in_w, stdin = feed
-    timer = loop.call_later(timeout, settle)
-    feeder = asyncio.ensure_future(feed_pipe(in_w, stdin or b"")) if in_w >= 0 else None
     timed_out = False
     try:
-        await settled
-        if not exited.done():
-            timed_out = not (out.truncated or err.truncated)
-            await loop.run_in_executor(None, group.kill)  # the command and all it started
-            try:
-                await asyncio.wait_for(asyncio.shield(exited), _KILL_WAIT_S)
-            except TimeoutError:  # the helper itself hangs (it never should): it is ours to kill
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        # Whatever the command left running goes with it: it must not outlive the call.
-        await loop.run_in_executor(None, group.kill)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(out.eof, err.eof), 0.5)
-        out.drain()
-        err.drain()
+        with outputs.watching(exited, timeout, *feed):
+            await outputs.settled
+            if not exited.done():
+                timed_out = not outputs.truncated
+                await loop.run_in_executor(None, group.kill)  # the command and all it started
+                try:
+                    await asyncio.wait_for(asyncio.shield(exited), _KILL_WAIT_S)
+                except TimeoutError:  # the helper itself hangs (it never should): it is ours to kill
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            # Whatever the command left running goes with it: it must not outlive the call.
+            await loop.run_in_executor(None, group.kill)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(outputs.out.eof, outputs.err.eof), 0.5)
+            outputs.drain()
     finally:
-        timer.cancel()
-        exited.remove_done_callback(settle)
-        if feeder is not None:
-            feeder.cancel()
         if not exited.done():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -10,7 +10,6 @@ import asyncio
 import builtins
 import contextlib
 import json
-import logging
 import os
 import shutil
 import weakref
@@ -25,12 +24,7 @@ from dsec.edge import trusted
 from dsec.edge.execs import EdgeExec
 from dsec.edge.files import SandboxFiles
 from dsec.edge.sandbox import Sandbox
-from dsec.models import (
-    ExecRequest,
-    ExecResult,
-)
-
-log = logging.getLogger("dsec.edge")
+from dsec.models import ExecRequest, ExecResult
 
 
 class EdgeVault:

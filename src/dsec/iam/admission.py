@@ -81,25 +81,14 @@ class Admission:
                 " VALUES (?, ?, ?, ?, ?, ?)",
                 (key, project, cpu_m, memory_mb, time.time(), owner),
             )
-            self._add_usage(db, [r["name"] for r in chain], 1, cpu_m, memory_mb)
-
-    @staticmethod
-    def _add_usage(db: sqlite3.Connection, names: list[str], n: int, cpu_m: int, memory_mb: int) -> None:
-        db.execute(
-            "UPDATE projects SET used_sandboxes = used_sandboxes + ?, used_cpu_m = used_cpu_m + ?,"
-            f" used_memory_mb = used_memory_mb + ? WHERE name IN ({','.join('?' * len(names))})",
-            (n, cpu_m, memory_mb, *names),
-        )
+            _add_usage(db, chain, used_sandboxes=1, used_cpu_m=cpu_m, used_memory_mb=memory_mb)
 
     def _release(self, db: sqlite3.Connection, key: str) -> str | None:
-        row = db.execute(
-            "SELECT project, cpu_m, memory_mb FROM reservations WHERE key = ?", (key,)
-        ).fetchone()
+        row = _take(db, "reservations", key)
         if row is None:
             return None
-        names = [r["name"] for r in db.execute(_ANCESTORS_SQL, (row["project"],))]
-        db.execute("DELETE FROM reservations WHERE key = ?", (key,))
-        self._add_usage(db, names, -1, -row["cpu_m"], -row["memory_mb"])
+        chain = db.execute(_ANCESTORS_SQL, (row["project"],)).fetchall()
+        _add_usage(db, chain, used_sandboxes=-1, used_cpu_m=-row["cpu_m"], used_memory_mb=-row["memory_mb"])
         return str(row["project"])
 
     def release(self, key: str) -> str | None:
@@ -265,7 +254,7 @@ class Admission:
                 "INSERT INTO snapshot_reservations (key, project, size_mb, created_at) VALUES (?, ?, ?, ?)",
                 (key, project, mb, time.time()),
             )
-            self._add_snapshot_usage(db, [r["name"] for r in chain], 1, mb)
+            _add_usage(db, chain, used_snapshots=1, used_snapshot_mb=mb)
 
     def resize_snapshot(self, key: str, size_mb: int) -> None:
         """Change the size held by snapshot reservation ``key``; growth is admitted like a new reservation.
@@ -290,25 +279,14 @@ class Admission:
                 for r in chain:
                     _admit_snapshot(r, row["project"], 0, delta)
             db.execute("UPDATE snapshot_reservations SET size_mb = ? WHERE key = ?", (mb, key))
-            self._add_snapshot_usage(db, [r["name"] for r in chain], 0, delta)
-
-    @staticmethod
-    def _add_snapshot_usage(db: sqlite3.Connection, names: list[str], n: int, size_mb: int) -> None:
-        db.execute(
-            "UPDATE projects SET used_snapshots = used_snapshots + ?, used_snapshot_mb = used_snapshot_mb + ?"
-            f" WHERE name IN ({','.join('?' * len(names))})",
-            (n, size_mb, *names),
-        )
+            _add_usage(db, chain, used_snapshot_mb=delta)
 
     def _release_snapshot(self, db: sqlite3.Connection, key: str) -> bool:
-        row = db.execute(
-            "SELECT project, size_mb FROM snapshot_reservations WHERE key = ?", (key,)
-        ).fetchone()
+        row = _take(db, "snapshot_reservations", key)
         if row is None:
             return False
-        names = [r["name"] for r in db.execute(_ANCESTORS_SQL, (row["project"],))]
-        db.execute("DELETE FROM snapshot_reservations WHERE key = ?", (key,))
-        self._add_snapshot_usage(db, names, -1, -row["size_mb"])
+        chain = db.execute(_ANCESTORS_SQL, (row["project"],)).fetchall()
+        _add_usage(db, chain, used_snapshots=-1, used_snapshot_mb=-row["size_mb"])
         return True
 
     def release_snapshot(self, key: str) -> None:
@@ -347,6 +325,26 @@ class Admission:
                 if key.startswith(prefix) and key not in live_keys and self._release_snapshot(db, key):
                     released.append(key)
         return sorted(released)
+
+
+def _take(db: sqlite3.Connection, table: str, key: str) -> sqlite3.Row | None:
+    """Delete reservation ``key`` from ``table`` (reservations, snapshot_reservations); its row
+    as it was (None: there was none)."""
+    row: sqlite3.Row | None = db.execute(f"SELECT * FROM {table} WHERE key = ?", (key,)).fetchone()
+    if row is not None:
+        db.execute(f"DELETE FROM {table} WHERE key = ?", (key,))
+    return row
+
+
+def _add_usage(db: sqlite3.Connection, chain: Sequence[sqlite3.Row], **delta: int) -> None:
+    """Add ``delta`` (a ``used_*`` column of projects: an amount) to every project of ``chain``
+    (the rows of a project and its ancestors)."""
+    columns = ", ".join(f"{column} = {column} + ?" for column in delta)
+    names = [r["name"] for r in chain]
+    db.execute(
+        f"UPDATE projects SET {columns} WHERE name IN ({','.join('?' * len(names))})",
+        (*delta.values(), *names),
+    )
 
 
 def _snapshot_mb(key: str, size_mb: float) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from dsec.isolation import linux
@@ -90,13 +90,10 @@ def spawn_quick(
 
 async def wait_quick(pid: int, pidfd: int) -> int:
     """Wait for a process started by spawn_quick (closes its pidfd); its exit code."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[None] = loop.create_future()
-    loop.add_reader(pidfd, resolve_once, done)
     try:
-        await done
+        with fd_ready(pidfd) as exited:
+            await exited
     finally:
-        loop.remove_reader(pidfd)
         os.close(pidfd)
     try:
         return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
@@ -114,6 +111,25 @@ def resolve_once(fut: asyncio.Future[None]) -> None:
     """Event-loop callback: mark `fut` done unless it already is."""
     if not fut.done():
         fut.set_result(None)
+
+
+@contextlib.contextmanager
+def fd_ready(fd: int, *, write: bool = False) -> Iterator[asyncio.Future[None]]:
+    """A future of the event loop done once `fd` is readable (with `write`: writable), watched
+    while the block runs."""
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+    if write:
+        loop.add_writer(fd, resolve_once, ready)
+    else:
+        loop.add_reader(fd, resolve_once, ready)
+    try:
+        yield ready
+    finally:
+        if write:
+            loop.remove_writer(fd)
+        else:
+            loop.remove_reader(fd)
 
 
 def mounts_under(prefix: Path) -> list[str]:

@@ -397,6 +397,19 @@ static void *worker(void *arg) {
     }
 }
 
+/* Copy the xattrs and metadata of `e` from `in` to `out`, opened by the caller (a failed
+ * open of either fails as `what`); close both. */
+static void copy_meta_and_close(const struct entry *e, int in, int out, const char *what) {
+    if (in >= 0 && out >= 0) {
+        copy_xattrs(in, NULL, out, NULL);
+        set_meta_fd(out, e);
+    } else {
+        fail(what, e->path);
+    }
+    if (in >= 0) close(in);
+    if (out >= 0) close(out);
+}
+
 /* Phase 3: what needs all data in place: metadata of chunked files, hard links, directories. */
 static void finish(void) {
     for (size_t i = 0; i < n_entries; i++) {
@@ -406,14 +419,7 @@ static void finish(void) {
             if (linkat(dst_fd, entries[e->link_to].path, dst_fd, e->path, 0) < 0) fail("link", e->path);
         } else if (e->st.st_size > CHUNK) {
             int in = open_src(e->path, O_RDONLY), out = openat(dst_fd, e->path, O_WRONLY | O_CLOEXEC);
-            if (in >= 0 && out >= 0) {
-                copy_xattrs(in, NULL, out, NULL);
-                set_meta_fd(out, e);
-            } else {
-                fail("reopen", e->path);
-            }
-            if (in >= 0) close(in);
-            if (out >= 0) close(out);
+            copy_meta_and_close(e, in, out, "reopen");
         }
     }
     /* Directories last, deepest first, so creating their entries does not change their times. */
@@ -422,14 +428,7 @@ static void finish(void) {
         if (e->skip || !S_ISDIR(e->st.st_mode)) continue;
         int in = open_src(e->path, O_RDONLY | O_DIRECTORY);
         int out = openat(dst_fd, e->path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-        if (in >= 0 && out >= 0) {
-            copy_xattrs(in, NULL, out, NULL);
-            set_meta_fd(out, e);
-        } else {
-            fail("open directory", e->path);
-        }
-        if (in >= 0) close(in);
-        if (out >= 0) close(out);
+        copy_meta_and_close(e, in, out, "open directory");
     }
 }
 
