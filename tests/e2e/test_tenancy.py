@@ -546,3 +546,30 @@ def test_a_project_tier_policy_is_inherited_and_only_narrowed(svc: Service) -> N
         r = user.get("/v1/backends")
         assert r.status_code == 200 and {b["name"] for b in r.json()["backends"]} >= {"container", "gvisor"}
         assert user.delete(f"/v1/sandboxes/{sid}").status_code == 204
+
+
+def test_a_project_limited_to_microvms_refuses_a_container(svc: Service) -> None:
+    """The strongest tier as a project's policy: a container create is forbidden (naming the
+    allowed backend), a microVM create works and runs on its own kernel."""
+    project = f"vm-only-{secrets.token_hex(3)}"
+    with http(svc, svc.token) as admin:
+        r = admin.post("/v1/projects", json={"name": project, "allowed_backends": ["microvm"]})
+        assert r.status_code == 200, r.text
+        r = admin.post("/v1/principals", json={"name": f"{project}-user", "projects": [project]})
+        token = r.json()["token"]
+    with http(svc, token) as user:
+        r = user.post("/v1/sandboxes", json={"image": "python", "project": project, "backend": "container"})
+        assert r.status_code == 403, r.text
+        err = r.json()["error"]
+        assert err["code"] == "forbidden" and "microvm" in err["message"], err
+        vm = {"image": "python", "project": project, "backend": "microvm", "memory_mb": 256}
+        r = user.post("/v1/sandboxes", json=vm)
+        assert r.status_code == 201, r.text
+        sid = r.json()["id"]
+        r = user.post(f"/v1/sandboxes/{sid}/exec", json={"cmd": "uname -r; echo $((6*7))"})
+        assert r.status_code == 200 and r.json()["stdout"].split()[1] == "42", r.text
+        assert r.json()["stdout"].split()[0] != os.uname().release
+        r = user.get("/v1/backends")
+        vm = next(b for b in r.json()["backends"] if b["name"] == "microvm")
+        assert vm["available"] and set(vm["capabilities"]) == {"exec", "network", "pause"}
+        assert user.delete(f"/v1/sandboxes/{sid}").status_code == 204

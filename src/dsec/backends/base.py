@@ -17,6 +17,9 @@ are found by name in `dsec.backends.registry`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -25,13 +28,50 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from dsec.backends.shim import ShimChannel
-from dsec.errors import UnsupportedOperation
+from dsec.errors import InternalError, UnsupportedOperation
+from dsec.isolation.cgroups import ExecGroup
 from dsec.isolation.spec import Limits
 
 if TYPE_CHECKING:
-    from dsec.isolation.cgroups import CgroupHost, ExecGroup
-    from dsec.isolation.idranges import IdRanges
+    from dsec.isolation.cgroups import CgroupHost
+    from dsec.isolation.idranges import IdRange, IdRanges
     from dsec.isolation.netpolicy import NetHost
+
+
+WhileStopped = Callable[[], Awaitable[None]] | None  # what runs while a checkpoint holds the processes
+
+
+class ChannelGroup(ExecGroup):
+    """An exec's group where no host cgroup can hold it (its processes are not host
+    processes: gVisor's, a VM's): killed through the init's channel, which signals the
+    exec's process group (a guest agent: its guest cgroup) `repeats` times over, since what
+    it forks meanwhile joins the group."""
+
+    def __init__(self, channel: ShimChannel, repeats: int = 1) -> None:
+        super().__init__(Path("/nonexistent/dsec-channel-group"), -1, 0)
+        self.channel = channel
+        self.repeats = repeats
+        self.loop = asyncio.get_running_loop()
+        self.ident: int | None = None
+
+    def bind(self, ident: int) -> None:
+        self.ident = ident
+
+    def procs(self) -> list[int]:
+        return []  # none of them is a host process
+
+    def kill(self) -> None:
+        """Called from a worker thread, like a cgroup kill: the channel is the loop's."""
+        for i in range(self.repeats):
+            if self.ident is None or self.channel.closed:
+                return
+            if i:
+                time.sleep(0.005)
+            with contextlib.suppress(RuntimeError):  # the loop is closing
+                self.loop.call_soon_threadsafe(self.channel.signal, self.ident, signal.SIGKILL)
+
+    def remove(self) -> None:
+        pass
 
 
 class BackendUnavailable(RuntimeError):
@@ -116,6 +156,8 @@ class SandboxHandle(ABC):
     start_time: int  # that process's start time (a pid alone can be reused)
     id_base: int  # the host uid and gid the sandbox's root is
     exited: asyncio.Future[None]  # done when the sandbox's init is gone
+    pidfd: int  # on `pid`, held by this process (-1 once released)
+    id_range: IdRange | None  # this process's claim on the sandbox's id range
     timings_ms: dict[str, float]
     # Processes inside are started, signalled and fed through the shim's protocol, whatever
     # carries it (a socket to the container's init; a virtio-serial port to a guest agent).
@@ -123,6 +165,10 @@ class SandboxHandle(ABC):
 
     @abstractmethod
     def alive(self) -> bool: ...
+
+    @abstractmethod
+    def release(self) -> None:
+        """Close this process's descriptors on the sandbox (it keeps running)."""
 
     @abstractmethod
     def exit_reason(self) -> str:
@@ -156,6 +202,7 @@ class Backend(ABC):
 
     name: ClassVar[str]
     capabilities: ClassVar[frozenset[Capability]]
+    cgroups: CgroupHost  # the host's cgroups (set by the backend's constructor)
     accelerated: ClassVar[bool] = True  # False: runs, but emulated (a microVM under TCG)
     # where the sandbox's own packets pass in the network namespace of `handle.pid` (the
     # network policy's inner table hooks there): output for processes in it, forward for a
@@ -200,21 +247,52 @@ class Backend(ABC):
     async def destroy(self, handle: SandboxHandle) -> None:
         """Kill the sandbox and remove every host resource it had."""
 
-    @abstractmethod
     def detach(self, handle: SandboxHandle) -> None:
         """Let go of the sandbox in this process but leave it running (for a later adopt)."""
+        handle.release()
 
-    @abstractmethod
+    # Pause: the kernel's freezer on the sandbox's host cgroup, which holds whatever runs it
+    # (its processes, gVisor's sentry, a VM's QEMU); a backend may do otherwise.
+
     async def freeze(self, handle: SandboxHandle) -> None:
         """Stop every process of the sandbox (pause; a consistent point for a copy of its files)."""
+        await asyncio.get_running_loop().run_in_executor(None, self.cgroups.freeze, handle.id)
 
-    @abstractmethod
     def thaw(self, handle: SandboxHandle) -> None:
         """Let them run again. Quick: it is on the path of any operation on a paused sandbox."""
+        self.cgroups.thaw(handle.id)
 
-    @abstractmethod
     async def reclaim(self, handle: SandboxHandle) -> None:
         """Give back what memory of a frozen sandbox the host can take (a pause does this)."""
+        await asyncio.get_running_loop().run_in_executor(None, self.cgroups.reclaim, handle.id)
+
+    async def _end(self, handle: SandboxHandle) -> bool:
+        """SIGKILL the sandbox's host process (`pid`: its init, keeper or QEMU), wait for it
+        to be reaped (5 s at most) and let go of it here; whether it is gone."""
+        with contextlib.suppress(ProcessLookupError, OSError):
+            if handle.pidfd >= 0:
+                signal.pidfd_send_signal(handle.pidfd, signal.SIGKILL)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(handle.exited), 5.0)
+        handle.release()
+        return handle.exited.done()
+
+    @staticmethod
+    def _give_back_ids(handle: SandboxHandle, gone: bool) -> None:
+        """Release the sandbox's id range; a process that would not die keeps it (its record
+        names it) until it does."""
+        if handle.id_range is not None:
+            handle.id_range.release(keep_holder=not gone)
+            handle.id_range = None
+
+    async def _answers(self, handle: SandboxHandle, timeout: float) -> bool:
+        """Whether an adopted sandbox's init answers a ping; one that does not is destroyed."""
+        try:
+            await handle.channel.ping(timeout=timeout)
+        except (TimeoutError, InternalError, OSError):
+            await self.destroy(handle)
+            return False
+        return True
 
     # --- processes and memory ---------------------------------------------------------
 
@@ -223,12 +301,7 @@ class Backend(ABC):
         self.require(Capability.CHECKPOINT, operation)
 
     async def checkpoint(
-        self,
-        handle: SandboxHandle,
-        dest: Path,
-        *,
-        leave_running: bool,
-        while_stopped: Callable[[], Awaitable[None]] | None = None,
+        self, handle: SandboxHandle, dest: Path, *, leave_running: bool, while_stopped: WhileStopped = None
     ) -> CheckpointRecord:
         """Write the sandbox's processes and memory under `dest` (created here). They stay
         stopped while `while_stopped` runs (the edge copies the files then, so files and

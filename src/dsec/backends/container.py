@@ -27,13 +27,12 @@ import shutil
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dsec.backends import criu
-from dsec.backends.base import Backend, BackendHost, Capability, SandboxHandle, SandboxPlan
+from dsec.backends.base import Backend, BackendHost, Capability, SandboxHandle, SandboxPlan, WhileStopped
 from dsec.backends.shim import ShimChannel
 from dsec.errors import InternalError, InvalidRequest
 from dsec.isolation import linux
@@ -283,14 +282,7 @@ class ContainerBackend(Backend):
         # The shim keeps a copy of the edge end (fd 4): see adopt().
         with edge_end, shim_end, open(d / "runtime.log", "wb") as log:
             argv = [
-                str(self.shim),
-                "crun-wrap",
-                str(shim_end.fileno()),
-                str(edge_end.fileno()),
-                "1" if self.cgroups.hybrid else "0",
-                *mounts,
-                "--",
-                self.runtime,
+                *self._launcher("crun-wrap", shim_end, edge_end, mounts),
                 "--root",
                 str(self.runtime_root),
                 "run",
@@ -308,6 +300,15 @@ class ContainerBackend(Backend):
             msg = (d / "runtime.log").read_text(errors="replace").strip()[-2000:]
             raise InternalError(f"the OCI runtime failed to start the sandbox: {msg or f'exit code {rc}'}")
         return int((d / "pid").read_text())
+
+    def _launcher(
+        self, mode: str, shim_end: socket.socket, edge_end: socket.socket, mounts: list[str]
+    ) -> list[str]:
+        """dsec-shim's launcher of the runtime (crun-wrap; runsc-keep for gVisor): the two
+        ends of the control socket, the mounts it makes, then the runtime's command."""
+        hybrid = "1" if self.cgroups.hybrid else "0"
+        ends = [str(shim_end.fileno()), str(edge_end.fileno())]
+        return [str(self.shim), mode, *ends, hybrid, *mounts, "--", self.runtime]
 
     def _attach(self, sandbox_id: str, d: Path, pid: int, start_time: int | None) -> Container:
         pidfd = os.pidfd_open(pid)
@@ -387,48 +388,20 @@ class ContainerBackend(Backend):
             return None
         container.id_base = self._id_base(container)
         container.id_range = self.id_ranges.adopt(container.id_base, pid, start_time)
-        try:
-            await container.channel.ping(timeout=2.0)
-        except (TimeoutError, InternalError, OSError):
-            await self.destroy(container)
-            return None
-        return container
+        return container if await self._answers(container, 2.0) else None
 
     async def destroy(self, handle: SandboxHandle) -> None:
         container = self._own(handle)
-        with contextlib.suppress(ProcessLookupError, OSError):
-            if container.pidfd >= 0:
-                signal.pidfd_send_signal(container.pidfd, signal.SIGKILL)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(container.exited), 5.0)
-        container.release()
+        gone = await self._end(container)
         # With PID 1 gone and reaped, the pid namespace is empty: the runtime has
         # nothing left to stop, and removing its state ourselves saves a process.
-        gone = container.exited.done()
         await self._teardown(container.id, container.dir, use_runtime=not gone)
-        if container.id_range is not None:
-            # An init that would not die keeps its range (its record names it) until it does.
-            container.id_range.release(keep_holder=not gone)
-            container.id_range = None
-
-    def detach(self, handle: SandboxHandle) -> None:
-        self._own(handle).release()
+        self._give_back_ids(container, gone)
 
     def _own(self, handle: SandboxHandle) -> Container:
         if not isinstance(handle, Container):
             raise InternalError(f"sandbox {handle.id} is not a container of this backend")
         return handle
-
-    # --- pause / resume -----------------------------------------------------------
-
-    async def freeze(self, handle: SandboxHandle) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.cgroups.freeze, handle.id)
-
-    def thaw(self, handle: SandboxHandle) -> None:
-        self.cgroups.thaw(handle.id)
-
-    async def reclaim(self, handle: SandboxHandle) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.cgroups.reclaim, handle.id)
 
     async def kill_user_processes(self, handle: SandboxHandle) -> None:
         await criu.kill_user_processes(self.cgroups, handle.id)
@@ -439,12 +412,7 @@ class ContainerBackend(Backend):
         return criu.find_criu(self.host.criu_root or self.run_dir / "criu")
 
     async def checkpoint(
-        self,
-        handle: SandboxHandle,
-        dest: Path,
-        *,
-        leave_running: bool,
-        while_stopped: Callable[[], Awaitable[None]] | None = None,
+        self, handle: SandboxHandle, dest: Path, *, leave_running: bool, while_stopped: WhileStopped = None
     ) -> criu.CheckpointInfo:
         return await criu.dump(
             handle,

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsec.backends.shim import Launch, ShimChannel
+from dsec.backends.shim import Launch, ShimChannel, launch_strings
 from dsec.errors import CapacityExhausted, InternalError, InvalidRequest
 
 _FRAME = struct.Struct("<cII")
@@ -137,23 +137,13 @@ class GuestChannel(ShimChannel):
 
     def _dispatch(self, kind: bytes, ident: int, body: bytes) -> None:
         value = struct.unpack_from("<i", body)[0] if len(body) >= 4 else 0
-        if kind in (b"H", b"m", b"p"):
-            self._answer(kind, ident, value)
-        elif kind == b"R":
-            fut = self._started.pop(ident, None)
-            if fut and not fut.done():
-                fut.set_result(value)
-        elif kind == b"F":
-            fut = self._started.pop(ident, None)
-            self._exited.pop(ident, None)
-            self._drop(ident)
-            if fut and not fut.done():
-                fut.set_exception(OSError(value, os.strerror(value)))
+        if kind in (b"H", b"m"):
+            self._answer(kind, value)
         elif kind in (b"O", b"E"):
             proc = self._procs.get(ident)
             if proc is not None:
                 self._output(ident, proc.out if kind == b"O" else proc.err, body)
-        elif kind == b"X":
+        elif kind == b"X":  # reported once its output is written and its pipes closed
             if len(body) >= _EXIT.size:  # the guest's writable disk, as of this exit
                 _, full, used, inodes = _EXIT.unpack_from(body)
                 self.disk = (used, inodes, bool(full))
@@ -161,18 +151,17 @@ class GuestChannel(ShimChannel):
             if proc is not None:
                 proc.status = value
                 self._maybe_exited(ident)
+        else:  # R, F, p: as from a container's init
+            if kind == b"F":
+                self._drop(ident)
+            self._reply(kind, ident, value)
 
-    def _answer(self, kind: bytes, ident: int, value: int) -> None:
+    def _answer(self, kind: bytes, value: int) -> None:
         if kind == b"H":
             if not self.hello.done():
                 self.hello.set_result(None)
-        elif kind == b"m":
-            if self._setup is not None and not self._setup.done():
-                self._setup.set_result(value)
-        else:
-            pong = self._pongs.pop(ident, None)
-            if pong and not pong.done():
-                pong.set_result(None)
+        elif self._setup is not None and not self._setup.done():
+            self._setup.set_result(value)
 
     # --- stdio ----------------------------------------------------------------------
 
@@ -264,23 +253,13 @@ class GuestChannel(ShimChannel):
         if err:
             raise InternalError(f"the guest could not set up the sandbox: {os.strerror(err)}")
 
-    async def ping(self, timeout: float = 5.0) -> None:
-        ident = self._new_id()
-        fut: asyncio.Future[None] = self._loop.create_future()
-        self._pongs[ident] = fut
+    def _send_ping(self, ident: int) -> None:
         self._frame(b"P", ident)
-        try:
-            await asyncio.wait_for(fut, timeout)
-        finally:
-            self._pongs.pop(ident, None)
 
     async def spawn(
         self, launch: Launch, *, stdio: tuple[int, int, int], cgroup_fds: Sequence[int] = ()
     ) -> tuple[int, int, asyncio.Future[int]]:
-        env_items = [f"{k}={v}" for k, v in launch.env.items()]
-        strings = [launch.cwd, *launch.argv, *env_items]
-        if any("\0" in s for s in strings):
-            raise InvalidRequest("arguments, environment and cwd must not contain NUL bytes")
+        env_items, strings = launch_strings(launch)
         body = _SPAWN.pack(launch.uid, launch.gid, len(launch.argv), len(env_items), 0)
         body += b"".join(s.encode() + b"\0" for s in strings)
         if len(body) > 262_000:
@@ -319,29 +298,12 @@ class GuestChannel(ShimChannel):
         with contextlib.suppress(InternalError, CapacityExhausted, OSError):
             self._frame(b"K", ident, struct.pack("<i", sig))
 
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        with contextlib.suppress(Exception):
-            self._loop.remove_reader(self.sock.fileno())
+    def _unwatch(self) -> None:
         if self._writing:
             with contextlib.suppress(Exception):
                 self._loop.remove_writer(self.sock.fileno())
-        self.sock.close()
         for ident in list(self._procs):
             self._drop(ident)
-        err = InternalError("the sandbox stopped")
-        for futs in (self._started, self._exited, self._pongs):
-            for f in futs.values():
-                if not f.done():
-                    f.set_exception(err)
-                    f.exception()
-            futs.clear()
-        waiting: list[asyncio.Future[Any]] = [self.hello]
-        if self._setup is not None:
-            waiting.append(self._setup)
-        for f in waiting:
-            if not f.done():
-                f.set_exception(err)
-                f.exception()
+
+    def _more_waiting(self) -> list[asyncio.Future[Any]]:
+        return [self.hello, *([self._setup] if self._setup is not None else [])]

@@ -50,10 +50,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsec.backends.base import BackendHost, BackendUnavailable, Capability, SandboxHandle, SandboxPlan
+from dsec.backends.base import (
+    BackendHost,
+    BackendUnavailable,
+    Capability,
+    ChannelGroup,
+    SandboxHandle,
+    SandboxPlan,
+)
 from dsec.backends.container import Container, ContainerBackend
 from dsec.backends.runsc import PLATFORMS, RunscUnavailable, find_runsc, probe_platforms
-from dsec.backends.shim import ShimChannel
 from dsec.errors import InternalError, InvalidRequest
 from dsec.isolation.cgroups import CgroupHost, ExecGroup, sigkill_each
 from dsec.isolation.procs import (
@@ -77,36 +83,6 @@ def _arg(index: int, value: int) -> dict[str, object]:
     return {"index": index, "value": value, "op": "SCMP_CMP_EQ"}
 
 
-class SessionGroup(ExecGroup):
-    """An exec's group where no host cgroup can hold it: the shim signals its session."""
-
-    def __init__(self, channel: ShimChannel) -> None:
-        super().__init__(Path("/nonexistent/dsec-gvisor-exec"), -1, 0)
-        self.channel = channel
-        self.ident: int | None = None
-
-    def bind(self, ident: int) -> None:
-        self.ident = ident
-
-    def procs(self) -> list[int]:
-        return []  # none of them is a host process
-
-    def kill(self) -> None:
-        """SIGKILL the exec's process group, a few times over (what it forks meanwhile joins
-        the group); runs in a worker thread, like a cgroup kill."""
-        if self.ident is None:
-            return
-        for _ in range(20):
-            try:
-                self.channel.signal(self.ident, signal.SIGKILL)
-            except (InternalError, OSError):
-                return
-            time.sleep(0.005)
-
-    def remove(self) -> None:
-        pass
-
-
 @dataclass
 class GvisorSandbox(Container):
     """A sandbox of the gVisor backend; `pid` is its keeper (see the module's docstring)."""
@@ -124,7 +100,7 @@ class GvisorSandbox(Container):
         return None  # the profile is applied inside the sentry (--oci-seccomp)
 
     def exec_group(self, cgroups: CgroupHost, name: str) -> ExecGroup:
-        return SessionGroup(self.channel)
+        return ChannelGroup(self.channel, repeats=20)  # the shim signals the exec's session
 
 
 class GvisorBackend(ContainerBackend):
@@ -231,14 +207,7 @@ class GvisorBackend(ContainerBackend):
         edge_end, shim_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with edge_end, shim_end, open(d / "runtime.log", "wb") as logf:
             argv = [
-                str(self.shim),
-                "runsc-keep",
-                str(shim_end.fileno()),
-                str(edge_end.fileno()),
-                "1" if self.cgroups.hybrid else "0",
-                *mounts,
-                "--",
-                self.runtime,
+                *self._launcher("runsc-keep", shim_end, edge_end, mounts),
                 *self._flags(),
                 "run",
                 "--detach",
@@ -327,9 +296,7 @@ class GvisorBackend(ContainerBackend):
             await asyncio.wait_for(asyncio.shield(container.exited), 5.0)
         container.release()
         await self._teardown(container.id, container.dir)
-        if container.id_range is not None:
-            container.id_range.release(keep_holder=not container.exited.done())
-            container.id_range = None
+        self._give_back_ids(container, container.exited.done())
 
     def _kill_sandbox(self, keeper: int, sandbox_id: str) -> None:
         """SIGKILL the sentry and the gofer: the keeper's children, and whatever is in the

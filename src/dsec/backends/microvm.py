@@ -56,6 +56,7 @@ from dsec.backends.base import (
     BackendHost,
     BackendUnavailable,
     Capability,
+    ChannelGroup,
     SandboxHandle,
     SandboxPlan,
 )
@@ -77,31 +78,6 @@ QEMU_PIDS = 64  # QEMU's threads
 MAX_LAYERS = 20  # virtio-mmio transports of the microvm machine, less our other devices
 GUEST_ADDR, GUEST_GW = "192.168.127.2/30", "192.168.127.1"
 READY_TIMEOUT_S = 60.0
-
-
-class GuestGroup(ExecGroup):
-    """An exec's group inside the guest: the agent kills its guest cgroup on SIGKILL."""
-
-    def __init__(self, channel: GuestChannel) -> None:
-        super().__init__(Path("/nonexistent/dsec-microvm-exec"), -1, 0)
-        self.channel = channel
-        self.loop = asyncio.get_running_loop()
-        self.ident: int | None = None
-
-    def bind(self, ident: int) -> None:
-        self.ident = ident
-
-    def procs(self) -> list[int]:
-        return []  # none of them is a host process
-
-    def kill(self) -> None:
-        """Called from a worker thread: the channel belongs to the event loop."""
-        if self.ident is not None and not self.channel.closed:
-            with contextlib.suppress(RuntimeError):  # the loop is closing
-                self.loop.call_soon_threadsafe(self.channel.signal, self.ident, signal.SIGKILL)
-
-    def remove(self) -> None:
-        pass
 
 
 @dataclass
@@ -154,7 +130,7 @@ class MicroVm(SandboxHandle):
         return None
 
     def exec_group(self, cgroups: CgroupHost, name: str) -> ExecGroup:
-        return GuestGroup(self.channel)
+        return ChannelGroup(self.channel)  # the agent kills the exec's guest cgroup
 
     def release(self) -> None:
         """Close this process's ends (the VM keeps running)."""
@@ -419,10 +395,7 @@ class MicrovmBackend(Backend):
         base = _uid_of(pid)
         ids = self.id_ranges.adopt(base, pid, start_time) if base else None
         vm = self._attach(sandbox_id, d, guest, ids)
-        try:
-            await vm.channel.ping(timeout=5.0)
-        except (TimeoutError, InternalError, OSError):
-            await self.destroy(vm)
+        if not await self._answers(vm, 5.0):
             return None
         if paused:
             self.cgroups.freeze(sandbox_id)
@@ -430,40 +403,18 @@ class MicrovmBackend(Backend):
 
     async def destroy(self, handle: SandboxHandle) -> None:
         vm = self._own(handle)
-        with contextlib.suppress(ProcessLookupError, OSError):
-            if vm.pidfd >= 0:
-                signal.pidfd_send_signal(vm.pidfd, signal.SIGKILL)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(vm.exited), 5.0)
-        vm.release()
-        gone = vm.exited.done()
+        gone = await self._end(vm)
         self._teardown(vm.id, vm.dir)
-        if vm.id_range is not None:
-            vm.id_range.release(keep_holder=not gone)
-            vm.id_range = None
+        self._give_back_ids(vm, gone)
 
     def _teardown(self, sandbox_id: str, d: Path) -> None:
         self.cgroups.remove_sandbox(sandbox_id)  # kills what is left in it
         shutil.rmtree(d, ignore_errors=True)
 
-    def detach(self, handle: SandboxHandle) -> None:
-        self._own(handle).release()
-
     def _own(self, handle: SandboxHandle) -> MicroVm:
         if not isinstance(handle, MicroVm):
             raise InternalError(f"sandbox {handle.id} is not a microVM of this backend")
         return handle
-
-    # --- pause / resume: the host freezer on QEMU ----------------------------------------
-
-    async def freeze(self, handle: SandboxHandle) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.cgroups.freeze, handle.id)
-
-    def thaw(self, handle: SandboxHandle) -> None:
-        self.cgroups.thaw(handle.id)
-
-    async def reclaim(self, handle: SandboxHandle) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.cgroups.reclaim, handle.id)
 
     async def kill_user_processes(self, handle: SandboxHandle) -> None:
         self.require(Capability.CHECKPOINT, "restore")

@@ -14,6 +14,7 @@ import socket
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from dsec.errors import CapacityExhausted, InternalError, InvalidRequest
 
@@ -31,6 +32,16 @@ class Launch:
     cwd: str
     uid: int
     gid: int
+
+
+def launch_strings(launch: Launch) -> tuple[list[str], list[str]]:
+    """The environment as NAME=value items, and every string of a spawn message (cwd,
+    argv, environment): none may hold a NUL byte."""
+    env_items = [f"{k}={v}" for k, v in launch.env.items()]
+    strings = [launch.cwd, *launch.argv, *env_items]
+    if any("\0" in s for s in strings):
+        raise InvalidRequest("arguments, environment and cwd must not contain NUL bytes")
+    return env_items, strings
 
 
 class ShimChannel:
@@ -62,25 +73,27 @@ class ShimChannel:
             if not msg:
                 self.close()
                 return
-            kind = msg[:1]
             ident, value = _REPLY.unpack_from(msg, 1)
-            if kind == b"R":
-                fut = self._started.pop(ident, None)
-                if fut and not fut.done():
-                    fut.set_result(value)
-            elif kind == b"F":
-                fut = self._started.pop(ident, None)
-                self._exited.pop(ident, None)
-                if fut and not fut.done():
-                    fut.set_exception(OSError(value, os.strerror(value)))
-            elif kind == b"X":
-                fut = self._exited.pop(ident, None)
-                if fut and not fut.done():
-                    fut.set_result(value)
-            elif kind == b"p":
-                pong = self._pongs.pop(ident, None)
-                if pong and not pong.done():
-                    pong.set_result(None)
+            self._reply(msg[:1], ident, value)
+
+    def _reply(self, kind: bytes, ident: int, value: int) -> None:
+        """One answer of the init: R started (its pid), F failed to start (errno), X exited
+        (wait status), p pong."""
+        if kind == b"F":
+            self._exited.pop(ident, None)
+            failed = self._started.pop(ident, None)
+            if failed and not failed.done():
+                failed.set_exception(OSError(value, os.strerror(value)))
+            return
+        waiting = {b"R": self._started, b"X": self._exited}.get(kind)
+        if waiting is not None:
+            fut = waiting.pop(ident, None)
+            if fut and not fut.done():
+                fut.set_result(value)
+        elif kind == b"p":
+            pong = self._pongs.pop(ident, None)
+            if pong and not pong.done():
+                pong.set_result(None)
 
     def _send(self, data: bytes, fds: Sequence[int] = ()) -> None:
         if self.closed:
@@ -93,11 +106,14 @@ class ShimChannel:
         except BlockingIOError as e:
             raise CapacityExhausted("the sandbox's control channel is congested; retry") from e
 
+    def _send_ping(self, ident: int) -> None:
+        self._send(b"P" + struct.pack("<I", ident))
+
     async def ping(self, timeout: float = 5.0) -> None:
         ident = self._new_id()
         fut: asyncio.Future[None] = self._loop.create_future()
         self._pongs[ident] = fut
-        self._send(b"P" + struct.pack("<I", ident))
+        self._send_ping(ident)
         try:
             await asyncio.wait_for(fut, timeout)
         finally:
@@ -107,11 +123,8 @@ class ShimChannel:
         self, launch: Launch, *, stdio: tuple[int, int, int], cgroup_fds: Sequence[int] = ()
     ) -> tuple[int, int, asyncio.Future[int]]:
         """Start a process; returns (message id, pid inside, future of its wait status)."""
-        env_items = [f"{k}={v}" for k, v in launch.env.items()]
+        env_items, strings = launch_strings(launch)
         ident = self._new_id()
-        strings = [launch.cwd, *launch.argv, *env_items]
-        if any("\0" in s for s in strings):
-            raise InvalidRequest("arguments, environment and cwd must not contain NUL bytes")
         payload = b"S" + _HDR.pack(
             ident, launch.uid, launch.gid, len(launch.argv), len(env_items), len(cgroup_fds)
         )
@@ -162,11 +175,20 @@ class ShimChannel:
         self.closed = True
         with contextlib.suppress(Exception):
             self._loop.remove_reader(self.sock.fileno())
+        self._unwatch()
         self.sock.close()
-        err = InternalError("the sandbox stopped")
+        waiting = [f for futs in (self._started, self._exited, self._pongs) for f in futs.values()]
         for futs in (self._started, self._exited, self._pongs):
-            for f in futs.values():
-                if not f.done():
-                    f.set_exception(err)
-                    f.exception()  # mark retrieved: nobody may be waiting any more
             futs.clear()
+        err = InternalError("the sandbox stopped")
+        for f in [*waiting, *self._more_waiting()]:
+            if not f.done():
+                f.set_exception(err)
+                f.exception()  # mark retrieved: nobody may be waiting any more
+
+    def _unwatch(self) -> None:
+        """More to let go of when the channel closes (a subclass's)."""
+
+    def _more_waiting(self) -> list[asyncio.Future[Any]]:
+        """Futures besides the processes' and pings' that the close fails (a subclass's)."""
+        return []

@@ -84,6 +84,8 @@
 
 extern char **environ;
 
+#include "dsec-child.h"
+
 struct proc {
     uint32_t id;
     pid_t pid;               /* 0: free slot */
@@ -292,30 +294,16 @@ static int drop_capabilities(void) {
 static void child_exec(int errfd, int pin, int pout, int perr, int cgprocs, int32_t uid, int32_t gid,
                        const char *cwd, char **argv, char **envp) {
     int err = 0;
-    sigset_t none;
-    sigemptyset(&none);
-    sigprocmask(SIG_SETMASK, &none, NULL);
-    signal(SIGPIPE, SIG_DFL);
+    child_reset_signals();
     setsid();
-    if (cgprocs >= 0 && write(cgprocs, "0", 1) != 1) { err = errno; goto fail; }
-    if (dup2(pin, 0) < 0 || dup2(pout, 1) < 0 || dup2(perr, 2) < 0) { err = errno; goto fail; }
-    if (dup3(errfd, 3, O_CLOEXEC) < 0) { err = errno; goto fail; }
-    errfd = 3;
-    syscall(SYS_close_range, 4, ~0U, 0);
-    if (gid >= 0) {
-        if (setgroups(0, NULL) < 0) { err = errno; goto fail; }
-        if (setresgid(gid, gid, gid) < 0) { err = errno; goto fail; }
-    }
-    if (drop_capabilities() < 0) { err = errno; goto fail; }
-    if (uid >= 0 && setresuid(uid, uid, uid) < 0) { err = errno; goto fail; }
-    if (user_filter.len && prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &user_filter) < 0) { err = errno; goto fail; }
-    if (cwd[0] && chdir(cwd) < 0) { err = errno; goto fail; }
-    environ = envp;
-    execvp(argv[0], argv);
-    err = errno;
-fail:
-    (void)!write(errfd, &err, sizeof err);
-    _exit(127);
+    if (cgprocs >= 0 && write(cgprocs, "0", 1) != 1) err = errno;
+    if (!err) err = child_stdio(pin, pout, perr, &errfd);
+    if (!err && gid >= 0 && (setgroups(0, NULL) < 0 || setresgid(gid, gid, gid) < 0)) err = errno;
+    if (!err && drop_capabilities() < 0) err = errno;
+    if (!err && uid >= 0 && setresuid(uid, uid, uid) < 0) err = errno;
+    if (!err && user_filter.len && prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &user_filter) < 0) err = errno;
+    if (!err && cwd[0] && chdir(cwd) < 0) err = errno;
+    child_run(err, errfd, argv, envp);
 }
 
 static void handle_spawn(uint32_t id, const char *buf, uint32_t len) {

@@ -71,14 +71,16 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+extern char **environ;
+
 #include "dsec-idmap.h"
+#include "dsec-child.h"
 
 #define CTL_FD 3
 #define MAX_MSG 262144
 #define MAX_FDS 8
 #define MAX_CHILDREN 4096
 
-extern char **environ;
 
 struct child { pid_t pid; uint32_t id; };
 static struct child children[MAX_CHILDREN];
@@ -124,42 +126,25 @@ static void close_fds(int *fds, int n) {
 static void child_exec(int errfd, int *fds, int ncg, int32_t uid, int32_t gid,
                        const char *cwd, char **argv, char **envp) {
     int err = 0;
-    sigset_t none;
-    sigemptyset(&none);
-    sigprocmask(SIG_SETMASK, &none, NULL);
-    signal(SIGPIPE, SIG_DFL);
+    child_reset_signals();
     if (ignore_all) /* the init ignored every signal it could (run_init): not its children */
         for (int s = 1; s < NSIG; s++)
             if (s != SIGKILL && s != SIGSTOP) signal(s, SIG_DFL);
     setsid();
-    for (int i = 0; i < ncg; i++) {
-        if (write(fds[3 + i], "0", 1) != 1) { err = errno; goto fail; }
-    }
-    /* fds[] and errfd are all >= 5 (0-2 are /dev/null, 3-4 the control socket). */
-    for (int i = 0; i < 3; i++) {
-        if (dup2(fds[i], i) < 0) { err = errno; goto fail; }
-    }
-    /* Keep only stdio and the error pipe (at 3, close-on-exec): the control
+    for (int i = 0; i < ncg && !err; i++)
+        if (write(fds[3 + i], "0", 1) != 1) err = errno;
+    /* fds[] and errfd are all >= 5 (0-2 are /dev/null, 3-4 the control socket): the control
      * socket must never reach a sandbox process. */
-    if (dup3(errfd, 3, O_CLOEXEC) < 0) { err = errno; goto fail; }
-    errfd = 3;
-    syscall(SYS_close_range, 4, ~0U, 0);
-    if (gid >= 0) {
-        if (setgroups(0, NULL) < 0 && errno != EPERM) { err = errno; goto fail; }
-        if (setresgid(gid, gid, gid) < 0) { err = errno; goto fail; }
-    }
-    if (uid >= 0 && setresuid(uid, uid, uid) < 0) { err = errno; goto fail; }
-    if (cwd[0] && chdir(cwd) < 0) { err = errno; goto fail; }
-    if (user_nproc.rlim_cur != RLIM_INFINITY) {
+    if (!err) err = child_stdio(fds[0], fds[1], fds[2], &errfd);
+    if (!err && gid >= 0 && setgroups(0, NULL) < 0 && errno != EPERM) err = errno;
+    if (!err && gid >= 0 && setresgid(gid, gid, gid) < 0) err = errno;
+    if (!err && uid >= 0 && setresuid(uid, uid, uid) < 0) err = errno;
+    if (!err && cwd[0] && chdir(cwd) < 0) err = errno;
+    if (!err && user_nproc.rlim_cur != RLIM_INFINITY) {
         struct rlimit lim = {user_nproc.rlim_cur, user_nproc.rlim_cur};
-        if (setrlimit(RLIMIT_NPROC, &lim) < 0) { err = errno; goto fail; }
+        if (setrlimit(RLIMIT_NPROC, &lim) < 0) err = errno;
     }
-    environ = envp;
-    execvp(argv[0], argv);
-    err = errno;
-fail:
-    (void)!write(errfd, &err, sizeof err);
-    _exit(127);
+    child_run(err, errfd, argv, envp);
 }
 
 static void handle_spawn(const char *buf, ssize_t len, int *fds, int nfds) {
