@@ -1,11 +1,15 @@
 """Isolation tiers side by side (issue #13), with floors measured in the same run. As root:
 
-    .venv/bin/python bench/bench_backends.py [--n 30] [--idle 100] [--backends container,gvisor]
+    .venv/bin/python bench/bench_backends.py [--n 30] [--idle 100] [--idle-vm 8]
+        [--backends container,gvisor,microvm]
 
-Per backend: create -> first exec -> stop, exec round trip, fork x8, pause + resume, and
-host memory per idle sandbox (MemAvailable delta); floors: `runsc do true` (a gVisor
-sandbox with nothing of dsec) and `unshare ... true` (namespaces only). Prints Markdown
-for docs/benchmarks.md: read the ratios, not the absolute times (shared, noisy machines).
+Per backend: create -> first exec -> stop, exec round trip, fork x8 (where the backend
+forks), pause + resume, and host memory per idle sandbox (MemAvailable delta; microVMs:
+--idle-vm of them, each holds its guest's RAM); floors: `runsc do true` (a gVisor sandbox
+with nothing of dsec), a bare QEMU microvm boot of the guest kernel to the agent's hello
+(under the accelerator the backend uses: TCG on hosts whose KVM does not boot a guest), and
+`unshare ... true` (namespaces only). Prints Markdown for docs/benchmarks.md: read the
+ratios, not the absolute times (shared, noisy machines).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from pathlib import Path
 
 from _common import pct, row, timed_cmd  # type: ignore[import-not-found]
 
+from dsec.backends import qemu
+from dsec.backends.base import Capability
 from dsec.config import EdgeSettings
 from dsec.edge import Edge
 from dsec.models import ExecRequest, SandboxSpec
@@ -49,11 +55,13 @@ async def measure(edge: Edge, backend: str, n: int, idle: int) -> dict[str, list
         await edge.exec(sb.id, ExecRequest(cmd=["/bin/true"]))
         execs.append(time.perf_counter() - t)
     forks, pauses = [], []
+    can_fork = Capability.FORK in edge.backends[backend].capabilities
     for _ in range(max(3, n // 10)):
-        t = time.perf_counter()
-        kids = await edge.fork(sb.id, 8)
-        forks.append(time.perf_counter() - t)
-        await asyncio.gather(*(edge.stop(k.id) for k in kids))
+        if can_fork:
+            t = time.perf_counter()
+            kids = await edge.fork(sb.id, 8)
+            forks.append(time.perf_counter() - t)
+            await asyncio.gather(*(edge.stop(k.id) for k in kids))
         t = time.perf_counter()
         await edge.pause(sb.id)
         await edge.resume(sb.id)
@@ -69,7 +77,7 @@ async def measure(edge: Edge, backend: str, n: int, idle: int) -> dict[str, list
     return {"cycle": cycle, "exec": execs, "fork8": forks, "pause": pauses, "idle_bytes": per}
 
 
-async def main(n: int, idle: int, backends: list[str]) -> None:
+async def main(n: int, idle: int, idle_vm: int, backends: list[str]) -> None:
     run_dir = Path(tempfile.mkdtemp(prefix="dsec-bench-", dir="/run"))
     edge = Edge(EdgeSettings(name="bench", run_dir=run_dir, reconcile_interval_s=3600, fncall_image=""))
     await edge.start()
@@ -79,7 +87,7 @@ async def main(n: int, idle: int, backends: list[str]) -> None:
             if b not in edge.backends:
                 print(f"{b}: not available here ({edge.core.absent_backends.get(b)})")
                 continue
-            results[b] = await measure(edge, b, n, idle)
+            results[b] = await measure(edge, b, n, idle_vm if b == "microvm" else idle)
         floors = {"unshare": timed_cmd(["unshare", "-fpmniu", "--mount-proc", "true"], n)}
         gv = edge.backends.get("gvisor")
         if gv is not None:
@@ -95,6 +103,12 @@ async def main(n: int, idle: int, backends: list[str]) -> None:
             ]
             floors["runsc do true"] = timed_cmd(argv, n)
             shutil.rmtree(state, ignore_errors=True)
+        vm = edge.backends.get("microvm")
+        if vm is not None:
+            boots = [qemu.time_to_hello(vm.base, kvm=vm.kvm, timeout=120) for _ in range(max(3, n // 5))]
+            floors[f"qemu -M microvm boot to hello ({'kvm' if vm.kvm else 'tcg'})"] = [
+                b for b in boots if b is not None
+            ]
     finally:
         await edge.close()
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -109,11 +123,23 @@ async def main(n: int, idle: int, backends: list[str]) -> None:
         for b, res in results.items():
             xs = res[what]
             assert isinstance(xs, list)
+            if not xs:
+                lines.append(f"| {b}: {label} | unsupported | | |")
+                continue
             ref = base[what] if base else None
             lines.append(row(f"{b}: {label}", xs, pct(ref, 0.5) if isinstance(ref, list) else None))
     for name, xs in floors.items():
         lines.append(row(f"floor: {name}", xs))
     lines.append("")
+    vm_res = results.get("microvm")
+    vm_floor = next((xs for name, xs in floors.items() if name.startswith("qemu")), None)
+    if vm_res and vm_floor:
+        cyc = vm_res["cycle"]
+        assert isinstance(cyc, list)
+        lines.append(
+            f"- microvm create -> exec -> stop p50 is {pct(cyc, 0.5) / pct(vm_floor, 0.5):.2f}x a bare "
+            "QEMU boot of its kernel to the agent's hello (it restores a template VM instead of booting)"
+        )
     gv_res, floor = results.get("gvisor"), floors.get("runsc do true")
     if gv_res and floor:
         cyc = gv_res["cycle"]
@@ -134,8 +160,9 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=30)
     ap.add_argument("--idle", type=int, default=100)
-    ap.add_argument("--backends", default="container,gvisor")
+    ap.add_argument("--idle-vm", type=int, default=8)
+    ap.add_argument("--backends", default="container,gvisor,microvm")
     a = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("run as root")
-    asyncio.run(main(a.n, a.idle, a.backends.split(",")))
+    asyncio.run(main(a.n, a.idle, a.idle_vm, a.backends.split(",")))

@@ -78,6 +78,7 @@ QEMU_PIDS = 64  # QEMU's threads
 MAX_LAYERS = 20  # virtio-mmio transports of the microvm machine, less our other devices
 GUEST_ADDR, GUEST_GW = "192.168.127.2/30", "192.168.127.1"
 READY_TIMEOUT_S = 60.0
+MAX_TEMPLATES = 16  # saved template VMs kept on disk (~100 MB each), the most recently used
 
 
 @dataclass
@@ -169,6 +170,8 @@ class MicrovmBackend(Backend):
             raise BackendUnavailable(str(e)) from e
         self.vms_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.base = qemu.GuestImage(binary, vmlinuz, initrd, ())
+        boot = f"{vmlinuz.name}:{initrd.name}:{binary.stat().st_mtime_ns}"
+        self._boot_key = hashlib.sha256(boot.encode()).hexdigest()[:12]
         self.kvm, why = qemu.probe_kvm(self.base, root / "probe")
         if not self.kvm:
             log.warning("microvm: running guests under TCG emulation (slow): %s", why)
@@ -282,8 +285,11 @@ class MicrovmBackend(Backend):
         sizes = ",".join(str(p.stat().st_size) for p in (*image.layers, blank))
         shape = f"{image.vmlinuz.name}:{image.initrd.name}:{sizes}:{mem_mb}:{cpus}:{self.kvm}"
         key = hashlib.sha256(shape.encode()).hexdigest()[:20]
-        target = self.templates_dir / f"{key}.state"
+        # named by the boot files too: a new agent or kernel makes the older ones stale
+        target = self.templates_dir / f"{self._boot_key}-{key}.state"
         if target.exists():
+            with contextlib.suppress(OSError):
+                os.utime(target)  # in use: the last to be evicted
             return target
         lock = self._template_locks.setdefault(key, asyncio.Lock())
         async with lock:
@@ -308,6 +314,7 @@ class MicrovmBackend(Backend):
                         await guest.qmp.save(f.fileno())
                     os.chmod(tmp, 0o600)
                     tmp.replace(target)
+                    self._evict_templates(keep=target)
                 finally:
                     await guest.kill()
                 log.info("microvm: template %s (%s) made in %.2f s", key, shape, time.perf_counter() - t)
@@ -315,6 +322,16 @@ class MicrovmBackend(Backend):
                 ids.release()
                 shutil.rmtree(d, ignore_errors=True)
         return target
+
+    def _evict_templates(self, keep: Path) -> None:
+        """Templates are ~100 MB each: drop those of other boot files (an upgrade) and all
+        but the MAX_TEMPLATES most recently used."""
+        with contextlib.suppress(OSError):
+            states = sorted(self.templates_dir.glob("*.state"), key=lambda p: p.stat().st_mtime, reverse=True)
+            current = [p for p in states if p.name.startswith(f"{self._boot_key}-")]
+            for stale in [p for p in states if p not in current] + current[MAX_TEMPLATES:]:
+                if stale != keep:
+                    stale.unlink(missing_ok=True)
 
     async def _route_guest(self, vm: MicroVm) -> None:
         """QEMU's namespace: tap0 is the guest's gateway; what the guest sends leaves by

@@ -515,6 +515,37 @@ async def connect_vm(d: Path, pid: int, pidfd: int, nlower: int, timeout: float 
     return GuestVm(pid, pidfd, GuestChannel(sock), q, d, nlower)
 
 
+def time_to_hello(image: GuestImage, *, kvm: bool, timeout: float) -> float | None:
+    """Seconds from starting QEMU to the agent's hello, with no disks (the boot floor of a
+    guest: kernel, initramfs, modules, the port); None if it did not come within `timeout`."""
+    with tempfile.TemporaryDirectory(prefix="dsec-boot-") as tmp:
+        d = Path(tmp)
+        socks = [_listener(d / "ctl.sock"), _listener(d / "qmp.sock")]
+        argv = vm_argv(
+            image.qemu, vmlinuz=image.vmlinuz, initrd=image.initrd, disks=[], ctl=socks[0].fileno(),
+            qmp=socks[1].fileno(), memory_mb=128, cpus=1, kvm=kvm, console=d / "console.log",
+        )  # fmt: skip
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            pass_fds=[s.fileno() for s in socks],
+        )  # fmt: skip
+        for s in socks:
+            s.close()
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as c:
+                c.settimeout(timeout)
+                c.connect(str(d / "ctl.sock"))
+                if c.recv(1) == b"H":
+                    return time.perf_counter() - t0
+        except OSError:
+            pass
+        finally:
+            proc.kill()
+            proc.wait()
+    return None
+
+
 def probe_kvm(image: GuestImage, state: Path, timeout: float = 10.0) -> tuple[bool, str]:
     """Whether a guest really boots under KVM here (to the agent's hello within `timeout`),
     and why not; probed once per host boot, kernel and initramfs (cached in `state`). A
@@ -529,31 +560,7 @@ def probe_kvm(image: GuestImage, state: Path, timeout: float = 10.0) -> tuple[bo
         if cached["key"] == key:
             return bool(cached["works"]), str(cached["why"])
     state.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".kvm-", dir=state) as tmp:
-        d = Path(tmp)
-        socks = [_listener(d / "ctl.sock"), _listener(d / "qmp.sock")]
-        argv = vm_argv(
-            image.qemu, vmlinuz=image.vmlinuz, initrd=image.initrd, disks=[], ctl=socks[0].fileno(),
-            qmp=socks[1].fileno(), memory_mb=128, cpus=1, kvm=True, console=d / "console.log",
-        )  # fmt: skip
-        proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            pass_fds=[s.fileno() for s in socks],
-        )  # fmt: skip
-        for s in socks:
-            s.close()
-        works = False
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as c:
-                c.settimeout(timeout)
-                c.connect(str(d / "ctl.sock"))
-                with contextlib.suppress(OSError):
-                    works = c.recv(1) == b"H"
-        except OSError:
-            pass
-        finally:
-            proc.kill()
-            proc.wait()
+    works = time_to_hello(image, kvm=True, timeout=timeout) is not None
     why = "" if works else f"a guest did not boot under KVM within {timeout:.0f} s"
     with contextlib.suppress(OSError):
         tmp_cache = cache.with_suffix(f".{os.getpid()}")
