@@ -207,6 +207,7 @@ async def test_an_edge_restart_adopts_microvms_and_stop_leaves_nothing(python_im
             if not Path(f"/proc/{handle.pid}").exists():
                 break
             await asyncio.sleep(0.05)
+        assert not Path(f"/proc/{handle.pid}").exists()  # killed and reaped: no zombie left
         assert _host_leftovers(e, orphan.id) == []
     finally:
         await e.close()

@@ -223,6 +223,7 @@ class MicrovmBackend(Backend):
                 confine=(self.shim, ids.base), place=lambda pid: self.cgroups.join(plan.id, pid),
             )  # fmt: skip
             vm = self._attach(plan.id, d, guest, ids)
+            (d / "pid").write_text(str(vm.pid))  # for the reconciler (remove_orphan)
             ids.bind(vm.pid, vm.start_time)
             with open(state, "rb") as f:
                 await guest.qmp.restore(f.fileno())
@@ -444,7 +445,23 @@ class MicrovmBackend(Backend):
         return set()
 
     async def remove_orphan(self, sandbox_id: str) -> None:
+        """Kill and remove a VM no record claims: its QEMU dies with its cgroups; if it is
+        this process's child (a record lost, not an edge restart), it is reaped too."""
+        pid = None
+        with contextlib.suppress(OSError, ValueError):
+            pid = int((self.vms_dir / sandbox_id / "pid").read_text())
+        if pid is not None and pid not in self.cgroups.procs(sandbox_id):
+            pid = None  # only a process still in the sandbox's cgroup is its QEMU
         self._teardown(sandbox_id, self.vms_dir / sandbox_id)
+        if pid is not None:
+            for _ in range(100):
+                try:
+                    if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                        break
+                except ChildProcessError:
+                    break  # not ours: its parent reaps it
+                await asyncio.sleep(0.01)
+            _awaited.discard(pid)
 
 
 def _uid_of(pid: int) -> int | None:
