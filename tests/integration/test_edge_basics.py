@@ -99,7 +99,7 @@ async def test_files(edge):
     sb = await edge.create(SandboxSpec(image="python"))
     await edge.write_file(sb.id, "/work/deep/a.txt", b"hi there", 0o600)
     assert await edge.read_file(sb.id, "/work/deep/a.txt") == b"hi there"
-    st = edge.stat_file(sb.id, "/work/deep/a.txt")
+    st = await edge.stat_file(sb.id, "/work/deep/a.txt")
     assert (st.type, st.size, st.mode, st.uid) == ("file", 8, 0o600, 0)
     r = await run(edge, sb.id, "stat -c '%U %a' /work/deep/a.txt; cat /work/deep/a.txt")
     assert r.stdout == "root 600\nhi there"

@@ -517,7 +517,7 @@ async def test_file_api_escapes_refused(edge, backend, host_canary):
     # Delete, stat through the same links: never touch the host.
     for p in ["/work/l1", "/work/l2", "/work/l7", f"/work/{up}tmp/{name}", f"/work/d/up/tmp/{name}"]:
         with contextlib.suppress(*ok):
-            edge.stat_file(sb.id, p)
+            await edge.stat_file(sb.id, p)
         with contextlib.suppress(*ok):
             await edge.delete_file(sb.id, p)
     # Through a link to /, the delete hits the sandbox's own /tmp/<name> (written above), not the host's.

@@ -50,7 +50,7 @@ async def _run(edge, sid: str, cmd: str, **kw) -> str:
 async def test_the_backend_is_listed_with_its_accelerator_and_capabilities(edge):
     info = {b.name: b for b in edge.status().backend_info}
     vm = info["microvm"]
-    assert vm.available and set(vm.capabilities) == {"exec", "network", "pause"}
+    assert vm.available and set(vm.capabilities) == {"exec", "files", "network", "pause"}
     # KVM only where a guest really boots under it (not on this host): otherwise TCG, said so
     assert vm.accelerated == vm.detail["accelerator"].startswith("kvm")
     if not vm.accelerated:
@@ -105,8 +105,6 @@ async def test_what_a_microvm_cannot_do_is_refused_by_name(edge):
     sb = await edge.create(VM)
     bg = await _run(edge, sb.id, "sleep 300 > /dev/null 2>&1 & echo $!")
     for op, call in [
-        ("file operations", lambda: edge.read_file(sb.id, "/etc/passwd")),
-        ("file operations", lambda: edge.write_file(sb.id, "/work/x", b"x")),
         ("sessions", lambda: edge.session_create(sb.id, SessionCreate(kind=SessionKind.BASH))),
         ("checkpoint", lambda: edge.checkpoint(sb.id)),
         ("snapshot", lambda: edge.snapshot(sb.id)),
@@ -129,6 +127,71 @@ async def test_what_a_microvm_cannot_do_is_refused_by_name(edge):
         await edge.create(SandboxSpec(image="python", backend="microvm", protected_paths=["/grader"]))
     assert set(edge.sandboxes) == before
     assert await _run(edge, sb.id, f"kill -0 {bg.strip()} && echo alive") == "alive\n"
+
+
+async def test_the_file_api_works_through_the_guest(edge):
+    """The edge cannot mount a guest's disk: every file operation is a process inside, with
+    the host implementation's results and errors."""
+    sb = await edge.create(VM)
+    await edge.write_file(sb.id, "/work/deep/a b.txt", b"hello\nworld\n", 0o640)
+    assert await edge.read_file(sb.id, "/work/deep/a b.txt") == b"hello\nworld\n"
+    assert await edge.edit_file(sb.id, "/work/deep/a b.txt", "world", "there") == len("hello\nthere\n")
+    st = await edge.stat_file(sb.id, "/work/deep/a b.txt")
+    assert (st.type, st.size, st.mode, st.uid, st.name) == ("file", 12, 0o640, 0, "a b.txt")
+    assert await _run(edge, sb.id, "cat '/work/deep/a b.txt'; stat -c %a '/work/deep/a b.txt'") == (
+        "hello\nthere\n640\n"
+    )
+    await _run(edge, sb.id, "mkdir /work/deep/sub && ln -s /etc/hostname /work/deep/link")
+    names = [(e.name, e.type) for e in await edge.list_dir(sb.id, "/work/deep")]
+    assert names == [("a b.txt", "file"), ("link", "symlink"), ("sub", "dir")]
+    with pytest.raises(errors.EditMismatch):
+        await edge.edit_file(sb.id, "/work/deep/a b.txt", "nowhere", "x")
+    with pytest.raises(errors.FileNotFound):
+        await edge.read_file(sb.id, "/work/missing")
+    with pytest.raises(errors.InvalidRequest, match="is a directory"):
+        await edge.read_file(sb.id, "/work/deep")
+    with pytest.raises(errors.InvalidRequest, match="is a directory"):
+        await edge.write_file(sb.id, "/work/deep", b"x")
+    with pytest.raises(errors.Conflict, match="recursive"):
+        await edge.delete_file(sb.id, "/work/deep")
+    tar = await edge.download_tar(sb.id, "/work/deep")
+    await edge.upload_tar(sb.id, "/work/copy", tar)
+    assert await edge.read_file(sb.id, "/work/copy/a b.txt") == b"hello\nthere\n"
+    await edge.delete_file(sb.id, "/work/deep", recursive=True)
+    with pytest.raises(errors.FileNotFound):
+        await edge.stat_file(sb.id, "/work/deep")
+    # a file larger than a read returns is a clear 413, and the guest's disk quota an ENOSPC 4xx
+    await _run(edge, sb.id, "head -c 70000000 /dev/zero > /work/big")
+    with pytest.raises(errors.PayloadTooLarge):
+        await edge.read_file(sb.id, "/work/big")
+    small = await edge.create(SandboxSpec(image="python", backend="microvm", memory_mb=256, disk_mb=8))
+    with pytest.raises(errors.QuotaExceeded):
+        await edge.write_file(small.id, "/work/x", b"x" * (16 << 20))
+    # a sandbox of another user: new files are that user's
+    user = await edge.create(SandboxSpec(image="python", backend="microvm", memory_mb=256, user="1000:1000"))
+    await edge.write_file(user.id, "/tmp/mine", b"x")
+    assert (await edge.stat_file(user.id, "/tmp/mine")).uid == 1000
+
+
+async def test_a_sandbox_that_replaces_the_tools_only_fools_itself(edge):
+    """The file API's processes are the image's tools: a sandbox may replace them (they are
+    its own files), which changes what it is told about its own files and nothing else; a
+    tool printing garbage is a 4xx naming the tool, never a 500 or a hang."""
+    sb = await edge.create(VM)
+    await _run(
+        edge,
+        sb.id,
+        "printf '#!/bin/sh\\nprintf \"garbage\\\\0%%0100000d\" 0\\n' > /usr/local/bin/find && "
+        "chmod +x /usr/local/bin/find && printf '#!/bin/sh\\necho lies\\n' > /usr/local/bin/cat && "
+        "chmod +x /usr/local/bin/cat",
+    )
+    with pytest.raises(errors.InvalidRequest, match="find"):
+        await edge.list_dir(sb.id, "/work")
+    with pytest.raises(errors.InvalidRequest, match="find"):
+        await edge.stat_file(sb.id, "/work")
+    assert await edge.read_file(sb.id, "/etc/hostname") == b"lies\n"  # its own business
+    other = await edge.create(VM)
+    assert await edge.read_file(other.id, "/etc/hostname") != b"lies\n"
 
 
 async def test_network_policy_reaches_the_guest_through_its_tap(edge):

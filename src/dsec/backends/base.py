@@ -208,6 +208,9 @@ class Backend(ABC):
     # network policy's inner table hooks there): output for processes in it, forward for a
     # VM's guest behind a tap
     net_hook: ClassVar[str] = "output"
+    # whether the host reaches the sandbox's files (`handle.open_root()`); if not (a VM's
+    # files are in a disk only its kernel mounts), the edge's file API runs processes inside
+    host_files: ClassVar[bool] = True
 
     def require(self, capability: Capability, operation: str | None = None) -> None:
         """Refuse `operation` unless this backend declares `capability`."""

@@ -30,10 +30,11 @@ nothing leaves the namespace.
 KVM: used where a guest really boots under it (probed once per host boot, qemu.probe_kvm);
 otherwise TCG emulation, reported as `accelerated: false`.
 
-Not supported (each answers `unsupported_operation`): file operations through the host
-(the writable layer is a disk only the guest kernel mounts: the host never parses a file
-system a guest wrote), snapshots and forks, memory checkpoints, sessions, trusted execs,
-verify and protected paths, telemetry counters.
+Files: the writable layer is a disk only the guest kernel mounts (the host never parses a
+file system a guest wrote), so the edge's file API runs the image's own tools inside
+(dsec.edge.guestfiles). Not supported (each answers `unsupported_operation`): snapshots and
+forks, memory checkpoints, sessions, trusted execs, verify and protected paths, telemetry
+counters.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from dsec.backends.base import (
     SandboxPlan,
 )
 from dsec.backends.guestchannel import GuestChannel
-from dsec.errors import InternalError, InvalidRequest, UnsupportedOperation
+from dsec.errors import InternalError, InvalidRequest
 from dsec.isolation import linux
 from dsec.isolation.cgroups import CgroupHost, ExecGroup
 from dsec.isolation.idranges import IdRange
@@ -112,12 +113,7 @@ class MicroVm(SandboxHandle):
         return f"{why}; console: {console}" if console else why
 
     def open_root(self) -> int:
-        raise UnsupportedOperation(
-            "the microvm backend does not support file operations through the host",
-            reason="backend",
-            backend="microvm",
-            operation="file operations",
-        )
+        raise InternalError("a microVM's files are reached through its guest (MicrovmBackend.host_files)")
 
     def writable_layer(self) -> Path:
         return self.dir / "rw.ext4"
@@ -148,8 +144,9 @@ class MicrovmBackend(Backend):
     """Creates, adopts, pauses and destroys microVM sandboxes on this node."""
 
     name = "microvm"
-    capabilities = frozenset({Capability.EXEC, Capability.PAUSE, Capability.NETWORK})
+    capabilities = frozenset({Capability.EXEC, Capability.FILES, Capability.PAUSE, Capability.NETWORK})
     net_hook = "forward"  # the guest's packets are forwarded from tap0
+    host_files = False  # the file API runs processes in the guest (dsec.edge.guestfiles)
     dir_name = "microvm"
 
     def __init__(self, host: BackendHost) -> None:

@@ -301,8 +301,12 @@ class Qmp:
                 await asyncio.sleep(0.002)
         reader, writer = await asyncio.open_unix_connection(sock=sock)
         q = cls(reader, writer, sock)
-        await asyncio.wait_for(reader.readline(), timeout)  # the greeting
-        await q.cmd("qmp_capabilities")
+        try:
+            await asyncio.wait_for(reader.readline(), timeout)  # the greeting
+            await q.cmd("qmp_capabilities")
+        except BaseException:  # QEMU died, or the create was cancelled (an edge closing)
+            q.close()
+            raise
         return q
 
     async def cmd(self, name: str, args: dict[str, Any] | None = None, fd: int | None = None) -> Any:

@@ -341,7 +341,7 @@ class EdgeExec(EdgePart):
         action = {"op": "write", "path": req.path, "sha256": digest, "size": len(data), "mode": req.mode}
 
         async def run() -> dict[str, Any]:
-            await sb.files.write_charged(req.path, data, req.mode)
+            await (sb.guest or sb.files).write_charged(req.path, data, req.mode)
             return {}
 
         await self._logged(sb, "file", action, req.step, run)
@@ -352,7 +352,7 @@ class EdgeExec(EdgePart):
         action = {"op": "edit", "path": req.path, "old": req.old, "new": req.new}
 
         async def run() -> dict[str, Any]:
-            return {"size": await sb.files.edit(req.path, req.old, req.new)}
+            return {"size": await (sb.guest or sb.files).edit(req.path, req.old, req.new)}
 
         obs, _, _ = await self._logged(sb, "file", action, req.step, run)
         return int(obs["size"])

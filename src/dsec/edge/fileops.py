@@ -48,29 +48,39 @@ class EdgeFiles:
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
         sb = self._with_files(sandbox_id)
         with self._active(sb):
+            if sb.guest is not None:
+                return await sb.guest.read(path)
             return await sb.files.run(lambda f: f.read(path))
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes, mode: int = 0o644) -> None:
         sb = self._with_files(sandbox_id)
         with self._active(sb):
-            await sb.files.write_charged(path, data, mode)
+            await (sb.guest or sb.files).write_charged(path, data, mode)
 
     async def edit_file(self, sandbox_id: str, path: str, old: str, new: str) -> int:
         sb = self._with_files(sandbox_id)
         with self._active(sb):
-            return await sb.files.edit(path, old, new)
+            return await (sb.guest or sb.files).edit(path, old, new)
 
-    def stat_file(self, sandbox_id: str, path: str) -> FileStat:
-        return self._with_files(sandbox_id).files.stat(path)
+    async def stat_file(self, sandbox_id: str, path: str) -> FileStat:
+        sb = self._with_files(sandbox_id)
+        if sb.guest is not None:
+            with self._active(sb):
+                return await sb.guest.stat(path)
+        return sb.files.stat(path)
 
     async def list_dir(self, sandbox_id: str, path: str) -> builtins.list[FileStat]:
         sb = self._with_files(sandbox_id)
         with self._active(sb):
+            if sb.guest is not None:
+                return await sb.guest.list(path)
             return await sb.files.run(lambda f: f.list(path))
 
     async def delete_file(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
         sb = self._with_files(sandbox_id)
         with self._active(sb):
+            if sb.guest is not None:
+                return await sb.guest.delete(path, recursive)
             await sb.files.run(lambda f: f.delete(path, recursive))
 
     async def upload_tar(self, sandbox_id: str, path: str, data: bytes) -> None:
@@ -78,7 +88,7 @@ class EdgeFiles:
         charged to it); the archive is checked off the event loop first."""
         sb = self._with_files(sandbox_id)
 
-        def check(f: SandboxFiles) -> None:
+        def check(f: SandboxFiles | None = None) -> None:
             try:
                 with tarfile.open(fileobj=io.BytesIO(data)) as tf:
                     for n, _ in enumerate(tf, 1):
@@ -88,10 +98,15 @@ class EdgeFiles:
                             )
             except (tarfile.TarError, EOFError) as e:
                 raise errors.InvalidRequest(f"upload is not a readable tar archive: {e}") from e
-            f._mkdirs(path)
+            if f is not None:
+                f._mkdirs(path)
 
         with self._active(sb):
-            await sb.files.run(check)
+            if sb.guest is not None:
+                await off_loop(check)
+                await sb.guest.mkdirs(path)
+            else:
+                await sb.files.run(check)
             tar = ExecRequest(
                 cmd=["tar", "-x", "-C", path, "-f", "-"], cwd="/", timeout=600, max_output_bytes=65536
             )
@@ -106,6 +121,8 @@ class EdgeFiles:
         capped at MAX_ARCHIVE bytes of file data (a sparse or huge file: a clear 413)."""
         sb = self._with_files(sandbox_id)
         with self._active(sb):
+            if sb.guest is not None:
+                return await sb.guest.archive(path)
             return await sb.files.run(lambda f: f.archive(path))
 
     async def download_tar(self, sandbox_id: str, path: str) -> bytes:

@@ -23,6 +23,7 @@ from dsec.backends import registry
 from dsec.backends.base import Backend, Capability, SandboxHandle, SandboxPlan
 from dsec.edge.core import EdgeCore, EdgePart
 from dsec.edge.files import SandboxFiles
+from dsec.edge.guestfiles import GuestFiles
 from dsec.edge.pools import WarmPools
 from dsec.edge.process import RawResult
 from dsec.edge.sandbox import Sandbox, _chain
@@ -228,10 +229,10 @@ class EdgeLifecycle(EdgePart):
             )
             try:
                 sb = self._open_sandbox(record, backend, handle)
-                if sb.root_fd >= 0:
+                if sb.guest is not None:
+                    await sb.guest.mkdirs(spec.workdir)
+                else:
                     sb.files._mkdirs(spec.workdir)
-                else:  # no file access from the host (a microVM): the guest makes it
-                    await self._in_guest(sb, ["mkdir", "-p", "--", spec.workdir])
                 if spec.network is not None:
                     await self._apply_network(sb, spec.network)
                 self.store.put(record)
@@ -254,7 +255,7 @@ class EdgeLifecycle(EdgePart):
 
     def _open_sandbox(self, record: Record, backend: Backend, handle: SandboxHandle) -> Sandbox:
         # A backend without host file access (a microVM's files are in its guest) has no root.
-        root_fd = handle.open_root() if Capability.FILES in backend.capabilities else -1
+        root_fd = handle.open_root() if backend.host_files else -1
         try:
             base = handle.id_base  # the sandbox's own host id range
             files = SandboxFiles(
@@ -271,6 +272,8 @@ class EdgeLifecycle(EdgePart):
                 os.close(root_fd)
             raise
         sb = Sandbox(record, backend, handle, root_fd, files, uid, gid, home)
+        if root_fd < 0 and Capability.FILES in backend.capabilities:
+            sb.guest = GuestFiles(lambda req, data, cap: self._run(sb, req, stdin=data, cap=cap), uid, gid)
         self._track_denials(sb)
         return sb
 
@@ -404,21 +407,11 @@ class EdgeLifecycle(EdgePart):
 
     async def _apply_network(self, sb: Sandbox, policy: NetworkPolicy, *, check: bool = True) -> None:
         timings = await self.net.apply(sb.id, sb.handle.pid, policy, check=check, hook=sb.backend.net_hook)
-        if sb.root_fd >= 0:
-            sb.files.write("/etc/resolv.conf", self.net.resolv_conf().encode())
+        if sb.guest is not None:
+            await sb.guest.write_charged("/etc/resolv.conf", self.net.resolv_conf().encode())
         else:
-            write = ["/bin/sh", "-c", 'cat > "$0"', "/etc/resolv.conf"]
-            await self._in_guest(sb, write, self.net.resolv_conf())
+            sb.files.write("/etc/resolv.conf", self.net.resolv_conf().encode())
         sb.handle.timings_ms.update({f"network_{k}": v for k, v in timings.items()})
-
-    async def _in_guest(self, sb: Sandbox, argv: list[str], stdin: str | None = None) -> None:
-        """A platform step done by a process inside the sandbox, as its root (for backends
-        whose files the host cannot reach)."""
-        req = ExecRequest(cmd=argv, cwd="/", user="0", timeout=60, max_output_bytes=4096)
-        res = await self._run(sb, req, stdin=stdin.encode() if stdin is not None else None)
-        if res.exit_code != 0:
-            msg = (res.stderr or res.stdout).decode(errors="replace").strip()[-300:]
-            raise errors.InvalidRequest(f"{' '.join(argv[:2])} failed in the sandbox: {msg}")
 
     async def set_network(self, sandbox_id: str, policy: NetworkPolicy | None) -> dict[str, Any]:
         """Replace a running sandbox's egress allowlist atomically (None: detach it, back to

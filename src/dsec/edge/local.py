@@ -87,7 +87,7 @@ class LocalEdge(EdgeAPI):
 
     async def stat_file(self, sid: str, path: str, projects: Projects) -> wire.FileStat:
         self._check(sid, projects)
-        return self.edge.stat_file(sid, path)
+        return await self.edge.stat_file(sid, path)
 
     async def list_dir(self, sid: str, path: str, projects: Projects) -> builtins.list[wire.FileStat]:
         self._check(sid, projects)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from dsec.backends.base import Backend, SandboxHandle
 from dsec.edge.files import SandboxFiles
+from dsec.edge.guestfiles import GuestFiles
 from dsec.edge.sessions import Session
 from dsec.edge.store import Record
 from dsec.models import SandboxInfo
@@ -42,6 +43,8 @@ class Sandbox:
     audit_session: int | None = None  # kernel audit session of all its processes
     disk_was_full: bool = False
     busy: int = 0  # operations in flight (execs, session runs, file ops): the idle reaper skips it
+    # the file API through processes inside, where the host cannot reach the files (root_fd -1)
+    guest: GuestFiles | None = None
 
     @property
     def id(self) -> str:

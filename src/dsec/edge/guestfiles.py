@@ -1,0 +1,200 @@
+"""The file API of a sandbox whose files the host cannot reach (a microVM: its writable
+layer is a disk only its own kernel mounts, and the host never parses a file system a guest
+wrote). Each operation is a process inside the sandbox, started like an exec as its root:
+the image's own coreutils, findutils and tar, whose output comes back through the backend's
+channel. What a sandbox could make them say is what it could have written into its files
+anyway, so nothing here is trusted beyond that: sizes are capped on the host side, names
+travel NUL-separated, paths are argv (never shell text).
+
+The semantics follow `dsec.edge.files.SandboxFiles` (the host-side implementation): the
+same errors for the same conditions, listings sorted and capped, deletes that refuse a
+non-empty directory without `recursive`, archives capped, new files owned by the sandbox's
+user."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Awaitable, Callable
+from pathlib import PurePosixPath
+from typing import IO
+
+from dsec import errors
+from dsec.edge.files import MAX_LIST, MAX_READ, _norm
+from dsec.edge.process import RawResult
+from dsec.models import ExecRequest, FileStat
+
+Runner = Callable[[ExecRequest, bytes | None, int], Awaitable[RawResult]]
+
+# `find -printf` of one entry: type, size, permission bits (octal), mtime, uid, gid, name
+_STAT = r"%y\t%s\t%m\t%T@\t%U\t%G\t%f\0"
+_TYPES = {"f": "file", "d": "dir", "l": "symlink"}
+_WRITE = (
+    'set -e; umask 022; mkdir -p -- "$(dirname -- "$1")"; '
+    'if [ -d "$1" ] && [ ! -L "$1" ]; then echo "$1: Is a directory" >&2; exit 1; fi; '
+    'cat > "$1"; chmod "$2" -- "$1"; [ "$3" = 0:0 ] || chown -h -- "$3" "$1"'
+)
+_DELETE = (
+    'if [ -d "$1" ] && [ ! -L "$1" ]; then '
+    'if [ "$2" = 1 ]; then exec rm -rf --one-file-system -- "$1"; else exec rmdir -- "$1"; fi; '
+    'else exec rm -- "$1"; fi'
+)
+
+
+def _error(res: RawResult, path: str) -> errors.DsecError:
+    """What a tool's failure means, in the host implementation's terms."""
+    msg = res.stderr.decode(errors="replace").strip()
+    if "No such file" in msg:
+        return errors.FileNotFound(f"{path} does not exist in the sandbox")
+    if "Is a directory" in msg:
+        return errors.InvalidRequest(f"{path} is a directory; give a file path")
+    if "Not a directory" in msg:
+        return errors.InvalidRequest(f"a parent of {path} is not a directory")
+    if "Directory not empty" in msg:
+        return errors.Conflict(f"{path} is a non-empty directory; pass recursive=true")
+    if "No space left" in msg or "Disk quota" in msg:
+        return errors.QuotaExceeded(f"no space left writing {path}: the sandbox's disk_mb is full")
+    if "Permission denied" in msg or "Operation not permitted" in msg or "Read-only" in msg:
+        return errors.Forbidden(f"permission denied on {path}")
+    if "Too many levels of symbolic links" in msg:
+        return errors.PathEscape(f"{path} resolves through a link that loops")
+    return errors.InvalidRequest(f"{path}: {msg[-300:] or f'exit code {res.exit_code}'}")
+
+
+def _stat(fields: bytes, path: str | None = None) -> FileStat:
+    """One `find -printf _STAT` entry: the stat of `path`, or of the entry it names in
+    directory `path` (with `path` its parent: a listing)."""
+    try:
+        kind, size, mode, mtime, uid, gid, name = fields.decode(errors="surrogateescape").split("\t", 6)
+        return _file_stat(kind, int(size), int(mode, 8), float(mtime), int(uid), int(gid), name, path)
+    except ValueError as e:  # the image's find is not GNU find, or something replaced it
+        raise errors.InvalidRequest(
+            f"the sandbox's find printed {fields[:80]!r}, not a file's metadata; "
+            "the file API needs GNU findutils in the image"
+        ) from e
+
+
+def _file_stat(
+    kind: str, size: int, mode: int, mtime: float, uid: int, gid: int, name: str, path: str | None
+) -> FileStat:
+    return FileStat(
+        path=path if path is not None else name,
+        name=PurePosixPath(path).name or "/" if path is not None else name,
+        type=_TYPES.get(kind, "other"),  # type: ignore[arg-type]
+        size=size,
+        mode=mode,
+        mtime=mtime,
+        uid=uid,
+        gid=gid,
+    )
+
+
+class GuestFiles:
+    """The file API through processes inside the sandbox (see the module)."""
+
+    def __init__(self, run: Runner, uid: int, gid: int) -> None:
+        self._run = run  # an exec as the sandbox's root: (request, stdin, output cap) -> result
+        self.uid, self.gid = uid, gid  # owner of new files: the sandbox's user
+
+    async def _tool(
+        self, argv: list[str], path: str, stdin: bytes | None = None, cap: int = 65536
+    ) -> RawResult:
+        req = ExecRequest(cmd=argv, cwd="/", user="0", timeout=600)
+        res = await self._run(req, stdin, cap)  # the cap of both output streams
+        if res.timed_out:
+            raise errors.InvalidRequest(f"the file operation on {path} did not finish in time")
+        if res.exit_code != 0 and not res.truncated:  # (a tool stopped at the cap: the caller says)
+            raise _error(res, path)
+        return res
+
+    async def read(self, path: str, max_bytes: int = MAX_READ) -> bytes:
+        path = _norm(path)
+        res = await self._tool(["cat", "--", path], path, cap=max_bytes)
+        if res.truncated:
+            raise errors.PayloadTooLarge(
+                f"{path} is larger than {max_bytes} bytes; read it in parts with exec, or download it"
+            )
+        return res.stdout
+
+    async def write_charged(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        """Written by a process of the sandbox: charged to it, as on the host."""
+        path = _norm(path)
+        if path == "/":
+            raise errors.InvalidRequest("/ is a directory; give a file path")
+        owner = f"{self.uid}:{self.gid}"
+        await self._tool(["/bin/sh", "-c", _WRITE, "sh", path, f"{mode & 0o7777:o}", owner], path, data)
+
+    async def edit(self, path: str, old: str, new: str) -> int:
+        """Replace the single occurrence of `old` with `new`; returns the new size."""
+        path = _norm(path)
+        try:
+            text = (await self.read(path)).decode()
+        except UnicodeDecodeError as e:
+            raise errors.InvalidRequest(f"{path} is not UTF-8 text; edit works on text files") from e
+        count = text.count(old)
+        if count != 1:
+            where = "does not occur" if count == 0 else f"occurs {count} times"
+            raise errors.EditMismatch(
+                f"the old string {where} in {path}; it must match exactly once "
+                "(add surrounding lines to make it unique)",
+                occurrences=count,
+            )
+        mode = (await self.stat(path)).mode
+        data = text.replace(old, new, 1).encode()
+        if len(data) > MAX_READ:
+            raise errors.PayloadTooLarge(f"the edited {path} would have more than {MAX_READ} bytes")
+        await self.write_charged(path, data, mode)
+        return len(data)
+
+    async def stat(self, path: str) -> FileStat:
+        path = _norm(path)
+        res = await self._tool(["find", path, "-maxdepth", "0", "-printf", _STAT], path)
+        return _stat(res.stdout.rstrip(b"\0"), path)
+
+    async def list(self, path: str, max_entries: int = MAX_LIST) -> list[FileStat]:
+        """The entries of a directory, sorted by name; more than `max_entries` is refused."""
+        path = _norm(path)
+        # the trailing slash: a link to a directory is listed as that directory, as on the host
+        argv = ["find", path.rstrip("/") + "/", "-mindepth", "1", "-maxdepth", "1", "-printf", _STAT]
+        res = await self._tool(argv, path, cap=(max_entries + 1) * 400)
+        entries = [e for e in res.stdout.split(b"\0") if e]
+        if len(entries) > max_entries or res.truncated:
+            raise errors.PayloadTooLarge(
+                f"{path} has more than {max_entries} entries; list a subdirectory, or use "
+                f"exec (e.g. `ls {path} | head`) or the archive download"
+            )
+        out = [_stat(e) for e in entries]
+        for st in out:
+            st.path = str(PurePosixPath(path) / st.name)
+        return sorted(out, key=lambda st: st.name)
+
+    async def delete(self, path: str, recursive: bool = False) -> None:
+        path = _norm(path)
+        if PurePosixPath(path) == PurePosixPath("/"):
+            raise errors.InvalidRequest("refusing to delete /")
+        await self._tool(["/bin/sh", "-c", _DELETE, "sh", path, "1" if recursive else "0"], path)
+
+    async def mkdirs(self, path: str) -> None:
+        path = _norm(path)
+        await self._tool(["mkdir", "-p", "--", path], path)
+
+    async def archive(self, path: str, max_bytes: int = MAX_READ) -> IO[bytes]:
+        """A tar of `path` (a directory's contents, or one file or link) made by the image's
+        tar inside, into an unlinked spool file (rewound); beyond `max_bytes`, a clear 413.
+        (It passes through the edge's memory: capped at MAX_READ, not the host archive's
+        MAX_ARCHIVE.)"""
+        path = _norm(path)
+        st = await self.stat(path)
+        pp = PurePosixPath(path)
+        if st.type == "dir":
+            argv = ["tar", "-c", "--one-file-system", "-C", path, "."]
+        else:
+            argv = ["tar", "-c", "-C", str(pp.parent), "--", pp.name]
+        res = await self._tool(argv, path, cap=max_bytes)
+        if res.truncated:
+            raise errors.PayloadTooLarge(
+                f"{path} holds more than {max_bytes} bytes; archive a subdirectory, or use exec"
+            )
+        spool = tempfile.TemporaryFile(prefix="dsec-archive-")  # noqa: SIM115 - handed to the caller
+        spool.write(res.stdout)
+        spool.seek(0)
+        return spool
