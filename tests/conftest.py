@@ -100,3 +100,64 @@ def code_image() -> str:
     if not store.has_image("code"):
         build_recipe_image(store, "code")
     return "code"
+
+
+async def edge_restart_round_trip(
+    edge_dirs: dict[str, Path], spec: object, leftovers: object, *, orphan_reaped: bool = False
+) -> None:
+    """An edge closed without stopping its sandboxes, and a new one on the same settings:
+    a running and a paused sandbox are adopted (files, processes, pause state), a stop leaves
+    nothing (`leftovers(edge, id)` lists what would be left), and an orphan (a sandbox no
+    record claims, as after a crash that lost the record) is removed by the reconciler (and
+    its host process reaped, where the edge is its parent: `orphan_reaped`)."""
+    import asyncio
+    import secrets
+
+    from dsec.config import EdgeSettings
+    from dsec.edge import Edge
+    from dsec.models import ExecRequest
+
+    async def run(e: Edge, sid: str, cmd: str) -> str:
+        r = await e.exec(sid, ExecRequest(cmd=cmd, timeout=60))
+        assert r.exit_code == 0, r
+        return r.stdout
+
+    left = leftovers  # (edge, sandbox id) -> list[str]
+    settings = EdgeSettings(
+        name="t" + secrets.token_hex(4), reconcile_interval_s=3600, fncall_image="", **edge_dirs
+    )
+    e = Edge(settings)
+    await e.start()
+    try:
+        sb = await e.create(spec)  # type: ignore[arg-type]
+        await run(e, sb.id, "echo kept > /root/x; sleep 600 > /dev/null 2>&1 &")
+        paused = await e.create(spec)  # type: ignore[arg-type]
+        await e.pause(paused.id)
+        await e.close(stop_sandboxes=False)
+        e = Edge(settings)
+        await e.start()
+        assert {sb.id, paused.id} <= set(e.sandboxes)
+        assert await run(e, sb.id, "cat /root/x; pgrep -c sleep") == "kept\n1\n"
+        assert e.get(paused.id).state == "paused"
+        await e.resume(paused.id)
+        assert await run(e, paused.id, "echo up") == "up\n"
+        host_pid = e.sandboxes[sb.id].handle.pid
+        await e.stop(sb.id)
+        assert not Path(f"/proc/{host_pid}").exists()
+        assert left(e, sb.id) == []  # type: ignore[operator]
+        orphan = await e.create(spec)  # type: ignore[arg-type]
+        handle = e.sandboxes[orphan.id].handle
+        e._detach(e.sandboxes.pop(orphan.id))
+        assert e.store is not None
+        e.store.delete(orphan.id)
+        await e.reconcile()
+        for _ in range(100):
+            if not Path(f"/proc/{handle.pid}").exists():
+                break
+            await asyncio.sleep(0.05)
+        if orphan_reaped:
+            assert not Path(f"/proc/{handle.pid}").exists()  # killed and reaped: no zombie left
+        assert left(e, orphan.id) == []  # type: ignore[operator]
+    finally:
+        await e.close()
+    assert left(e, paused.id) == []  # type: ignore[operator]

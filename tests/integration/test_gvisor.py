@@ -15,6 +15,7 @@ import pytest
 
 from dsec import errors
 from dsec.models import ExecRequest, NetworkPolicy, SandboxSpec, SessionCreate, SessionKind
+from tests.conftest import edge_restart_round_trip
 
 pytestmark = [pytest.mark.root, pytest.mark.asyncio]
 
@@ -163,46 +164,7 @@ async def test_network_policy_applies_inside_gvisor(edge):
 
 
 async def test_an_edge_restart_adopts_gvisor_sandboxes_and_stop_leaves_nothing(python_image, edge_dirs):
-    from dsec.config import EdgeSettings
-    from dsec.edge import Edge
-
-    settings = EdgeSettings(
-        name="t" + secrets.token_hex(4), reconcile_interval_s=3600, fncall_image="", **edge_dirs
-    )
-    e = Edge(settings)
-    await e.start()
-    try:
-        sb = await e.create(GV)
-        await _run(e, sb.id, "echo kept > /root/x; sleep 600 > /dev/null 2>&1 &")
-        paused = await e.create(GV)
-        await e.pause(paused.id)
-        await e.close(stop_sandboxes=False)
-        e = Edge(settings)
-        await e.start()
-        assert {sb.id, paused.id} <= set(e.sandboxes)
-        assert await _run(e, sb.id, "cat /root/x; pgrep -c sleep") == "kept\n1\n"
-        assert e.get(paused.id).state == "paused"
-        await e.resume(paused.id)
-        assert await _run(e, paused.id, "echo up") == "up\n"
-        keeper = e.sandboxes[sb.id].handle.pid
-        await e.stop(sb.id)
-        assert not Path(f"/proc/{keeper}").exists()
-        assert _host_leftovers(e, sb.id) == []
-        # An orphan (a keeper no record claims, as after a crash that lost the record) is
-        # removed by the reconciler.
-        orphan = await e.create(GV)
-        handle = e.sandboxes[orphan.id].handle
-        e._detach(e.sandboxes.pop(orphan.id))
-        e.store.delete(orphan.id)
-        await e.reconcile()
-        for _ in range(100):
-            if not Path(f"/proc/{handle.pid}").exists():
-                break
-            await asyncio.sleep(0.05)
-        assert _host_leftovers(e, orphan.id) == []
-    finally:
-        await e.close()
-    assert _host_leftovers(e, paused.id) == []
+    await edge_restart_round_trip(edge_dirs, GV, _host_leftovers)
 
 
 async def test_an_edge_without_runsc_reports_gvisor_absent(python_image, edge_dirs, tmp_path):

@@ -51,16 +51,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsec.backends import qemu
-from dsec.backends.base import (
-    Backend,
-    BackendHost,
-    BackendUnavailable,
-    Capability,
-    ChannelGroup,
-    SandboxHandle,
-    SandboxPlan,
-)
+from dsec.backends import base, qemu
+from dsec.backends.base import Backend, BackendHost, BackendUnavailable, Capability, SandboxHandle
 from dsec.backends.guestchannel import GuestChannel
 from dsec.errors import InternalError, InvalidRequest
 from dsec.isolation import linux
@@ -127,7 +119,7 @@ class MicroVm(SandboxHandle):
         return None
 
     def exec_group(self, cgroups: CgroupHost, name: str) -> ExecGroup:
-        return ChannelGroup(self.channel)  # the agent kills the exec's guest cgroup
+        return base.ChannelGroup(self.channel)  # the agent kills the exec's guest cgroup
 
     def release(self) -> None:
         """Close this process's ends (the VM keeps running)."""
@@ -188,7 +180,7 @@ class MicrovmBackend(Backend):
 
     # --- create -------------------------------------------------------------------------
 
-    async def create(self, plan: SandboxPlan) -> MicroVm:
+    async def create(self, plan: base.SandboxPlan) -> MicroVm:
         """The isolation recipe of one sandbox, in order (see the module); whatever a failed
         step leaves is removed."""
         t0 = time.perf_counter()
@@ -248,7 +240,7 @@ class MicrovmBackend(Backend):
         }
         return vm
 
-    async def _image(self, plan: SandboxPlan) -> qemu.GuestImage:
+    async def _image(self, plan: base.SandboxPlan) -> qemu.GuestImage:
         """The plan's layers as EROFS disks (each made once, from the store's canonical ids
         shown as the guest's own)."""
         idmap = [str(self.shim), "idmap-run", f"{self.host.uid_offset}:0:65536"]
@@ -262,7 +254,7 @@ class MicrovmBackend(Backend):
             disks.append(img)
         return qemu.GuestImage(self.base.qemu, self.base.vmlinuz, self.base.initrd, tuple(disks))
 
-    async def _blank_disk(self, plan: SandboxPlan, disk: Path) -> Path:
+    async def _blank_disk(self, plan: base.SandboxPlan, disk: Path) -> Path:
         """The sandbox's writable disk, a sparse copy of a blank one of its size; the blank."""
         inodes = min(plan.disk_inodes, 65536, plan.disk_mb * 256)  # (inode tables: 256 bytes each)
         blank = self.cache / f"blank-{plan.disk_mb}m-{inodes}i.ext4"
@@ -407,8 +399,8 @@ class MicrovmBackend(Backend):
         except (qemu.QemuUnavailable, OSError):
             os.close(pidfd)
             return None
-        base = _uid_of(pid)
-        ids = self.id_ranges.adopt(base, pid, start_time) if base else None
+        uid = _uid_of(pid)
+        ids = self.id_ranges.adopt(uid, pid, start_time) if uid else None
         vm = self._attach(sandbox_id, d, guest, ids)
         if not await self._answers(vm, 5.0):
             return None

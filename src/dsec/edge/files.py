@@ -159,6 +159,26 @@ def _map_error(e: OSError, path: str) -> errors.DsecError:
     return errors.InternalError(f"{path}: {e.strerror}")
 
 
+def replace_once(raw: bytes, path: str, old: str, new: str) -> bytes:
+    """An edit: the text of `path` with the single occurrence of `old` replaced by `new`."""
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError as e:
+        raise errors.InvalidRequest(f"{path} is not UTF-8 text; edit works on text files") from e
+    count = text.count(old)
+    if count != 1:
+        where = "does not occur" if count == 0 else f"occurs {count} times"
+        raise errors.EditMismatch(
+            f"the old string {where} in {path}; it must match exactly once "
+            "(add surrounding lines to make it unique)",
+            occurrences=count,
+        )
+    data = text.replace(old, new, 1).encode()
+    if len(data) > MAX_READ:
+        raise errors.PayloadTooLarge(f"the edited {path} would have more than {MAX_READ} bytes")
+    return data
+
+
 @dataclasses.dataclass(eq=False)
 class SandboxFiles:
     """File operations on one sandbox; `uid`/`gid` are the host ids new files get.
@@ -328,24 +348,9 @@ class SandboxFiles:
     async def edit(self, path: str, old: str, new: str) -> int:
         """Replace the single occurrence of `old` with `new`; returns the new size."""
         path = _norm(path)
-        raw = await self.run(lambda f: f.read(path))
-        try:
-            text = raw.decode()
-        except UnicodeDecodeError as e:
-            raise errors.InvalidRequest(f"{path} is not UTF-8 text; edit works on text files") from e
-        count = text.count(old)
-        if count != 1:
-            where = "does not occur" if count == 0 else f"occurs {count} times"
-            raise errors.EditMismatch(
-                f"the old string {where} in {path}; it must match exactly once "
-                "(add surrounding lines to make it unique)",
-                occurrences=count,
-            )
+        data = replace_once(await self.run(lambda f: f.read(path)), path, old, new)
         with self._open(path, os.O_PATH) as fd:
             mode = stat.S_IMODE(os.fstat(fd).st_mode)
-        data = text.replace(old, new, 1).encode()
-        if len(data) > MAX_READ:
-            raise errors.PayloadTooLarge(f"the edited {path} would have more than {MAX_READ} bytes")
         await self.write_charged(path, data, mode)
         return len(data)
 

@@ -19,7 +19,7 @@ from pathlib import PurePosixPath
 from typing import IO
 
 from dsec import errors
-from dsec.edge.files import MAX_LIST, MAX_READ, _norm
+from dsec.edge.files import MAX_LIST, MAX_READ, _norm, replace_once
 from dsec.edge.process import RawResult
 from dsec.models import ExecRequest, FileStat
 
@@ -126,23 +126,8 @@ class GuestFiles:
     async def edit(self, path: str, old: str, new: str) -> int:
         """Replace the single occurrence of `old` with `new`; returns the new size."""
         path = _norm(path)
-        try:
-            text = (await self.read(path)).decode()
-        except UnicodeDecodeError as e:
-            raise errors.InvalidRequest(f"{path} is not UTF-8 text; edit works on text files") from e
-        count = text.count(old)
-        if count != 1:
-            where = "does not occur" if count == 0 else f"occurs {count} times"
-            raise errors.EditMismatch(
-                f"the old string {where} in {path}; it must match exactly once "
-                "(add surrounding lines to make it unique)",
-                occurrences=count,
-            )
-        mode = (await self.stat(path)).mode
-        data = text.replace(old, new, 1).encode()
-        if len(data) > MAX_READ:
-            raise errors.PayloadTooLarge(f"the edited {path} would have more than {MAX_READ} bytes")
-        await self.write_charged(path, data, mode)
+        data = replace_once(await self.read(path), path, old, new)
+        await self.write_charged(path, data, (await self.stat(path)).mode)
         return len(data)
 
     async def stat(self, path: str) -> FileStat:
