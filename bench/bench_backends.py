@@ -74,7 +74,7 @@ async def measure(edge: Edge, backend: str, n: int, idle: int) -> dict[str, list
     await asyncio.sleep(1)
     per = (before - mem_available()) / idle
     await asyncio.gather(*(edge.stop(i) for i in ids))
-    return {"cycle": cycle, "exec": execs, "fork8": forks, "pause": pauses, "idle_bytes": per}
+    return {"cycle": cycle, "exec": execs, "fork8": forks, "pause": pauses, "idle_bytes": per, "idle": idle}
 
 
 async def main(n: int, idle: int, idle_vm: int, backends: list[str]) -> None:
@@ -151,7 +151,7 @@ async def main(n: int, idle: int, idle_vm: int, backends: list[str]) -> None:
         per = float(res["idle_bytes"])  # type: ignore[arg-type]
         lines.append(
             f"- {b}: {per / 2**20:.1f} MiB of host memory per idle sandbox "
-            f"(MemAvailable delta over {idle}): {int(24 * 2**30 / max(per, 1))} fit in 24 GiB"
+            f"(MemAvailable delta over {int(res['idle'])}): {int(24 * 2**30 / max(per, 1))} fit in 24 GiB"  # type: ignore[arg-type]
         )
     print("\n".join(lines))
 

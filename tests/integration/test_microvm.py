@@ -88,6 +88,15 @@ async def test_a_sandbox_runs_on_its_own_kernel_behind_a_confined_qemu(edge):
         if not target.startswith("/"):
             continue  # sockets, pipes, event fds
         paths += 1
+        if target.startswith("/memfd:dsec-template-ram"):
+            # The template's RAM, which every clone of its shape maps copy-on-write: QEMU may
+            # reopen it read-write through its descriptor, but it is sealed: no write lands.
+            with open(f"/proc/{handle.pid}/fd/{fd}", "r+b", buffering=0) as ram:
+                with pytest.raises(PermissionError):
+                    ram.write(b"poison")
+                with pytest.raises(PermissionError):
+                    os.ftruncate(ram.fileno(), 0)
+            continue
         assert target.startswith((str(handle.dir), *boot, "/dev/null", "/dev/net/tun")), target
         fdinfo = Path(f"/proc/{handle.pid}/fdinfo/{fd}").read_text()
         flags = int(next(x for x in fdinfo.splitlines() if x.startswith("flags:")).split()[1], 8)

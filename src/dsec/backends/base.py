@@ -328,6 +328,10 @@ class Backend(ABC):
         """Kill every process of the sandbox but its init (before a restore into it, and
         before and after a verifier runs)."""
 
+    def close(self) -> None:  # noqa: B027 - a hook: most backends hold nothing of their own
+        """Let go of what the backend holds for the edge process (its sandboxes are stopped
+        or detached by then)."""
+
     # --- what is left on the host ------------------------------------------------------
 
     @abstractmethod

@@ -41,9 +41,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
+import secrets
 import shutil
 import signal
 import time
@@ -71,7 +73,33 @@ QEMU_PIDS = 64  # QEMU's threads
 MAX_LAYERS = 20  # virtio-mmio transports of the microvm machine, less our other devices
 GUEST_ADDR, GUEST_GW = "192.168.127.2/30", "192.168.127.1"
 READY_TIMEOUT_S = 60.0
-MAX_TEMPLATES = 16  # saved template VMs kept on disk (~100 MB each), the most recently used
+MAX_TEMPLATES = 8  # templates kept (the RAM a booted guest touched, ~150 MB each), the most recently used
+SEALED = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+
+
+@dataclass
+class Template:
+    """A VM booted to the agent's hello and saved: its RAM and its device state, each a
+    sealed memfd the edge holds. Every clone maps the RAM copy-on-write (QEMU's
+    memory-backend-file, share=off, over /proc/self/fd of a copy of the descriptor): pages a
+    clone never writes stay one copy in the host's memory, however many clones; the device
+    state (a few KB: RAM is left out of the stream, x-ignore-shared) is restored into each
+    clone. Sealed against writes, growing and shrinking: a clone's QEMU can reopen the memfd
+    read-write through its descriptor but can change nothing other clones map."""
+
+    ram: int
+    state: int
+    made_s: float
+
+    def state_fd(self) -> int:
+        """The state to restore, from its start (QMP's getfd takes a descriptor of its own)."""
+        os.lseek(self.state, 0, os.SEEK_SET)
+        return self.state
+
+    def close(self) -> None:
+        for fd in (self.ram, self.state):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 @dataclass
@@ -148,7 +176,6 @@ class MicrovmBackend(Backend):
         self.shim = host.shim
         root = host.microvm_root or host.run_dir / "microvm-data"
         self.cache = root / "cache"
-        self.templates_dir = root / "templates"
         self.vms_dir = host.run_dir / self.dir_name
         try:
             binary = qemu.find_qemu()
@@ -159,8 +186,6 @@ class MicrovmBackend(Backend):
             raise BackendUnavailable(str(e)) from e
         self.vms_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.base = qemu.GuestImage(binary, vmlinuz, initrd, ())
-        boot = f"{vmlinuz.name}:{initrd.name}:{binary.stat().st_mtime_ns}"
-        self._boot_key = hashlib.sha256(boot.encode()).hexdigest()[:12]
         self.kvm, why = qemu.probe_kvm(self.base, root / "probe")
         if not self.kvm:
             log.warning("microvm: running guests under TCG emulation (slow): %s", why)
@@ -168,6 +193,7 @@ class MicrovmBackend(Backend):
         self.seccomp = bpf_program()  # the container profile, for the agent to install in the guest
         self._layer_images: dict[Path, Path] = {}
         self._template_locks: dict[str, asyncio.Lock] = {}
+        self._templates: dict[str, Template] = {}  # by shape, least recently used first
 
     @property
     def accelerated(self) -> bool:  # type: ignore[override]
@@ -206,16 +232,17 @@ class MicrovmBackend(Backend):
             disk = d / "rw.ext4"
             blank = await self._blank_disk(plan, disk)
             t1 = time.perf_counter()
-            state = await self._template(image, blank, mem_mb, cpus)
+            template = await self._template(image, blank, mem_mb, cpus)
             guest = await qemu.start_vm(  # start
                 image, d, disk, memory_mb=mem_mb, cpus=cpus, kvm=self.kvm, incoming=True,
                 confine=(self.shim, ids.base), place=lambda pid: self.cgroups.join(plan.id, pid),
+                ram=(template.ram, False),
             )  # fmt: skip
             vm = self._attach(plan.id, d, guest, ids)
             (d / "pid").write_text(str(vm.pid))  # for the reconciler (remove_orphan)
             ids.bind(vm.pid, vm.start_time)
-            with open(state, "rb") as f:
-                await guest.qmp.restore(f.fileno())
+            await guest.qmp.ignore_shared()
+            await guest.qmp.restore(template.state_fd())
             t2 = time.perf_counter()
             body = qemu.setup_body(
                 nlower=len(image.layers), pids=plan.pids, hostname=plan.id, address=GUEST_ADDR,
@@ -268,60 +295,55 @@ class MicrovmBackend(Backend):
                 raise InternalError(f"could not make the writable disk of {plan.id}")
         return blank
 
-    async def _template(self, image: qemu.GuestImage, blank: Path, mem_mb: int, cpus: int) -> Path:
-        """The saved state of a VM of this shape booted to the agent's hello (made once). The
-        guest's kernel has read the size of every disk by then: a clone's disks must be the
-        same sizes (so: per image and disk size)."""
+    async def _template(self, image: qemu.GuestImage, blank: Path, mem_mb: int, cpus: int) -> Template:
+        """The template of this shape: a VM booted to the agent's hello, kept (made once per
+        edge process). The guest's kernel has read the size of every disk by then: a clone's
+        disks must be the same sizes (so: per image and disk size)."""
         sizes = ",".join(str(p.stat().st_size) for p in (*image.layers, blank))
         shape = f"{image.vmlinuz.name}:{image.initrd.name}:{sizes}:{mem_mb}:{cpus}:{self.kvm}"
         key = hashlib.sha256(shape.encode()).hexdigest()[:20]
-        # named by the boot files too: a new agent or kernel makes the older ones stale
-        target = self.templates_dir / f"{self._boot_key}-{key}.state"
-        if target.exists():
-            with contextlib.suppress(OSError):
-                os.utime(target)  # in use: the last to be evicted
-            return target
         lock = self._template_locks.setdefault(key, asyncio.Lock())
         async with lock:
-            if target.exists():
-                return target
-            self.templates_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            d = self.vms_dir / f".template-{key}"
-            shutil.rmtree(d, ignore_errors=True)
-            d.mkdir(mode=0o700)
-            ids = self.id_ranges.claim()
-            try:
-                disk = d / "rw.ext4"
-                qemu.sparse_copy(blank, disk)
-                t = time.perf_counter()
-                guest = await qemu.start_vm(
-                    image, d, disk, memory_mb=mem_mb, cpus=cpus, kvm=self.kvm, confine=(self.shim, ids.base)
-                )
-                try:
-                    await asyncio.wait_for(guest.channel.hello, READY_TIMEOUT_S)
-                    tmp = target.with_suffix(f".{os.getpid()}")
-                    with open(tmp, "wb") as f:
-                        await guest.qmp.save(f.fileno())
-                    os.chmod(tmp, 0o600)
-                    tmp.replace(target)
-                    self._evict_templates(keep=target)
-                finally:
-                    await guest.kill()
-                log.info("microvm: template %s (%s) made in %.2f s", key, shape, time.perf_counter() - t)
-            finally:
-                ids.release()
-                shutil.rmtree(d, ignore_errors=True)
-        return target
+            template = self._templates.pop(key, None)
+            if template is None:
+                template = await self._make_template(image, blank, mem_mb, cpus)
+                log.info("microvm: template %s (%s) made in %.2f s", key, shape, template.made_s)
+            self._templates[key] = template  # (re)inserted last: the most recently used
+            while len(self._templates) > MAX_TEMPLATES:
+                self._templates.pop(next(iter(self._templates))).close()
+        return template
 
-    def _evict_templates(self, keep: Path) -> None:
-        """Templates are ~100 MB each: drop those of other boot files (an upgrade) and all
-        but the MAX_TEMPLATES most recently used."""
-        with contextlib.suppress(OSError):
-            states = sorted(self.templates_dir.glob("*.state"), key=lambda p: p.stat().st_mtime, reverse=True)
-            current = [p for p in states if p.name.startswith(f"{self._boot_key}-")]
-            for stale in [p for p in states if p not in current] + current[MAX_TEMPLATES:]:
-                if stale != keep:
-                    stale.unlink(missing_ok=True)
+    async def _make_template(self, image: qemu.GuestImage, blank: Path, mem_mb: int, cpus: int) -> Template:
+        t = time.perf_counter()
+        d = self.vms_dir / f".template-{secrets.token_hex(6)}"
+        d.mkdir(mode=0o700)
+        ids = self.id_ranges.claim()
+        ram = os.memfd_create("dsec-template-ram", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        state = os.memfd_create("dsec-template-state", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(ram, mem_mb << 20)
+            disk = d / "rw.ext4"
+            qemu.sparse_copy(blank, disk)
+            guest = await qemu.start_vm(
+                image, d, disk, memory_mb=mem_mb, cpus=cpus, kvm=self.kvm, confine=(self.shim, ids.base),
+                ram=(ram, True),
+            )  # fmt: skip
+            try:
+                await asyncio.wait_for(guest.channel.hello, READY_TIMEOUT_S)
+                await guest.qmp.ignore_shared()
+                await guest.qmp.save(state)
+            finally:
+                await guest.kill()
+            for fd in (ram, state):  # nothing may change them now: every clone maps them
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALED)
+        except BaseException:
+            os.close(ram)
+            os.close(state)
+            raise
+        finally:
+            ids.release()
+            shutil.rmtree(d, ignore_errors=True)
+        return Template(ram, state, time.perf_counter() - t)
 
     async def _route_guest(self, vm: MicroVm) -> None:
         """QEMU's namespace: tap0 is the guest's gateway; what the guest sends leaves by
@@ -422,6 +444,12 @@ class MicrovmBackend(Backend):
         if not isinstance(handle, MicroVm):
             raise InternalError(f"sandbox {handle.id} is not a microVM of this backend")
         return handle
+
+    def close(self) -> None:
+        """The templates' memory goes back (running clones keep their own mappings)."""
+        for template in self._templates.values():
+            template.close()
+        self._templates.clear()
 
     async def kill_user_processes(self, handle: SandboxHandle) -> None:
         self.require(Capability.CHECKPOINT, "restore")

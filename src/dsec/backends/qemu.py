@@ -233,6 +233,7 @@ def vm_argv(
     console: Path,
     incoming: bool = False,
     tap_fd: int | None = None,
+    ram: tuple[Path, bool] | None = None,
 ) -> list[str]:
     """The command line of a guest: the same for a template and every clone of it (a
     migration restores only into the same machine), apart from the disk files, the sockets
@@ -265,12 +266,23 @@ def vm_argv(
         ro = ",readonly=on" if d.readonly else ""
         argv += ["-drive", f"id=d{i},file={d.path},format=raw,if=none{ro}"]
         argv += ["-device", f"virtio-blk-device,drive=d{i},serial={d.serial}"]
+    if ram is not None:  # guest RAM in a file: (path, shared) (see Template)
+        path, shared = ram
+        argv += [
+            "-object",
+            f"memory-backend-file,id=ram,size={memory_mb}M,mem-path={path},share={_on(shared)}",
+        ]
+        argv += ["-machine", "memory-backend=ram"]
     if tap_fd is not None:  # the tap in QEMU's own network namespace (see start_vm)
         argv += ["-netdev", f"tap,id=n0,fd={tap_fd}"]
         argv += ["-device", "virtio-net-device,netdev=n0,mac=52:54:00:d5:ec:01"]
     if incoming:
         argv += ["-incoming", "defer"]
     return argv
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
 
 
 def _listen(where: Path | int) -> str:
@@ -335,6 +347,11 @@ class Qmp:
                 raise TimeoutError(f"the VM stayed {leave}")
             await asyncio.sleep(0.002)
         return str(status)
+
+    async def ignore_shared(self) -> None:
+        """Leave RAM in a file out of the migration stream (both sides: see Template)."""
+        caps = [{"capability": "x-ignore-shared", "state": True}]
+        await self.cmd("migrate-set-capabilities", {"capabilities": caps})
 
     async def save(self, fd: int, timeout: float = 60.0) -> None:
         """Stop the VM and write its state to `fd` (a migration)."""
@@ -448,11 +465,13 @@ async def start_vm(
     incoming: bool = False,
     confine: tuple[Path, int] | None = None,
     place: Callable[[int], None] | None = None,
+    ram: tuple[int, bool] | None = None,
 ) -> GuestVm:
     """Start QEMU for a VM in directory `d` with writable disk `disk` (`incoming`: waiting
     for a saved state, see Qmp.restore) and connect to it. `confine`: (dsec-shim, host uid):
     confined as that uid in a network namespace of its own with a tap; `place`: called with
-    QEMU's pid at once (to put it into the sandbox's host cgroups)."""
+    QEMU's pid at once (to put it into the sandbox's host cgroups); `ram`: (a memfd, shared):
+    the guest's RAM in it, written through (a template) or mapped copy-on-write (a clone)."""
     held: list[int] = []
 
     def fd_path(path: Path, flags: int = os.O_RDONLY) -> Path:
@@ -470,12 +489,16 @@ async def start_vm(
         disks = [Disk(fd_path(p), f"l{i}", True) for i, p in enumerate(image.layers)]
         disks.append(Disk(fd_path(disk, os.O_RDWR), "rw", False))
         boot = fd_path(image.vmlinuz), fd_path(image.initrd), fd_path(console, os.O_WRONLY)
+        ram_file = None
+        if ram is not None:  # a copy of the descriptor: QEMU reopens it through /proc/self/fd
+            held.append(os.dup(ram[0]))
+            ram_file = (Path(f"/proc/self/fd/{held[-1]}"), ram[1])
         inherit = [*held, *(s.fileno() for s in socks)]
         tap_fd = max(inherit) + 1 if confine is not None else None  # free in the launcher
         argv = vm_argv(
             image.qemu, vmlinuz=boot[0], initrd=boot[1], disks=disks, ctl=socks[0].fileno(),
             qmp=socks[1].fileno(), memory_mb=memory_mb, cpus=cpus, kvm=kvm, console=boot[2],
-            incoming=incoming, tap_fd=tap_fd,
+            incoming=incoming, tap_fd=tap_fd, ram=ram_file,
         )  # fmt: skip
         if confine is not None:
             argv = [str(confine[0]), "vm-launch", str(confine[1]), str(tap_fd), "--", *argv]

@@ -253,6 +253,8 @@ class Edge:
             self.store.close()
             self.store = None
             await self.trajlog.close()
+        for backend in self.backends.values():
+            backend.close()
         self.cgroups.remove_parent_if_empty()
         self.state._unmount_forks_if_unused()
         self._unmount_run_tmpfs_if_unused()
