@@ -51,7 +51,7 @@ async def _run(edge, sid: str, cmd: str, **kw) -> str:
 async def test_the_backend_is_listed_with_its_accelerator_and_capabilities(edge):
     info = {b.name: b for b in edge.status().backend_info}
     vm = info["microvm"]
-    assert vm.available and set(vm.capabilities) == {"exec", "files", "network", "pause"}
+    assert vm.available and set(vm.capabilities) == {"exec", "files", "fork", "network", "pause"}
     # KVM only where a guest really boots under it (not on this host): otherwise TCG, said so
     assert vm.accelerated == vm.detail["accelerator"].startswith("kvm")
     if not vm.accelerated:
@@ -118,7 +118,6 @@ async def test_what_a_microvm_cannot_do_is_refused_by_name(edge):
         ("sessions", lambda: edge.session_create(sb.id, SessionCreate(kind=SessionKind.BASH))),
         ("checkpoint", lambda: edge.checkpoint(sb.id)),
         ("snapshot", lambda: edge.snapshot(sb.id)),
-        ("fork", lambda: edge.fork(sb.id, 2)),
         ("trusted exec", lambda: edge.exec(sb.id, ExecRequest(cmd="true", trusted=True))),
         ("trusted exec", lambda: edge.verify(sb.id, ExecRequest(cmd="true"))),
     ]:
@@ -181,6 +180,37 @@ async def test_the_file_api_works_through_the_guest(edge):
     user = await edge.create(SandboxSpec(image="python", backend="microvm", memory_mb=256, user="1000:1000"))
     await edge.write_file(user.id, "/tmp/mine", b"x")
     assert (await edge.stat_file(user.id, "/tmp/mine")).uid == 1000
+
+
+async def test_fork_copies_the_disk_at_one_consistent_point(edge):
+    """Each child starts on its own copy of the parent's writable disk, taken while the
+    guest's writers were held: what the parent wrote (even unflushed, a moment before) is
+    in every child; children and parent diverge from there."""
+    parent = await edge.create(VM)
+    await _run(edge, parent.id, "echo base > /work/a; head -c 3000000 /dev/urandom > /work/r; sync")
+    # written just before the fork, in the guest's page cache only
+    await _run(edge, parent.id, "echo late > /work/b; sha256sum /work/r > /work/r.sum")
+    loop = "for i in $(seq 200); do echo $i >> /work/log; done"
+    writer = asyncio.ensure_future(  # a writer busy during the fork: held, then carries on
+        edge.exec(parent.id, ExecRequest(cmd=loop, timeout=60))
+    )
+    kids = await edge.fork(parent.id, 3)
+    assert (await writer).exit_code == 0
+    assert len({k.id for k in kids}) == 3 and all(k.spec.backend == "microvm" for k in kids)
+    for k in kids:
+        assert k.spec.labels["dsec.fork-of"] == parent.id
+        out = await _run(edge, k.id, "cat /work/a /work/b; sha256sum -c /work/r.sum >/dev/null && echo ok")
+        assert out == "base\nlate\nok\n", out
+        assert await _run(edge, k.id, "hostname") == f"{k.id}\n"
+    await _run(edge, kids[0].id, "echo mine > /work/a")
+    assert await _run(edge, kids[1].id, "cat /work/a") == "base\n"
+    assert await _run(edge, parent.id, "cat /work/a; wc -l < /work/log") == "base\n200\n"
+    await edge.pause(parent.id)  # a fork resumes it, as any operation does
+    more = await edge.fork(parent.id, 1)
+    assert await _run(edge, more[0].id, "cat /work/b") == "late\n"
+    # nothing of the copies is left on the host beside the children's own disks
+    scratch = edge.settings.edge_run_dir / "fork-disks"
+    assert not scratch.exists() or list(scratch.iterdir()) == []
 
 
 async def test_a_sandbox_that_replaces_the_tools_only_fools_itself(edge):

@@ -108,6 +108,9 @@ class SandboxPlan:
     env: dict[str, str]
     disk_inodes: int = 262144
     pids: int = 1024  # processes the sandbox's user may run (the limit keeps a reserve for us)
+    # a disk-image writable layer to start from (a fork of a backend whose writable layer is
+    # a disk: `Backend.copy_writable_disk`); moved into the sandbox, which owns it from then
+    writable_from: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -327,6 +330,13 @@ class Backend(ABC):
     async def kill_user_processes(self, handle: SandboxHandle) -> None:
         """Kill every process of the sandbox but its init (before a restore into it, and
         before and after a verifier runs)."""
+
+    async def copy_writable_disk(self, handle: SandboxHandle, dests: Sequence[Path]) -> None:
+        """Copy the sandbox's writable disk to each of `dests`, at one consistent point (a
+        fork, where `host_files` is false: the writable layer is a disk, and each child starts
+        from a copy of it as its own)."""
+        self.require(Capability.FORK, "fork")
+        raise NotImplementedError
 
     def close(self) -> None:  # noqa: B027 - a hook: most backends hold nothing of their own
         """Let go of what the backend holds for the edge process (its sandboxes are stopped

@@ -72,6 +72,7 @@ class GuestChannel(ShimChannel):
         self._stalled: set[int] = set()  # stdin readers paused while the guest is behind
         self.hello: asyncio.Future[None] = self._loop.create_future()
         self._setup: asyncio.Future[int] | None = None
+        self._quiesced: asyncio.Future[int] | None = None
         self.closed = False
         self.disk = (0, 0, False)  # (bytes, inodes) used on the guest's writable disk, and full
         self._loop.add_reader(sock.fileno(), self._on_readable)
@@ -137,7 +138,7 @@ class GuestChannel(ShimChannel):
 
     def _dispatch(self, kind: bytes, ident: int, body: bytes) -> None:
         value = struct.unpack_from("<i", body)[0] if len(body) >= 4 else 0
-        if kind in (b"H", b"m"):
+        if kind in (b"H", b"m", b"q"):
             self._answer(kind, value)
         elif kind in (b"O", b"E"):
             proc = self._procs.get(ident)
@@ -160,8 +161,10 @@ class GuestChannel(ShimChannel):
         if kind == b"H":
             if not self.hello.done():
                 self.hello.set_result(None)
-        elif self._setup is not None and not self._setup.done():
-            self._setup.set_result(value)
+            return
+        waiting = self._setup if kind == b"m" else self._quiesced
+        if waiting is not None and not waiting.done():
+            waiting.set_result(value)
 
     # --- stdio ----------------------------------------------------------------------
 
@@ -253,6 +256,16 @@ class GuestChannel(ShimChannel):
         if err:
             raise InternalError(f"the guest could not set up the sandbox: {os.strerror(err)}")
 
+    async def quiesce(self, freeze: bool, timeout: float = 60.0) -> None:
+        """Have the guest flush its writable disk and hold its writers (or let them go)."""
+        self._quiesced = self._loop.create_future()
+        self._frame(b"Q", 0, b"\x01" if freeze else b"\x00")
+        err = await asyncio.wait_for(self._quiesced, timeout)
+        if err:
+            raise InternalError(
+                f"the guest could not {'freeze' if freeze else 'thaw'} its disk: {os.strerror(err)}"
+            )
+
     def _send_ping(self, ident: int) -> None:
         self._frame(b"P", ident)
 
@@ -306,4 +319,4 @@ class GuestChannel(ShimChannel):
             self._drop(ident)
 
     def _more_waiting(self) -> list[asyncio.Future[Any]]:
-        return [self.hello, *([self._setup] if self._setup is not None else [])]
+        return [self.hello, *(f for f in (self._setup, self._quiesced) if f is not None)]

@@ -32,9 +32,11 @@ otherwise TCG emulation, reported as `accelerated: false`.
 
 Files: the writable layer is a disk only the guest kernel mounts (the host never parses a
 file system a guest wrote), so the edge's file API runs the image's own tools inside
-(dsec.edge.guestfiles). Not supported (each answers `unsupported_operation`): snapshots and
-forks, memory checkpoints, sessions, trusted execs, verify and protected paths, telemetry
-counters.
+(dsec.edge.guestfiles). Forks: the guest flushes the disk and holds its writers (FIFREEZE),
+QEMU is frozen, the disk is copied once per child, and each child starts on its copy.
+Not supported (each answers `unsupported_operation`): snapshots (a disk written by a guest
+does not become a layer of the store: the host never reads one), memory checkpoints,
+sessions, trusted execs, verify and protected paths, telemetry counters.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ import secrets
 import shutil
 import signal
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,10 +94,10 @@ class Template:
     state: int
     made_s: float
 
-    def state_fd(self) -> int:
-        """The state to restore, from its start (QMP's getfd takes a descriptor of its own)."""
-        os.lseek(self.state, 0, os.SEEK_SET)
-        return self.state
+    def open_state(self) -> int:
+        """The state to restore, opened anew (the caller closes it): a file description of
+        its own, so that clones restored at once do not share one read offset."""
+        return os.open(f"/proc/self/fd/{self.state}", os.O_RDONLY | os.O_CLOEXEC)
 
     def close(self) -> None:
         for fd in (self.ram, self.state):
@@ -164,7 +167,9 @@ class MicrovmBackend(Backend):
     """Creates, adopts, pauses and destroys microVM sandboxes on this node."""
 
     name = "microvm"
-    capabilities = frozenset({Capability.EXEC, Capability.FILES, Capability.PAUSE, Capability.NETWORK})
+    capabilities = frozenset(
+        {Capability.EXEC, Capability.FILES, Capability.PAUSE, Capability.NETWORK, Capability.FORK}
+    )
     net_hook = "forward"  # the guest's packets are forwarded from tap0
     host_files = False  # the file API runs processes in the guest (dsec.edge.guestfiles)
     dir_name = "microvm"
@@ -230,7 +235,9 @@ class MicrovmBackend(Backend):
             )
             image = await self._image(plan)  # layers
             disk = d / "rw.ext4"
-            blank = await self._blank_disk(plan, disk)
+            blank = await self._blank_disk(plan, disk if plan.writable_from is None else None)
+            if plan.writable_from is not None:  # a fork: the parent's disk, copied for it
+                os.replace(plan.writable_from, disk)
             t1 = time.perf_counter()
             template = await self._template(image, blank, mem_mb, cpus)
             guest = await qemu.start_vm(  # start
@@ -242,7 +249,11 @@ class MicrovmBackend(Backend):
             (d / "pid").write_text(str(vm.pid))  # for the reconciler (remove_orphan)
             ids.bind(vm.pid, vm.start_time)
             await guest.qmp.ignore_shared()
-            await guest.qmp.restore(template.state_fd())
+            state = template.open_state()
+            try:
+                await guest.qmp.restore(state)
+            finally:
+                os.close(state)
             t2 = time.perf_counter()
             body = qemu.setup_body(
                 nlower=len(image.layers), pids=plan.pids, hostname=plan.id, address=GUEST_ADDR,
@@ -281,19 +292,40 @@ class MicrovmBackend(Backend):
             disks.append(img)
         return qemu.GuestImage(self.base.qemu, self.base.vmlinuz, self.base.initrd, tuple(disks))
 
-    async def _blank_disk(self, plan: base.SandboxPlan, disk: Path) -> Path:
-        """The sandbox's writable disk, a sparse copy of a blank one of its size; the blank."""
+    async def _blank_disk(self, plan: base.SandboxPlan, disk: Path | None) -> Path:
+        """The blank disk of the plan's size (made once), and a sparse copy of it at `disk`."""
         inodes = min(plan.disk_inodes, 65536, plan.disk_mb * 256)  # (inode tables: 256 bytes each)
         blank = self.cache / f"blank-{plan.disk_mb}m-{inodes}i.ext4"
         if not blank.exists():
             await asyncio.get_running_loop().run_in_executor(
                 None, qemu.blank_disk, self.cache, plan.disk_mb, inodes
             )
-        argv = ["cp", "--sparse=always", "--reflink=auto", str(blank), str(disk)]
-        with open(os.devnull, "wb") as devnull:
-            if await run_process_quick(argv, devnull.fileno()) != 0:
-                raise InternalError(f"could not make the writable disk of {plan.id}")
+        if disk is not None:
+            await _sparse_copy(blank, disk)
         return blank
+
+    async def copy_writable_disk(self, handle: SandboxHandle, dests: Sequence[Path]) -> None:
+        """The guest flushes its writable disk and holds its writers (FIFREEZE), QEMU is
+        frozen, the disk is copied once per destination; then all runs on. A paused VM is
+        thawed for the flush and paused again."""
+        vm = self._own(handle)
+        paused = self.cgroups.is_frozen(vm.id)
+        if paused:
+            self.cgroups.thaw(vm.id)
+        try:
+            await vm.channel.quiesce(True)
+            try:
+                await self.freeze(vm)
+                try:
+                    for dest in dests:
+                        await _sparse_copy(vm.dir / "rw.ext4", dest)
+                finally:
+                    self.thaw(vm)
+            finally:
+                await vm.channel.quiesce(False)
+        finally:
+            if paused:
+                await self.freeze(vm)
 
     async def _template(self, image: qemu.GuestImage, blank: Path, mem_mb: int, cpus: int) -> Template:
         """The template of this shape: a VM booted to the agent's hello, kept (made once per
@@ -426,6 +458,8 @@ class MicrovmBackend(Backend):
         vm = self._attach(sandbox_id, d, guest, ids)
         if not await self._answers(vm, 5.0):
             return None
+        with contextlib.suppress(InternalError, TimeoutError):  # a fork the last edge left midway
+            await vm.channel.quiesce(False)
         if paused:
             self.cgroups.freeze(sandbox_id)
         return vm
@@ -479,6 +513,14 @@ class MicrovmBackend(Backend):
                     break  # not ours: its parent reaps it
                 await asyncio.sleep(0.01)
             _awaited.discard(pid)
+
+
+async def _sparse_copy(src: Path, dst: Path) -> None:
+    """A disk image copied keeping its holes (what was never written costs nothing)."""
+    argv = ["cp", "--sparse=always", "--reflink=auto", str(src), str(dst)]
+    with open(os.devnull, "wb") as devnull:
+        if await run_process_quick(argv, devnull.fileno()) != 0:
+            raise InternalError(f"could not copy the disk image {src.name}")
 
 
 def _uid_of(pid: int) -> int | None:

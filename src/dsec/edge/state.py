@@ -367,6 +367,33 @@ class EdgeState(EdgePart):
             raise errors.LayerNotFound(f"cannot register image {image.name}: layers {missing} are missing")
         self.layers.put_image(image)
 
+    async def _fork_disks(self, sb: Sandbox, n: int) -> builtins.list[SandboxInfo]:
+        """A fork where the writable layer is a disk (a microVM): the backend copies it once
+        per child at one consistent point, and each child starts on its copy, its own from
+        then on (no shared layer: a disk cannot be stacked)."""
+        t0 = time.perf_counter()
+        scratch = self.settings.edge_run_dir / "fork-disks"
+        scratch.mkdir(mode=0o700, exist_ok=True)
+        disks = [scratch / f"{sb.id}-{secrets.token_hex(6)}.img" for _ in range(n)]
+        labels = {**sb.record.spec.labels, "dsec.fork-of": sb.id}
+        child = sb.record.spec.model_copy(update={"labels": labels})
+        try:
+            await sb.backend.copy_writable_disk(sb.handle, disks)
+            results = await asyncio.gather(
+                *(self.life._create(child, None, t0, writable_from=d) for d in disks), return_exceptions=True
+            )
+        finally:
+            for d in disks:  # moved into the children that started; the rest go
+                d.unlink(missing_ok=True)
+        infos = [r for r in results if isinstance(r, SandboxInfo)]
+        failed = [r for r in results if not isinstance(r, SandboxInfo)]
+        if failed:
+            await asyncio.gather(*(self.life.stop(i.id) for i in infos), return_exceptions=True)
+            raise (
+                failed[0] if isinstance(failed[0], errors.DsecError) else errors.InternalError(str(failed[0]))
+            )
+        return infos
+
     async def fork(self, sandbox_id: str, n: int) -> builtins.list[SandboxInfo]:
         """`n` new sandboxes from this one's current files, copy-on-write, independent afterwards.
 
@@ -389,6 +416,13 @@ class EdgeState(EdgePart):
         spec = sb.record.spec
         for _ in range(n):
             self.life._admit(spec)
+        if not sb.backend.host_files:
+            return await self._fork_disks(sb, n)
+        return await self._fork_layers(sb, n)
+
+    async def _fork_layers(self, sb: Sandbox, n: int) -> builtins.list[SandboxInfo]:
+        """The fork of a backend whose writable layer is a directory the host reaches (see fork)."""
+        sandbox_id, spec = sb.id, sb.record.spec
         check_fork_room(self._forks_root(), sandbox_id, sb.handle.writable_layer())  # before the copy
         t0 = time.perf_counter()
         shared = self._forks_root() / f"{sandbox_id}-{secrets.token_hex(4)}"

@@ -23,11 +23,12 @@
  *                  'I' stdin      bytes for the process's stdin; empty: close it
  *                  'K' signal     i32 signal (SIGKILL also kills its cgroup)
  *                  'P' ping
+ *                  'Q' quiesce    u8 1: flush the writable disk and hold its writers, 0: release
  *   guest -> host  'H' hello, 'm' setup done (i32 errno, 0 on success)
  *                  'R' started (i32 pid), 'F' failed (i32 errno), 'X' exited (i32 status,
  *                  u32 disk full, u64 disk bytes used, u64 disk inodes used)
  *                  'O' / 'E' stdout / stderr bytes; empty: end of that stream
- *                  'p' pong
+ *                  'p' pong, 'q' quiesced (i32 errno, 0 on success)
  * A process's 'X' comes after the last of its output that was in its pipes when it
  * exited, so a reader that stops at 'X' misses nothing the process itself wrote.
  *
@@ -48,6 +49,7 @@
 #include <linux/capability.h>
 #include <linux/filter.h>
 #include <linux/seccomp.h>
+#include <linux/fs.h>
 #include <linux/random.h>
 #include <net/if.h>
 #include <net/route.h>
@@ -729,6 +731,19 @@ static int handle_setup(const char *buf, uint32_t len) {
 
 /* --- the loop ------------------------------------------------------------------------ */
 
+/* The writable disk at one consistent point, for a copy of it (a fork): 1 flushes it and
+ * holds every writer (FIFREEZE), 0 lets them go. Already so is no error. */
+static int quiesce(char freeze) {
+    if (rwfd < 0) return ENODEV;
+    if (freeze) {
+        sync();
+        if (ioctl(rwfd, FIFREEZE, 0) < 0 && errno != EBUSY) return errno;
+    } else if (ioctl(rwfd, FITHAW, 0) < 0 && errno != EINVAL) {
+        return errno;
+    }
+    return 0;
+}
+
 static char inframe[MAX_FRAME];
 static size_t inlen;
 
@@ -758,6 +773,7 @@ static int handle_frames(int *setup_done) {
         case 'I': handle_stdin(id, body, len); break;
         case 'K': handle_kill(id, body, len); break;
         case 'P': send_value('p', id, 0); break;
+        case 'Q': send_value('q', id, len >= 1 ? quiesce(body[0]) : EINVAL); break;
         default: break;
         }
         off += 9 + len;
