@@ -501,7 +501,8 @@ async def start_vm(
             incoming=incoming, tap_fd=tap_fd, ram=ram_file,
         )  # fmt: skip
         if confine is not None:
-            argv = [str(confine[0]), "vm-launch", str(confine[1]), str(tap_fd), "--", *argv]
+            group = str(kvm_group()) if kvm else "-"
+            argv = [str(confine[0]), "vm-launch", str(confine[1]), str(tap_fd), group, "--", *argv]
         with open(d / "qemu.log", "wb") as log:
             pid, pidfd = spawn_quick(argv, log.fileno(), log.fileno(), inherit=inherit)
         if place is not None:
@@ -573,12 +574,28 @@ def time_to_hello(image: GuestImage, *, kvm: bool, timeout: float) -> float | No
     return None
 
 
+def kvm_group() -> int | None:
+    """The group that may open /dev/kvm read-write, which a confined QEMU (the sandbox's own
+    unprivileged uid) is given; None if only root may (then KVM is not for sandboxes)."""
+    try:
+        st = os.stat("/dev/kvm")
+    except OSError:
+        return None
+    return st.st_gid if st.st_gid != 0 and st.st_mode & 0o060 == 0o060 else None
+
+
 def probe_kvm(image: GuestImage, state: Path, timeout: float = 10.0) -> tuple[bool, str]:
     """Whether a guest really boots under KVM here (to the agent's hello within `timeout`),
     and why not; probed once per host boot, kernel and initramfs (cached in `state`). A
-    /dev/kvm that exists may still not run a stock guest (PVM-backed hosts: the guest hangs)."""
+    /dev/kvm that exists may still not run a stock guest (PVM-backed hosts: the guest hangs),
+    and one only root may open cannot serve confined QEMUs."""
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
         return False, "no usable /dev/kvm"
+    if kvm_group() is None:
+        return (
+            False,
+            "/dev/kvm is root's only (QEMU runs as the sandbox's own uid: give it a group, e.g. kvm, 0660)",
+        )
     boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     key = {"boot": boot_id, "kernel": image.vmlinuz.name, "initrd": image.initrd.name}
     cache = state / "kvm.json"

@@ -661,21 +661,26 @@ static int run_idmap_run(int argc, char **argv) {
     return 127;
 }
 
-/* vm-launch UID TAPFD -- QEMU ARGS...: QEMU of a microVM sandbox, confined before it runs.
- * In a network namespace of its own, make the tap "tap0" (the guest's NIC: nothing lies
+/* vm-launch UID TAPFD KVMGID -- QEMU ARGS...: QEMU of a microVM sandbox, confined before it
+ * runs. In a network namespace of its own, make the tap "tap0" (the guest's NIC: nothing lies
  * beyond it until the edge links this namespace to its gateway) and put its descriptor at
  * TAPFD (QEMU takes it as -netdev tap,fd=TAPFD: it never opens /dev/net/tun), bring it up,
- * then become host uid and gid UID (the sandbox's own range; no supplementary groups, no
- * capabilities in any set, no new privileges) and exec QEMU. QEMU's own -runas is no help:
- * it drops privileges after installing its seccomp filter, which then kills it at setgid. */
+ * then become host uid and gid UID (the sandbox's own range; no capabilities in any set, no
+ * new privileges; its only supplementary group KVMGID, the group that may open /dev/kvm, or
+ * none for "-") and exec QEMU. QEMU's own -runas is no help: it drops privileges after
+ * installing its seccomp filter, which then kills it at setgid. */
 static int run_vm_launch(int argc, char **argv) {
-    long uid, tapfd;
+    long uid, tapfd, kvmgid = -1;
     char *end;
-    if (argc < 6 || strcmp(argv[4], "--") != 0) goto usage;
+    if (argc < 7 || strcmp(argv[5], "--") != 0) goto usage;
     uid = strtol(argv[2], &end, 10);
     if (*end || uid <= 0 || uid > 0x7fffffff) goto usage;
     tapfd = strtol(argv[3], &end, 10);
     if (*end || tapfd < 3 || tapfd > 1000) goto usage;
+    if (strcmp(argv[4], "-") != 0) {
+        kvmgid = strtol(argv[4], &end, 10);
+        if (*end || kvmgid <= 0 || kvmgid > 0x7fffffff) goto usage;
+    }
     if (unshare(CLONE_NEWNET) < 0) { perror("dsec-shim: network namespace"); return 1; }
     int tun = open("/dev/net/tun", O_RDWR);
     struct ifreq ifr;
@@ -690,18 +695,18 @@ static int run_vm_launch(int argc, char **argv) {
     if (ioctl(s, SIOCSIFFLAGS, &ifr) < 0) { perror("dsec-shim: tap0 up"); return 1; }
     close(s);
     for (int cap = 0; cap <= CAP_LAST_CAP; cap++) prctl(PR_CAPBSET_DROP, cap, 0, 0, 0);
-    gid_t gid = (gid_t)uid;
-    if (setgroups(0, NULL) < 0 || setresgid(gid, gid, gid) < 0 || setresuid((uid_t)uid, (uid_t)uid, (uid_t)uid) < 0 ||
-        prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) {
+    gid_t gid = (gid_t)uid, kvm = (gid_t)kvmgid;
+    if (setgroups(kvmgid > 0 ? 1 : 0, kvmgid > 0 ? &kvm : NULL) < 0 || setresgid(gid, gid, gid) < 0 ||
+        setresuid((uid_t)uid, (uid_t)uid, (uid_t)uid) < 0 || prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) {
         perror("dsec-shim: drop privileges");
         return 1;
     }
     if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) < 0 && errno != EINVAL) return 1;
-    execv(argv[5], argv + 5);
+    execv(argv[6], argv + 6);
     perror("dsec-shim: exec");
     return 127;
 usage:
-    fprintf(stderr, "usage: dsec-shim vm-launch UID TAPFD -- QEMU ARGS...\n");
+    fprintf(stderr, "usage: dsec-shim vm-launch UID TAPFD KVMGID|- -- QEMU ARGS...\n");
     return 2;
 }
 
