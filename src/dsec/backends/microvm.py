@@ -10,25 +10,30 @@ guest's init is dsec-guest (native/dsec-guest.c). Host side of one sandbox, in o
     layers:  each layer of the plan as a read-only EROFS disk (made once per layer, cached);
              the writable layer an ext4 disk of disk_mb, a sparse copy of a blank one
     start:   `dsec-shim vm-launch` (network namespace with tap0, privileges dropped) -> QEMU
-             with -incoming, restored from the template of its shape (below), or booted cold
+             with -incoming, restored from the template of its shape (below)
     setup:   the agent's 'M' frame: fresh entropy and clock, layers under an overlay with
-             the writable disk as upper, hostname, the guest's address behind tap0
+             the writable disk as upper, hostname, the guest's address behind tap0, the
+             seccomp program and masked paths of a container, the processes' memory
+    network: QEMU's namespace routes tap0 (below)
     ready:   the agent answers a ping
 
 Templates: nothing the agent does before its hello depends on the sandbox (the layers are
-mounted at setup), so one booted VM per shape (layer count, memory, vCPUs, accelerator) is
-saved to a file once (QMP migration) and every sandbox of that shape starts from it: a
-restore instead of a boot (~0.3 s instead of ~1.6 s under TCG here).
+mounted at setup), so one booted VM per shape (image and disk sizes, memory, vCPUs,
+accelerator) is saved once per edge process (`Template`: its RAM and device state, sealed
+memfds) and every sandbox of that shape is restored from it, mapping its RAM copy-on-write:
+a restore instead of a boot (~0.15 s instead of ~1.5 s under TCG here), and the pages no
+clone writes are one copy in host memory.
 
 Network: QEMU's namespace holds tap0 (192.168.127.1/30; the guest is .2 with its default
 route there) and forwards to eth0, which the edge's NetHost links to its gateway when a
 policy is set, masqueraded to the sandbox's address there: the gateway's copy of the
-policy (and its anti-spoofing) applies to every packet of the guest. The guest cannot reach
-the namespace's own tables: they are outside the VM. With no policy there is no eth0, so
-nothing leaves the namespace.
+policy (and its anti-spoofing) applies to every packet of the guest, and the policy's inner
+table hooks `forward` in the namespace (`net_hook`). The guest cannot reach the namespace's
+own tables: they are outside the VM. With no policy there is no eth0, so nothing leaves the
+namespace.
 
-KVM: used where a guest really boots under it (probed once per host boot, qemu.probe_kvm);
-otherwise TCG emulation, reported as `accelerated: false`.
+KVM: used where a guest really boots under it and a group may open /dev/kvm (probed once
+per host boot, qemu.probe_kvm); otherwise TCG emulation, reported as `accelerated: false`.
 
 Files: the writable layer is a disk only the guest kernel mounts (the host never parses a
 file system a guest wrote), so the edge's file API runs the image's own tools inside
