@@ -221,9 +221,11 @@ async def test_a_sandbox_that_replaces_the_tools_only_fools_itself(edge):
     await _run(
         edge,
         sb.id,
-        "printf '#!/bin/sh\\nprintf \"garbage\\\\0%%0100000d\" 0\\n' > /usr/local/bin/find && "
-        "chmod +x /usr/local/bin/find && printf '#!/bin/sh\\necho lies\\n' > /usr/local/bin/cat && "
-        "chmod +x /usr/local/bin/cat",
+        "printf '#!/bin/sh\\nprintf \"garbage\\\\0%%0100000d\" 0\\n' > /usr/bin/find && "
+        "chmod +x /usr/bin/find && cp /bin/cat /bin/cat.real && "
+        'printf \'#!/bin/sh\\n[ "$2" = /etc/hostname ] && exec echo lies; '
+        'exec /bin/cat.real "$@"\\n\' > /tmp/c && '
+        "chmod +x /tmp/c && mv /tmp/c /bin/cat",
     )
     with pytest.raises(errors.InvalidRequest, match="find"):
         await edge.list_dir(sb.id, "/work")

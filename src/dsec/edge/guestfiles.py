@@ -4,7 +4,8 @@ wrote). Each operation is a process inside the sandbox, started like an exec as 
 the image's own coreutils, findutils and tar, whose output comes back through the backend's
 channel. What a sandbox could make them say is what it could have written into its files
 anyway, so nothing here is trusted beyond that: sizes are capped on the host side, names
-travel NUL-separated, paths are argv (never shell text).
+travel NUL-separated, paths are argv (never shell text), the tools are looked up on the
+distribution's PATH only (not /usr/local/bin) and a call ends within TOOL_TIMEOUT_S.
 
 The semantics follow `dsec.edge.files.SandboxFiles` (the host-side implementation): the
 same errors for the same conditions, listings sorted and capped, deletes that refuse a
@@ -24,6 +25,10 @@ from dsec.edge.process import RawResult
 from dsec.models import ExecRequest, FileStat
 
 Runner = Callable[[ExecRequest, bytes | None, int], Awaitable[RawResult]]
+
+TOOL_TIMEOUT_S = 60  # a tool that hangs (the sandbox replaced it) holds a file call this long at most
+# the distribution's tools, not what the sandbox put first on its PATH (/usr/local/bin)
+_TOOL_ENV = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin"}
 
 # `find -printf` of one entry: type, size, permission bits (octal), mtime, uid, gid, name
 _STAT = r"%y\t%s\t%m\t%T@\t%U\t%G\t%f\0"
@@ -98,7 +103,7 @@ class GuestFiles:
     async def _tool(
         self, argv: list[str], path: str, stdin: bytes | None = None, cap: int = 65536
     ) -> RawResult:
-        req = ExecRequest(cmd=argv, cwd="/", user="0", timeout=600)
+        req = ExecRequest(cmd=argv, cwd="/", user="0", timeout=TOOL_TIMEOUT_S, env=_TOOL_ENV)
         res = await self._run(req, stdin, cap)  # the cap of both output streams
         if res.timed_out:
             raise errors.InvalidRequest(f"the file operation on {path} did not finish in time")

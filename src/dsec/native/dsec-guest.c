@@ -707,6 +707,10 @@ static int handle_setup(const char *buf, uint32_t len) {
     /* Allocations fail as in a container (the cgroup's OOM killer, not a refused mmap): the
      * guest is small, its processes' cgroup holds the limit. */
     write_file(AT_FDCWD, "/proc/sys/vm/overcommit_memory", "1");
+    /* No process may attach to another, even of its own uid: /proc/<pid>/mem of a later exec
+     * (a background process rewriting a grader's memory) needs ptrace's attach check, which
+     * Yama's scope 3 refuses to everyone, for good (seccomp already denies ptrace itself). */
+    if (write_file(AT_FDCWD, "/proc/sys/kernel/yama/ptrace_scope", "3") < 0) return errno ? errno : EIO;
     /* The network as a container's namespace has it (netpolicy's _sandbox_sysctls): IPv4 only,
      * ICMP echo sockets for processes without CAP_NET_RAW. */
     write_file(AT_FDCWD, "/proc/sys/net/ipv6/conf/eth0/disable_ipv6", "1");
