@@ -320,3 +320,32 @@ async def test_a_warm_pool_of_microvms(edge):
     sb = await edge.create(VM)
     assert sb.id in ready and "pool" in sb.timings_ms and sb.spec.backend == "microvm"
     assert os.uname().release not in await _run(edge, sb.id, "cat /proc/version")
+
+
+async def test_a_paused_vm_with_a_policy_is_adopted_promptly(python_image, edge_dirs):
+    """An edge restart re-applies a paused VM's stored policy without touching the guest
+    (which could not answer: it is frozen); the policy holds once it runs again."""
+    import time
+
+    from dsec.config import EdgeSettings
+    from dsec.edge import Edge
+
+    settings = EdgeSettings(
+        name="t" + secrets.token_hex(4), reconcile_interval_s=3600, fncall_image="", **edge_dirs
+    )
+    e = Edge(settings)
+    await e.start()
+    try:
+        policy = NetworkPolicy(allow=[{"to": "192.0.2.1", "ports": [9]}])
+        sb = await e.create(VM.model_copy(update={"network": policy}))
+        await e.pause(sb.id)
+        await e.close(stop_sandboxes=False)
+        e = Edge(settings)
+        t = time.monotonic()
+        await e.start()
+        assert time.monotonic() - t < 20
+        assert e.get(sb.id).state == "paused"
+        assert "192.0.2.1" in str((await e.network(sb.id))["policy"])
+        assert "nameserver" in await _run(e, sb.id, "cat /etc/resolv.conf")  # resumed: still there
+    finally:
+        await e.close()

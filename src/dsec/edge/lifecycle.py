@@ -408,9 +408,15 @@ class EdgeLifecycle(EdgePart):
 
     # --- network policy ----------------------------------------------------------------
 
-    async def _apply_network(self, sb: Sandbox, policy: NetworkPolicy, *, check: bool = True) -> None:
+    async def _apply_network(
+        self, sb: Sandbox, policy: NetworkPolicy, *, check: bool = True, resolv: bool = True
+    ) -> None:
+        """`resolv`: (re)write the sandbox's resolv.conf (not when re-applying a stored policy
+        after an edge restart: the file is still there, and a paused VM could not write it)."""
         timings = await self.net.apply(sb.id, sb.handle.pid, policy, check=check, hook=sb.backend.net_hook)
-        if sb.guest is not None:
+        if not resolv:
+            pass
+        elif sb.guest is not None:
             await sb.guest.write_charged("/etc/resolv.conf", self.net.resolv_conf().encode())
         else:
             sb.files.write("/etc/resolv.conf", self.net.resolv_conf().encode())

@@ -106,7 +106,7 @@ class EdgeReaper(EdgePart):
             self.sandboxes[rec.id] = sb
             if rec.spec.network is not None:
                 try:
-                    await self.life._apply_network(sb, rec.spec.network, check=False)
+                    await self.life._apply_network(sb, rec.spec.network, check=False, resolv=False)
                 except Exception:
                     log.exception("re-applying the network policy of %s failed", rec.id)
             self.life._watch_exit(sb)
