@@ -19,7 +19,7 @@ guest's init is dsec-guest (native/dsec-guest.c). Host side of one sandbox, in o
 
 Templates: nothing the agent does before its hello depends on the sandbox (the layers are
 mounted at setup), so one booted VM per shape (image and disk sizes, memory, vCPUs,
-accelerator) is saved once per edge process (`Template`: its RAM and device state, sealed
+accelerator) is saved once per process (`Template`: its RAM and device state, sealed
 memfds) and every sandbox of that shape is restored from it, mapping its RAM copy-on-write:
 a restore instead of a boot (~0.15 s instead of ~1.5 s under TCG here), and the pages no
 clone writes are one copy in host memory.
@@ -83,6 +83,11 @@ GUEST_ADDR, GUEST_GW = "192.168.127.2/30", "192.168.127.1"
 READY_TIMEOUT_S = 60.0
 MAX_TEMPLATES = 8  # templates kept (the RAM a booted guest touched, ~150 MB each), the most recently used
 SEALED = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+
+
+# The templates of this process, by shape, least recently used first: shared by the edges of
+# one process (tests start many; a service runs one), immutable once made (sealed).
+_TEMPLATES: dict[str, Template] = {}
 
 
 @dataclass
@@ -190,7 +195,7 @@ class MicrovmBackend(Backend):
         try:
             binary = qemu.find_qemu()
             vmlinuz, modules = qemu.guest_kernel(root.parent)
-            agent = ensure_tool("dsec-guest", host.shim.parent)
+            agent = ensure_tool("dsec-guest", root / "bin")  # host-wide: built once per source
             initrd = qemu.build_initramfs(self.cache, agent, modules)
         except (qemu.QemuUnavailable, InternalError, OSError) as e:
             raise BackendUnavailable(str(e)) from e
@@ -202,8 +207,7 @@ class MicrovmBackend(Backend):
         self.accel_detail = "kvm" if self.kvm else f"tcg ({why})"
         self.seccomp = bpf_program()  # the container profile, for the agent to install in the guest
         self._layer_images: dict[Path, Path] = {}
-        self._template_locks: dict[str, asyncio.Lock] = {}
-        self._templates: dict[str, Template] = {}  # by shape, least recently used first
+        self._template_locks: dict[str, asyncio.Lock] = {}  # (one event loop's: per backend)
 
     @property
     def accelerated(self) -> bool:  # type: ignore[override]
@@ -334,20 +338,20 @@ class MicrovmBackend(Backend):
 
     async def _template(self, image: qemu.GuestImage, blank: Path, mem_mb: int, cpus: int) -> Template:
         """The template of this shape: a VM booted to the agent's hello, kept (made once per
-        edge process). The guest's kernel has read the size of every disk by then: a clone's
-        disks must be the same sizes (so: per image and disk size)."""
+        process). The guest's kernel has read the size of every disk by then: a clone's disks
+        must be the same sizes (so: per image and disk size)."""
         sizes = ",".join(str(p.stat().st_size) for p in (*image.layers, blank))
         shape = f"{image.vmlinuz.name}:{image.initrd.name}:{sizes}:{mem_mb}:{cpus}:{self.kvm}"
         key = hashlib.sha256(shape.encode()).hexdigest()[:20]
         lock = self._template_locks.setdefault(key, asyncio.Lock())
         async with lock:
-            template = self._templates.pop(key, None)
+            template = _TEMPLATES.pop(key, None)
             if template is None:
                 template = await self._make_template(image, blank, mem_mb, cpus)
                 log.info("microvm: template %s (%s) made in %.2f s", key, shape, template.made_s)
-            self._templates[key] = template  # (re)inserted last: the most recently used
-            while len(self._templates) > MAX_TEMPLATES:
-                self._templates.pop(next(iter(self._templates))).close()
+            _TEMPLATES[key] = template  # (re)inserted last: the most recently used
+            while len(_TEMPLATES) > MAX_TEMPLATES:
+                _TEMPLATES.pop(next(iter(_TEMPLATES))).close()
         return template
 
     async def _make_template(self, image: qemu.GuestImage, blank: Path, mem_mb: int, cpus: int) -> Template:
@@ -483,12 +487,6 @@ class MicrovmBackend(Backend):
         if not isinstance(handle, MicroVm):
             raise InternalError(f"sandbox {handle.id} is not a microVM of this backend")
         return handle
-
-    def close(self) -> None:
-        """The templates' memory goes back (running clones keep their own mappings)."""
-        for template in self._templates.values():
-            template.close()
-        self._templates.clear()
 
     async def kill_user_processes(self, handle: SandboxHandle) -> None:
         self.require(Capability.CHECKPOINT, "restore")
