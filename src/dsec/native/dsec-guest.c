@@ -303,6 +303,7 @@ static void child_exec(int errfd, int pin, int pout, int perr, int cgprocs, int3
     if (!err && gid >= 0 && (setgroups(0, NULL) < 0 || setresgid(gid, gid, gid) < 0)) err = errno;
     if (!err && drop_capabilities() < 0) err = errno;
     if (!err && uid >= 0 && setresuid(uid, uid, uid) < 0) err = errno;
+    if (!err) err = child_own_domain(); /* (no_new_privs: drop_capabilities set it) */
     if (!err && user_filter.len && prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &user_filter) < 0) err = errno;
     if (!err && cwd[0] && chdir(cwd) < 0) err = errno;
     child_run(err, errfd, argv, envp);

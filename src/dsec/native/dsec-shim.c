@@ -140,6 +140,7 @@ static void child_exec(int errfd, int *fds, int ncg, int32_t uid, int32_t gid,
     if (!err && gid >= 0 && setresgid(gid, gid, gid) < 0) err = errno;
     if (!err && uid >= 0 && setresuid(uid, uid, uid) < 0) err = errno;
     if (!err && cwd[0] && chdir(cwd) < 0) err = errno;
+    if (!err) err = child_own_domain(); /* (no_new_privs: the runtime set it for the init) */
     if (!err && user_nproc.rlim_cur != RLIM_INFINITY) {
         struct rlimit lim = {user_nproc.rlim_cur, user_nproc.rlim_cur};
         if (setrlimit(RLIMIT_NPROC, &lim) < 0) err = errno;
