@@ -20,6 +20,7 @@ import time
 import pytest
 
 from dsec import errors
+from dsec.backends import microvm
 from dsec.models import ExecRequest, NetworkPolicy, SandboxSpec
 
 pytestmark = [pytest.mark.root, pytest.mark.asyncio]
@@ -485,8 +486,10 @@ async def test_fork_while_the_guest_fills_its_disk(edge):
 async def test_clones_cannot_touch_the_template_or_each_other(edge):
     a = await edge.create(VM)
     b = await edge.create(VM)
-    vm = edge.backends["microvm"]
-    (template,) = vm._templates.values()
+    # the template both were restored from: the one whose RAM their QEMU maps
+    qemu_pid = edge.sandboxes[a.id].handle.pid
+    inodes = {os.stat(f"/proc/{qemu_pid}/fd/{fd}").st_ino for fd in os.listdir(f"/proc/{qemu_pid}/fd")}
+    (template,) = [t for t in microvm._TEMPLATES.values() if os.fstat(t.ram).st_ino in inodes]
     seals = fcntl.fcntl(template.ram, fcntl.F_GET_SEALS)
     assert seals & fcntl.F_SEAL_WRITE and seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW
     # what a clone's QEMU could do with its copy of the descriptor (reopened read-write)
