@@ -92,3 +92,16 @@ async def test_a_background_process_cannot_write_into_a_later_execs_output(edge,
     await _ok(edge, sb.id, "nohup sh /tmp/attack.sh >/dev/null 2>&1 &")
     r = await _sh(edge, sb.id, "sleep 4; echo real")
     assert r.stdout == "real\n", r
+
+
+async def test_the_domain_changes_no_file_semantics(edge, backend):
+    """The per-exec domain restricts nothing a program does with files: hard links and
+    renames across directories (which a domain not handling REFER would refuse, EXDEV)."""
+    sb = await edge.create(SandboxSpec(image="python", backend=backend, memory_mb=256))
+    r = await _sh(
+        edge,
+        sb.id,
+        "mkdir -p /work/a /work/b && echo x > /work/a/f && ln /work/a/f /work/b/hard && "
+        "python3 -c 'import os; os.rename(\"/work/a/f\", \"/work/b/moved\")' && cat /work/b/moved /work/b/hard",
+    )
+    assert (r.exit_code, r.stdout) == (0, "x\nx\n"), r

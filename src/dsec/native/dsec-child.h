@@ -13,15 +13,20 @@ static void child_reset_signals(void) {
 }
 
 /* A Landlock domain of its own for the process and what it starts, restricting no file
- * access (one handled right, allowed beneath /): sibling domains cannot ptrace-access each
- * other, so what an earlier exec left running cannot open a later exec's /proc/<pid>/mem
- * (and rewrite a grader's memory) or /proc/<pid>/fd (and write into its output). Needs
- * no_new_privs (set before). A kernel without Landlock (gVisor's, an old one) skips it. */
+ * access (the rights it handles are allowed beneath /): sibling domains cannot
+ * ptrace-access each other, so what an earlier exec left running cannot open a later
+ * exec's /proc/<pid>/mem (and rewrite a grader's memory) or /proc/<pid>/fd (and write into
+ * its output). It must handle REFER (ABI 2): a domain that does not refuses every link or
+ * rename across directories (EXDEV), so ABI 1 kernels get no domain. Needs no_new_privs
+ * (set before). A kernel without Landlock (gVisor's, an old one) skips it. */
 static int child_own_domain(void) {
-    struct { uint64_t handled_access_fs; } attr = {1ULL << 0}; /* LANDLOCK_ACCESS_FS_EXECUTE */
-    int rs = (int)syscall(444 /* landlock_create_ruleset */, &attr, sizeof attr, 0);
-    if (rs < 0) return errno == ENOSYS || errno == EOPNOTSUPP ? 0 : errno;
-    struct __attribute__((packed)) { uint64_t allowed_access; int32_t parent_fd; } beneath = {1ULL << 0, -1};
+    const uint64_t rights = (1ULL << 0) | (1ULL << 13); /* LANDLOCK_ACCESS_FS_EXECUTE, _REFER */
+    long abi = syscall(444 /* landlock_create_ruleset */, NULL, 0, 1 /* _VERSION */);
+    if (abi < 2) return 0;
+    struct { uint64_t handled_access_fs; } attr = {rights};
+    int rs = (int)syscall(444, &attr, sizeof attr, 0);
+    if (rs < 0) return errno;
+    struct __attribute__((packed)) { uint64_t allowed_access; int32_t parent_fd; } beneath = {rights, -1};
     beneath.parent_fd = open("/", O_PATH | O_CLOEXEC);
     int err = 0;
     if (beneath.parent_fd < 0 || syscall(445 /* landlock_add_rule */, rs, 1 /* PATH_BENEATH */, &beneath, 0) < 0 ||
