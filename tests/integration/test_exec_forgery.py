@@ -102,6 +102,7 @@ async def test_the_domain_changes_no_file_semantics(edge, backend):
         edge,
         sb.id,
         "mkdir -p /work/a /work/b && echo x > /work/a/f && ln /work/a/f /work/b/hard && "
-        "python3 -c 'import os; os.rename(\"/work/a/f\", \"/work/b/moved\")' && cat /work/b/moved /work/b/hard",
+        'python3 -c \'import os; os.rename("/work/a/f", "/work/b/moved")\' && '
+        "cat /work/b/moved /work/b/hard",
     )
     assert (r.exit_code, r.stdout) == (0, "x\nx\n"), r
