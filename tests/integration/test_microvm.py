@@ -51,7 +51,9 @@ async def _run(edge, sid: str, cmd: str, **kw) -> str:
 async def test_the_backend_is_listed_with_its_accelerator_and_capabilities(edge):
     info = {b.name: b for b in edge.status().backend_info}
     vm = info["microvm"]
-    assert vm.available and set(vm.capabilities) == {"exec", "files", "fork", "network", "pause"}
+    assert vm.available and set(vm.capabilities) == {
+        "exec", "files", "fork", "network", "pause", "snapshot", "checkpoint"
+    }  # fmt: skip
     # KVM only where a guest really boots under it (not on this host): otherwise TCG, said so
     assert vm.accelerated == vm.detail["accelerator"].startswith("kvm")
     if not vm.accelerated:
@@ -116,8 +118,6 @@ async def test_what_a_microvm_cannot_do_is_refused_by_name(edge):
     bg = await _run(edge, sb.id, "sleep 300 > /dev/null 2>&1 & echo $!")
     for op, call in [
         ("sessions", lambda: edge.session_create(sb.id, SessionCreate(kind=SessionKind.BASH))),
-        ("checkpoint", lambda: edge.checkpoint(sb.id)),
-        ("snapshot", lambda: edge.snapshot(sb.id)),
         ("trusted exec", lambda: edge.exec(sb.id, ExecRequest(cmd="true", trusted=True))),
         ("trusted exec", lambda: edge.verify(sb.id, ExecRequest(cmd="true"))),
     ]:
@@ -349,3 +349,129 @@ async def test_a_paused_vm_with_a_policy_is_adopted_promptly(python_image, edge_
         assert "nameserver" in await _run(e, sb.id, "cat /etc/resolv.conf")  # resumed: still there
     finally:
         await e.close()
+
+
+LAYER_SETUP = r"""
+set -e
+mkdir -p /work/d/empty /work/$(printf 'n%.0s' $(seq 120))
+echo long > /work/$(printf 'n%.0s' $(seq 120))/$(printf 'f%.0s' $(seq 90))
+head -c 3000000 /dev/urandom > /work/big; sha256sum /work/big > /work/big.sum
+echo mode > /work/m; chmod 0640 /work/m; chown 1000:1001 /work/m
+cp /bin/true /work/suid; chmod 4755 /work/suid
+ln -s /work/$(printf 'x%.0s' $(seq 150)) /work/longlink; ln /work/m /work/m2
+mkfifo /work/fifo
+rm /etc/issue
+rm -rf /usr/share/doc; mkdir -p /usr/share/doc/mine; echo mine > /usr/share/doc/mine/f
+"""
+
+LAYER_CHECK = r"""
+set -e
+sha256sum -c /work/big.sum > /dev/null
+cat /work/$(printf 'n%.0s' $(seq 120))/$(printf 'f%.0s' $(seq 90))
+stat -c '%a %u:%g' /work/m /work/suid; cat /work/m2
+readlink /work/longlink | wc -c
+test -p /work/fifo && echo fifo
+test -e /etc/issue || echo issue-gone
+ls /usr/share/doc; test -d /work/d/empty && echo empty
+cat /work/secret 2>/dev/null || echo scrubbed
+"""
+
+
+async def test_a_snapshot_is_a_layer_every_backend_runs(edge):
+    """The agent writes the writable layer as an OCI tar; the edge unpacks it like any
+    untrusted tarball into a layer. Deletions of the image's files (whiteouts) and a
+    replaced directory (opaque) carry over, long names and links too; a setuid bit does not
+    (as from a container); and the snapshot runs on the container backend as well."""
+    sb = await edge.create(VM)
+    await _run(edge, sb.id, LAYER_SETUP)
+    await _run(edge, sb.id, "echo hidden > /work/secret")
+    snap = await edge.snapshot(sb.id, scrub_paths=["/work/secret"])
+    assert snap.scrubbed == ["/work/secret"] and snap.size_bytes >= 3_000_000
+    # the sandbox runs on, unchanged, its disk writable again
+    assert await _run(edge, sb.id, "cat /work/secret; echo more > /work/after; cat /work/after") == "hidden\nmore\n"
+    expected = "long\n640 1000:1001\n755 0:0\nmode\n157\nfifo\nissue-gone\nmine\nempty\nscrubbed\n"
+    for backend in ("microvm", "container"):
+        kid = await edge.create(SandboxSpec(image=snap.id, backend=backend, memory_mb=256))
+        assert await _run(edge, kid.id, LAYER_CHECK) == expected, backend
+        assert await _run(edge, kid.id, "test -e /work/after || echo before") == "before\n"
+        await edge.stop(kid.id)
+    await edge.stop(sb.id)
+
+
+async def test_a_snapshot_of_a_paused_vm(edge):
+    sb = await edge.create(VM)
+    await _run(edge, sb.id, "echo x > /work/x")
+    await edge.pause(sb.id)
+    snap = await edge.snapshot(sb.id)
+    assert edge.get(sb.id).state == "running"  # as any operation on a paused sandbox does
+    kid = await edge.create(SandboxSpec(image=snap.id, backend="microvm", memory_mb=256))
+    assert await _run(edge, kid.id, "cat /work/x") == "x\n"
+
+
+WAITER = (
+    "x=$(head -c 8 /dev/urandom | od -An -tx1 | tr -d ' '); echo $x > /work/x; "
+    "(while true; do if [ -e /work/ask ]; then echo $x > /work/answer; rm /work/ask; fi; sleep 0.05; done) "
+    "> /dev/null 2>&1 & echo $!"
+)
+
+
+async def _answer(edge, sid: str) -> str:
+    return await _run(
+        edge, sid, "touch /work/ask; for i in $(seq 200); do test -e /work/ask || break; sleep 0.05; done; "
+        "cat /work/answer"
+    )  # fmt: skip
+
+
+async def test_a_memory_checkpoint_restores_a_new_vm_of_that_instant(edge):
+    """QEMU writes the guest's memory and the disk is copied at the same instant; a restore
+    is a new VM that goes on from there: a process's memory (a value it never wrote to a
+    file) is back, the disk is as it was then, and each restore draws fresh randomness and
+    has its own name."""
+    sb = await edge.create(VM)
+    pid = (await _run(edge, sb.id, WAITER)).strip()
+    value = await _answer(edge, sb.id)
+    await _run(edge, sb.id, "rm /work/x /work/answer; echo before > /work/f")
+    ckpt = await edge.checkpoint(sb.id)  # left running
+    assert ckpt.backend == "microvm" and ckpt.size_bytes > 0 and ckpt.trees == []
+    await _run(edge, sb.id, "echo after > /work/f")
+    kids = [await edge.restore(ckpt.id) for _ in range(2)]
+    for kid in kids:
+        assert kid.spec.labels["dsec.restored-from"] == ckpt.id and kid.spec.backend == "microvm"
+        assert await _run(edge, kid.id, f"cat /work/f; kill -0 {pid} && echo alive") == "before\nalive\n"
+        assert await _answer(edge, kid.id) == value
+        assert await _run(edge, kid.id, "hostname") == f"{kid.id}\n"
+    # the same memory, reseeded: the first random bytes of each restore differ
+    draws = {await _run(edge, k.id, "head -c 16 /dev/urandom | od -An -tx1") for k in kids}
+    assert len(draws) == 2
+    # the original ran on, and is still itself
+    assert await _run(edge, sb.id, "cat /work/f") == "after\n"
+    assert await _answer(edge, sb.id) == value
+    # a whole VM does not restore into another sandbox: refused before anything is touched
+    with pytest.raises(errors.UnsupportedOperation, match="into a new sandbox"):
+        await edge.restore(ckpt.id, sandbox_id=sb.id)
+    assert await _run(edge, sb.id, f"kill -0 {pid} && echo alive") == "alive\n"
+    # leave_running=False: the processes end, the sandbox stays
+    done = await edge.checkpoint(sb.id, leave_running=False)
+    assert not done.leave_running
+    r = await edge.exec(sb.id, ExecRequest(cmd=f"kill -0 {pid}", timeout=30))
+    assert r.exit_code != 0
+    again = await edge.restore(done.id)
+    assert await _answer(edge, again.id) == value
+    for s in [*kids, again, sb]:
+        await edge.stop(s.id)
+    for c in (ckpt, done):
+        edge.delete_checkpoint(c.id)
+    assert not any(_host_leftovers(edge, s.id) for s in [*kids, again, sb])
+
+
+async def test_a_checkpoint_restores_only_onto_the_layers_it_was_taken_on(edge, tmp_path):
+    sb = await edge.create(VM)
+    ckpt = await edge.checkpoint(sb.id)
+    shape = edge._checkpoint_dir(ckpt.id) / "shape.json"
+    text = shape.read_text()
+    shape.write_text(text.replace('"layers": ["', '"layers": ["/elsewhere'))
+    before = set(edge.sandboxes)
+    with pytest.raises(errors.UnsupportedOperation, match="other layers") as ei:
+        await edge.restore(ckpt.id)
+    assert ei.value.details.get("reason") == "checkpoint_stale" or "checkpoint_stale" in str(ei.value.to_wire())
+    assert set(edge.sandboxes) == before

@@ -111,6 +111,9 @@ class SandboxPlan:
     # a disk-image writable layer to start from (a fork of a backend whose writable layer is
     # a disk: `Backend.copy_writable_disk`); moved into the sandbox, which owns it from then
     writable_from: Path | None = None
+    # a memory checkpoint to start from, where the backend restores one at create (a VM: its
+    # memory and its disk at one instant; `Backend.restores_at_create`)
+    restore_from: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -214,6 +217,10 @@ class Backend(ABC):
     # whether the host reaches the sandbox's files (`handle.open_root()`); if not (a VM's
     # files are in a disk only its kernel mounts), the edge's file API runs processes inside
     host_files: ClassVar[bool] = True
+    # whether a memory checkpoint is restored by starting a new sandbox from it
+    # (`SandboxPlan.restore_from`: a VM's memory and disk), rather than into a started one
+    # (`restore`: CRIU's processes over the checkpoint's files)
+    restores_at_create: ClassVar[bool] = False
 
     def require(self, capability: Capability, operation: str | None = None) -> None:
         """Refuse `operation` unless this backend declares `capability`."""
@@ -330,6 +337,13 @@ class Backend(ABC):
     async def kill_user_processes(self, handle: SandboxHandle) -> None:
         """Kill every process of the sandbox but its init (before a restore into it, and
         before and after a verifier runs)."""
+
+    async def archive_writable(self, handle: SandboxHandle, out: int, limit: int) -> None:
+        """Write the sandbox's writable layer as an OCI layer tar to `out` (at most `limit`
+        bytes), at one consistent point: a snapshot where `host_files` is false (the host
+        unpacks it as it unpacks any untrusted tarball)."""
+        self.require(Capability.SNAPSHOT, "snapshot")
+        raise NotImplementedError
 
     async def copy_writable_disk(self, handle: SandboxHandle, dests: Sequence[Path]) -> None:
         """Copy the sandbox's writable disk to each of `dests`, at one consistent point (a

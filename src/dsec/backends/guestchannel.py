@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import socket
 import stat
 import struct
@@ -44,6 +45,9 @@ class _Stream:
     buf: bytearray = field(default_factory=bytearray)
     eof: bool = False  # the guest said the stream ended: close once buf is written
     writer: bool = False  # a writer callback is registered
+    limit: int | None = None  # bytes the stream may carry in all (an archive's); past it: killed
+    taken: int = 0
+    over: bool = False
 
 
 @dataclass
@@ -61,7 +65,10 @@ class GuestChannel(ShimChannel):
         sock.setblocking(False)
         self.sock = sock
         self._loop = asyncio.get_running_loop()
-        self._next = 1 << 20
+        # (ids a guest restored from a checkpoint may still run its old processes under are
+        # unlikely to come up again)
+        self._next = (1 << 20) + secrets.randbelow(1 << 30)
+        self._over: dict[int, bool] = {}  # archives cut off at their limit
         self._started: dict[int, asyncio.Future[int]] = {}
         self._exited: dict[int, asyncio.Future[int]] = {}
         self._pongs: dict[int, asyncio.Future[None]] = {}
@@ -73,6 +80,8 @@ class GuestChannel(ShimChannel):
         self.hello: asyncio.Future[None] = self._loop.create_future()
         self._setup: asyncio.Future[int] | None = None
         self._quiesced: asyncio.Future[int] | None = None
+        self._resumed: asyncio.Future[int] | None = None
+        self._killed: asyncio.Future[int] | None = None
         self.closed = False
         self.disk = (0, 0, False)  # (bytes, inodes) used on the guest's writable disk, and full
         self._loop.add_reader(sock.fileno(), self._on_readable)
@@ -138,7 +147,7 @@ class GuestChannel(ShimChannel):
 
     def _dispatch(self, kind: bytes, ident: int, body: bytes) -> None:
         value = struct.unpack_from("<i", body)[0] if len(body) >= 4 else 0
-        if kind in (b"H", b"m", b"q"):
+        if kind in (b"H", b"m", b"q", b"z", b"u"):
             self._answer(kind, value)
         elif kind in (b"O", b"E"):
             proc = self._procs.get(ident)
@@ -162,7 +171,7 @@ class GuestChannel(ShimChannel):
             if not self.hello.done():
                 self.hello.set_result(None)
             return
-        waiting = self._setup if kind == b"m" else self._quiesced
+        waiting = {b"m": self._setup, b"q": self._quiesced, b"z": self._resumed, b"u": self._killed}[kind]
         if waiting is not None and not waiting.done():
             waiting.set_result(value)
 
@@ -173,6 +182,14 @@ class GuestChannel(ShimChannel):
             return
         if not data:
             s.eof = True
+        elif s.limit is not None:  # everything or nothing: an archive is not cut short quietly
+            s.taken += len(data)
+            if s.taken > s.limit:
+                if not s.over:
+                    s.over = True
+                    self.signal(ident, 9)
+            else:
+                s.buf += data
         elif len(s.buf) < OUT_CAP:
             s.buf += data
         self._write_stream(ident, s)
@@ -238,6 +255,8 @@ class GuestChannel(ShimChannel):
         proc = self._procs.pop(ident, None)
         if proc is None:
             return
+        if proc.out.over:
+            self._over[ident] = True
         self._close_stdin(proc)
         for s in (proc.out, proc.err):
             if s.writer:
@@ -266,6 +285,44 @@ class GuestChannel(ShimChannel):
                 f"the guest could not {'freeze' if freeze else 'thaw'} its disk: {os.strerror(err)}"
             )
 
+    async def _ask(self, kind: bytes, body: bytes, what: str, timeout: float) -> None:
+        fut: asyncio.Future[int] = self._loop.create_future()
+        if kind == b"Z":
+            self._resumed = fut
+        else:
+            self._killed = fut
+        self._frame(kind, 0, body)
+        err = await asyncio.wait_for(fut, timeout)
+        if err:
+            raise InternalError(f"the guest could not {what}: {os.strerror(err)}")
+
+    async def resumed(self, body: bytes, timeout: float = 30.0) -> None:
+        """Tell a guest restored from a memory checkpoint: fresh entropy, the clock and its
+        name ('Z'); what ran for the old host loses its stdio."""
+        await self._ask(b"Z", body, "resume", timeout)
+
+    async def kill_all(self, timeout: float = 30.0) -> None:
+        """Kill every sandbox process in the guest ('U')."""
+        await self._ask(b"U", b"", "kill its processes", timeout)
+
+    async def archive(self, out: int, limit: int, timeout: float = 600.0) -> None:
+        """Have the agent write the sandbox's writable layer as a tar (an OCI layer: see
+        dsec-guest.c) to `out`, a regular file: `limit` bytes at most (past them it is killed
+        and this fails), in `timeout` seconds."""
+        body = _SPAWN.pack(0, 0, 1, 0, 1) + b"\0dsec-archive\0"
+        with open(os.devnull, "rb") as null, open(os.devnull, "wb") as sink:
+            ident, _, exited = await self._spawn(body, (null.fileno(), out, sink.fileno()), limit)
+        try:
+            status = await asyncio.wait_for(exited, timeout)
+        except TimeoutError:
+            self.signal(ident, 9)
+            raise InternalError(f"archiving the writable disk took over {timeout:.0f} s") from None
+        if self._over.pop(ident, False):
+            raise CapacityExhausted(f"the archive of the writable disk exceeded {limit >> 20} MiB")
+        if status:
+            code = status >> 8 if status & 0x7F == 0 else status
+            raise InternalError(f"archiving the writable disk failed: {os.strerror(code)}")
+
     def _send_ping(self, ident: int) -> None:
         self._frame(b"P", ident)
 
@@ -279,9 +336,14 @@ class GuestChannel(ShimChannel):
             raise InvalidRequest(
                 "command line and environment exceed 256 KiB; pass large data through stdin or a file"
             )
+        return await self._spawn(body, stdio)
+
+    async def _spawn(
+        self, body: bytes, stdio: tuple[int, int, int], limit: int | None = None
+    ) -> tuple[int, int, asyncio.Future[int]]:
         ident = self._new_id()
         fds = [os.dup(fd) for fd in stdio]  # the caller closes its own
-        proc = _Proc(fds[0], _Stream(fds[1]), _Stream(fds[2]))
+        proc = _Proc(fds[0], _Stream(fds[1], limit=limit), _Stream(fds[2]))
         for s in (proc.out, proc.err):
             if stat.S_ISFIFO(os.fstat(s.fd).st_mode):
                 os.set_blocking(s.fd, False)

@@ -39,9 +39,16 @@ Files: the writable layer is a disk only the guest kernel mounts (the host never
 file system a guest wrote), so the edge's file API runs the image's own tools inside
 (dsec.edge.guestfiles). Forks: the guest flushes the disk and holds its writers (FIFREEZE),
 QEMU is frozen, the disk is copied once per child, and each child starts on its copy.
-Not supported (each answers `unsupported_operation`): snapshots (a disk written by a guest
-does not become a layer of the store: the host never reads one), memory checkpoints,
-sessions, trusted execs, verify and protected paths, telemetry counters.
+Snapshots: with the disk held the same way, the agent writes the overlay's upper directory
+as an OCI layer tar (dsec-guest.c, tar_layer) and the edge unpacks it like any untrusted
+tarball into a layer of its store: a snapshot of a microVM is an image every backend runs.
+Memory checkpoints: QEMU stops, writes the guest's RAM and devices to a file (a migration)
+and the disk is copied while it is stopped, so both are of one instant; a restore starts a
+new VM from them (`restores_at_create`: QEMU -incoming, the checkpoint's stream) and tells
+the agent it resumed ('Z': fresh entropy, the clock, its name). A checkpoint restores only
+onto the layers it was taken on (`shape.json`).
+Not supported (each answers `unsupported_operation`): restoring a checkpoint into a running
+sandbox, sessions, trusted execs, verify and protected paths, telemetry counters.
 """
 
 from __future__ import annotations
@@ -50,21 +57,30 @@ import asyncio
 import contextlib
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import secrets
 import shutil
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dsec.backends import base, qemu
-from dsec.backends.base import Backend, BackendHost, BackendUnavailable, Capability, SandboxHandle
+from dsec.backends.base import (
+    Backend,
+    BackendHost,
+    BackendUnavailable,
+    Capability,
+    SandboxHandle,
+    WhileStopped,
+)
+from dsec.backends.criu import CheckpointInfo
 from dsec.backends.guestchannel import GuestChannel
-from dsec.errors import InternalError, InvalidRequest
+from dsec.errors import InternalError, InvalidRequest, UnsupportedOperation
 from dsec.isolation import linux
 from dsec.isolation.cgroups import CgroupHost, ExecGroup
 from dsec.isolation.idranges import IdRange
@@ -179,9 +195,11 @@ class MicrovmBackend(Backend):
     name = "microvm"
     capabilities = frozenset(
         {Capability.EXEC, Capability.FILES, Capability.PAUSE, Capability.NETWORK, Capability.FORK}
+        | {Capability.SNAPSHOT, Capability.CHECKPOINT}
     )
     net_hook = "forward"  # the guest's packets are forwarded from tap0
     host_files = False  # the file API runs processes in the guest (dsec.edge.guestfiles)
+    restores_at_create = True  # a memory checkpoint starts a new VM (see the module)
     dir_name = "microvm"
 
     def __init__(self, host: BackendHost) -> None:
@@ -242,34 +260,49 @@ class MicrovmBackend(Backend):
                 memory_bytes=(mem_mb + QEMU_OVERHEAD_MB) << 20,
                 pids=QEMU_PIDS,
             )
+            shape = {"layers": [str(p) for p in plan.lowerdirs], "memory_mb": mem_mb, "cpus": cpus}
+            ckpt = plan.restore_from
+            if ckpt is not None:  # refused before anything starts
+                _check_shape(ckpt, shape)
             image = await self._image(plan)  # layers
             disk = d / "rw.ext4"
-            blank = await self._blank_disk(plan, disk if plan.writable_from is None else None)
+            fresh = plan.writable_from is None and ckpt is None
+            blank = await self._blank_disk(plan, disk if fresh else None)
             if plan.writable_from is not None:  # a fork: the parent's disk, copied for it
                 os.replace(plan.writable_from, disk)
+            if ckpt is not None:  # a restore: the disk of the checkpoint's instant
+                await _sparse_copy(ckpt / "disk.ext4", disk)
+            (d / "shape.json").write_text(json.dumps(shape))  # what a checkpoint restores onto
             t1 = time.perf_counter()
-            template = await self._template(image, blank, mem_mb, cpus)
+            template = None if ckpt is not None else await self._template(image, blank, mem_mb, cpus)
             guest = await qemu.start_vm(  # start
                 image, d, disk, memory_mb=mem_mb, cpus=cpus, kvm=self.kvm, incoming=True,
                 confine=(self.shim, ids.base), place=lambda pid: self.cgroups.join(plan.id, pid),
-                ram=(template.ram, False),
+                ram=None if template is None else (template.ram, False), anonymous_ram=template is None,
             )  # fmt: skip
             vm = self._attach(plan.id, d, guest, ids)
             (d / "pid").write_text(str(vm.pid))  # for the reconciler (remove_orphan)
             ids.bind(vm.pid, vm.start_time)
             await guest.qmp.ignore_shared()
-            state = template.open_state()
+            state = (
+                template.open_state()
+                if template is not None
+                else os.open(ckpt / "memory", os.O_RDONLY | os.O_CLOEXEC)  # type: ignore[operator]
+            )
             try:
                 await guest.qmp.restore(state)
             finally:
                 os.close(state)
             t2 = time.perf_counter()
-            body = qemu.setup_body(
-                nlower=len(image.layers), pids=plan.pids, hostname=plan.id, address=GUEST_ADDR,
-                gateway=GUEST_GW, seccomp=self.seccomp, masked=MASKED_PATHS, readonly=READONLY_PATHS,
-                memory_mb=plan.limits.memory_mb,
-            )  # fmt: skip
-            await vm.channel.setup(body, READY_TIMEOUT_S)  # setup
+            if template is None:  # the guest was set up before its checkpoint
+                await vm.channel.resumed(qemu.resumed_body(plan.id), READY_TIMEOUT_S)
+            else:
+                body = qemu.setup_body(
+                    nlower=len(image.layers), pids=plan.pids, hostname=plan.id, address=GUEST_ADDR,
+                    gateway=GUEST_GW, seccomp=self.seccomp, masked=MASKED_PATHS, readonly=READONLY_PATHS,
+                    memory_mb=plan.limits.memory_mb,
+                )  # fmt: skip
+                await vm.channel.setup(body, READY_TIMEOUT_S)  # setup
             await self._route_guest(vm)
             await vm.channel.ping(READY_TIMEOUT_S)  # ready
             t3 = time.perf_counter()
@@ -318,23 +351,97 @@ class MicrovmBackend(Backend):
         frozen, the disk is copied once per destination; then all runs on. A paused VM is
         thawed for the flush and paused again."""
         vm = self._own(handle)
+        async with self._disk_held(vm):
+            await self.freeze(vm)
+            try:
+                for dest in dests:
+                    await _sparse_copy(vm.dir / "rw.ext4", dest)
+            finally:
+                self.thaw(vm)
+
+    @contextlib.asynccontextmanager
+    async def _disk_held(self, vm: MicroVm) -> AsyncIterator[None]:
+        """The guest's writable disk flushed and its writers held (FIFREEZE) while the body
+        runs; a paused VM is thawed for it and paused again."""
         paused = self.cgroups.is_frozen(vm.id)
         if paused:
             self.cgroups.thaw(vm.id)
         try:
             await vm.channel.quiesce(True)
             try:
-                await self.freeze(vm)
-                try:
-                    for dest in dests:
-                        await _sparse_copy(vm.dir / "rw.ext4", dest)
-                finally:
-                    self.thaw(vm)
+                yield
             finally:
                 await vm.channel.quiesce(False)
         finally:
             if paused:
                 await self.freeze(vm)
+
+    async def archive_writable(self, handle: SandboxHandle, out: int, limit: int) -> None:
+        """The agent's tar of the overlay's upper directory (see the module), with the disk
+        held: the host reads no file system a guest wrote, only a stream it checks."""
+        vm = self._own(handle)
+        async with self._disk_held(vm):
+            await vm.channel.archive(out, limit)
+
+    async def checkpoint(
+        self, handle: SandboxHandle, dest: Path, *, leave_running: bool, while_stopped: WhileStopped = None
+    ) -> CheckpointInfo:
+        """QEMU stops and writes the guest's RAM and devices to `dest`/memory (a migration to
+        a file); the disk is copied while it is stopped (`dest`/disk.ext4), with the layers
+        it runs on (`dest`/shape.json); then it runs on, or its processes are killed."""
+        vm = self._own(handle)
+        t0 = time.perf_counter()
+        dest.mkdir(mode=0o700)
+        paused = self.cgroups.is_frozen(vm.id)
+        if paused:
+            self.cgroups.thaw(vm.id)
+        try:
+            mem = os.open(dest / "memory", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                try:
+                    await vm.qmp.save(mem, timeout=300.0)  # stops the VM
+                except (RuntimeError, TimeoutError) as e:
+                    raise InternalError(f"QEMU could not write the memory checkpoint: {e}") from e
+            finally:
+                os.close(mem)
+            t1 = time.perf_counter()
+            try:
+                await _sparse_copy(vm.dir / "rw.ext4", dest / "disk.ext4")
+                shutil.copyfile(vm.dir / "shape.json", dest / "shape.json")
+                if while_stopped is not None:
+                    await while_stopped()
+            finally:
+                await vm.qmp.cmd("cont")
+            t2 = time.perf_counter()
+            if not leave_running:
+                await vm.channel.kill_all()
+        finally:
+            if paused:
+                await self.freeze(vm)
+        size = sum(p.stat().st_blocks * 512 for p in (dest / "memory", dest / "disk.ext4"))
+        info = CheckpointInfo(
+            sandbox=vm.id,
+            images_dir=str(dest),
+            trees=[],  # the whole VM: its kernel and every process
+            size_bytes=size,
+            leave_running=leave_running,
+            created_at=time.time(),
+            timings_ms={"memory": (t1 - t0) * 1000, "disk": (t2 - t1) * 1000},
+        )
+        info.save()
+        return info
+
+    def load_checkpoint(self, src: Path) -> CheckpointInfo:
+        return CheckpointInfo.load(src)
+
+    async def restore(self, handle: SandboxHandle, src: Path, *, group_name: str) -> list[int]:
+        raise UnsupportedOperation(
+            f"a microVM's memory checkpoint starts a new VM (its memory and its disk together); "
+            f"restore checkpoint {src.name} into a new sandbox instead of sandbox {handle.id}",
+            reason="backend",
+            backend=self.name,
+            operation="restore into a running sandbox",
+        )
 
     async def _template(self, image: qemu.GuestImage, blank: Path, mem_mb: int, cpus: int) -> Template:
         """The template of this shape: a VM booted to the agent's hello, kept (made once per
@@ -489,7 +596,7 @@ class MicrovmBackend(Backend):
         return handle
 
     async def kill_user_processes(self, handle: SandboxHandle) -> None:
-        self.require(Capability.CHECKPOINT, "restore")
+        await self._own(handle).channel.kill_all()
 
     # --- what is left on the host ----------------------------------------------------------
 
@@ -524,6 +631,24 @@ async def _sparse_copy(src: Path, dst: Path) -> None:
     with open(os.devnull, "wb") as devnull:
         if await run_process_quick(argv, devnull.fileno()) != 0:
             raise InternalError(f"could not copy the disk image {src.name}")
+
+
+def _check_shape(ckpt: Path, shape: dict[str, Any]) -> None:
+    """A checkpoint's VM restores only onto the disks and the machine it had: its kernel has
+    them mounted and sized (a layer replaced since, say by a new toolkit, would be another
+    file system under its feet)."""
+    try:
+        saved = json.loads((ckpt / "shape.json").read_text())
+    except (OSError, ValueError) as e:
+        raise InvalidRequest(f"checkpoint {ckpt.name} holds no microVM state ({e})") from e
+    if saved != shape:
+        what = "layers" if saved.get("layers") != shape["layers"] else "memory and vCPUs"
+        raise UnsupportedOperation(
+            f"checkpoint {ckpt.name} was taken on other {what} than a sandbox of its image has "
+            "now (the image or the edge's toolkit changed since); it cannot be restored: "
+            "create from a snapshot instead",
+            reason="checkpoint_stale",
+        )
 
 
 def _uid_of(pid: int) -> int | None:

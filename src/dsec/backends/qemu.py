@@ -233,7 +233,7 @@ def vm_argv(
     console: Path,
     incoming: bool = False,
     tap_fd: int | None = None,
-    ram: tuple[Path, bool] | None = None,
+    ram: tuple[Path | None, bool] | None = None,
 ) -> list[str]:
     """The command line of a guest: the same for a template and every clone of it (a
     migration restores only into the same machine), apart from the disk files, the sockets
@@ -266,13 +266,14 @@ def vm_argv(
         ro = ",readonly=on" if d.readonly else ""
         argv += ["-drive", f"id=d{i},file={d.path},format=raw,if=none{ro}"]
         argv += ["-device", f"virtio-blk-device,drive=d{i},serial={d.serial}"]
-    if ram is not None:  # guest RAM in a file: (path, shared) (see Template)
+    if ram is not None:  # guest RAM in a file: (path, shared) (see Template); no path: anonymous
         path, shared = ram
-        argv += [
-            "-object",
-            f"memory-backend-file,id=ram,size={memory_mb}M,mem-path={path},share={_on(shared)}",
-        ]
-        argv += ["-machine", "memory-backend=ram"]
+        backend = (
+            f"memory-backend-file,id=ram,size={memory_mb}M,mem-path={path},share={_on(shared)}"
+            if path is not None
+            else f"memory-backend-ram,id=ram,size={memory_mb}M"  # (the same RAM block as a clone's)
+        )
+        argv += ["-object", backend, "-machine", "memory-backend=ram"]
     if tap_fd is not None:  # the tap in QEMU's own network namespace (see start_vm)
         argv += ["-netdev", f"tap,id=n0,fd={tap_fd}"]
         argv += ["-device", "virtio-net-device,netdev=n0,mac=52:54:00:d5:ec:01"]
@@ -405,6 +406,15 @@ def setup_body(
     return body + struct.pack("<Q", memory_mb << 20)
 
 
+def resumed_body(hostname: str) -> bytes:
+    """The agent's 'Z' frame, for a VM restored from a memory checkpoint: fresh entropy
+    (every restore of one checkpoint would share its random state), the clock, its name."""
+    seed = os.urandom(64)
+    now = time.time_ns()
+    body = struct.pack("<I", len(seed)) + seed + struct.pack("<qq", now // 10**9, now % 10**9)
+    return body + hostname.encode() + b"\0"
+
+
 @dataclass(frozen=True)
 class GuestImage:
     """What every VM of one image boots: QEMU, the kernel, the initramfs, the layer disks."""
@@ -466,12 +476,15 @@ async def start_vm(
     confine: tuple[Path, int] | None = None,
     place: Callable[[int], None] | None = None,
     ram: tuple[int, bool] | None = None,
+    anonymous_ram: bool = False,
 ) -> GuestVm:
     """Start QEMU for a VM in directory `d` with writable disk `disk` (`incoming`: waiting
     for a saved state, see Qmp.restore) and connect to it. `confine`: (dsec-shim, host uid):
     confined as that uid in a network namespace of its own with a tap; `place`: called with
     QEMU's pid at once (to put it into the sandbox's host cgroups); `ram`: (a memfd, shared):
-    the guest's RAM in it, written through (a template) or mapped copy-on-write (a clone)."""
+    the guest's RAM in it, written through (a template) or mapped copy-on-write (a clone);
+    `anonymous_ram`: the same RAM block as a clone's, in QEMU's own memory (a VM restored
+    from a memory checkpoint, whose RAM all comes from the checkpoint)."""
     held: list[int] = []
 
     def fd_path(path: Path, flags: int = os.O_RDONLY) -> Path:
@@ -489,7 +502,7 @@ async def start_vm(
         disks = [Disk(fd_path(p), f"l{i}", True) for i, p in enumerate(image.layers)]
         disks.append(Disk(fd_path(disk, os.O_RDWR), "rw", False))
         boot = fd_path(image.vmlinuz), fd_path(image.initrd), fd_path(console, os.O_WRONLY)
-        ram_file = None
+        ram_file: tuple[Path | None, bool] | None = (None, False) if anonymous_ram else None
         if ram is not None:  # a copy of the descriptor: QEMU reopens it through /proc/self/fd
             held.append(os.dup(ram[0]))
             ram_file = (Path(f"/proc/self/fd/{held[-1]}"), ram[1])

@@ -180,6 +180,7 @@ class EdgeLifecycle(EdgePart):
         layers_ready: asyncio.Future[None] | None = None,
         image: Image | None = None,
         writable_from: Path | None = None,
+        restore_from: Path | None = None,
     ) -> SandboxInfo:
         """Start a sandbox. `extra_lower`: a fork's layer chain (colon-separated, top first),
         stacked under the toolkit. `layers_ready`: awaited after the runtime started and before
@@ -200,8 +201,9 @@ class EdgeLifecycle(EdgePart):
             env = {"PATH": DEFAULT_PATH, "HOSTNAME": sid, **spec.env}
             limits = Limits(spec.cpu, spec.memory_mb, spec.pids + PID_RESERVE)
             plan = SandboxPlan(
-                sid, lowers, limits, spec.disk_mb, env, spec.disk_inodes, spec.pids, writable_from
-            )
+                sid, lowers, limits, spec.disk_mb, env, spec.disk_inodes, spec.pids,
+                writable_from=writable_from, restore_from=restore_from,
+            )  # fmt: skip
             # The sandbox's first trajectory reservation (an fsync) overlaps the runtime start
             # instead of delaying its first operation (~1 ms off the first exec).
             prepared = asyncio.ensure_future(self.trajlog.prepare(sid))

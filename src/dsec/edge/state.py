@@ -14,6 +14,7 @@ import os
 import re
 import secrets
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +41,7 @@ from dsec.isolation.procs import (
     unmount_all,
     wait_quick,
 )
+from dsec.layers import shift_tree, unpack_layer_stream
 from dsec.layers.store import Image
 from dsec.models import (
     Checkpoint,
@@ -120,13 +122,16 @@ class EdgeState(EdgePart):
                 await copy_tree_under(self._copy_tool, Path(layer), dest / "fs")
 
         t0 = time.perf_counter()
+        # (a backend whose files are a disk copies it with the memory itself)
+        while_stopped = copy_files if sb.backend.host_files else None
         info = await sb.backend.checkpoint(
-            sb.handle, dest, leave_running=leave_running, while_stopped=copy_files
+            sb.handle, dest, leave_running=leave_running, while_stopped=while_stopped
         )
         (dest / "spec.json").write_text(sb.record.spec.model_dump_json())
         # Its size is what it keeps on the host: the images and the copy of the files (the
         # project's snapshot quota is charged with it).
-        info.size_bytes += await asyncio.get_running_loop().run_in_executor(None, disk_usage, dest / "fs")
+        if sb.backend.host_files:
+            info.size_bytes += await asyncio.get_running_loop().run_in_executor(None, disk_usage, dest / "fs")
         info.timings_ms["total"] = (time.perf_counter() - t0) * 1000
         info.save()
         result = self._checkpoint_model(dest)
@@ -153,16 +158,21 @@ class EdgeState(EdgePart):
         spec = SandboxSpec.model_validate_json((d / "spec.json").read_text())
         if projects is not None and spec.project not in projects:
             raise errors.CheckpointNotFound(f"there is no checkpoint {checkpoint_id} in your projects")
-        self.life.backend_for(spec.backend).require_checkpoint("restore")
+        backend = self.life.backend_for(spec.backend)
+        backend.require_checkpoint("restore")
         t0 = time.perf_counter()
         if sandbox_id is not None:
             self.life.check_access(sandbox_id, projects)
             sb = self.life._get(sandbox_id)
-            if sb.record.spec.backend != spec.backend:  # refused before anything is touched
+            other = sb.record.spec.backend
+            if other != spec.backend or backend.restores_at_create:  # refused before anything is touched
+                why = (
+                    f"was taken on the {spec.backend} backend; sandbox {sb.id} runs on {other}"
+                    if other != spec.backend
+                    else f"is a whole {spec.backend} (its memory and its disk together)"
+                )
                 raise errors.UnsupportedOperation(
-                    f"checkpoint {checkpoint_id} was taken on the {spec.backend} backend; sandbox "
-                    f"{sb.id} runs on {sb.record.spec.backend}: restore it into a new sandbox",
-                    reason="backend",
+                    f"checkpoint {checkpoint_id} {why}: restore it into a new sandbox", reason="backend"
                 )
             sb.backend.require_checkpoint("restore")
             for s in list(sb.sessions.values()):
@@ -171,20 +181,21 @@ class EdgeState(EdgePart):
             sb.sessions.clear()
             await sb.backend.kill_user_processes(sb.handle)
             roots = await sb.backend.restore(sb.handle, d, group_name=self.execs._group_name(sb))
-            info = sb.info(self.name)
         else:
-            if labels:
-                spec = spec.model_copy(update={"labels": {**spec.labels, **labels}})
-            spec = spec.model_copy(update={"labels": {**spec.labels, "dsec.restored-from": checkpoint_id}})
-            # The checkpoint's files are stacked as they are (read-only, shared by every restore).
-            info = await self.life._create(spec, None, t0, extra_lower=str(d / "fs"))
-            sb = self.sandboxes[info.id]
-            try:
-                roots = await sb.backend.restore(sb.handle, d, group_name=self.execs._group_name(sb))
-            except BaseException:
-                await self.life.stop(info.id)
-                raise
-            info = sb.info(self.name)
+            labels = {**spec.labels, **(labels or {}), "dsec.restored-from": checkpoint_id}
+            spec = spec.model_copy(update={"labels": labels})
+            if backend.restores_at_create:  # a new VM from the checkpoint's memory and disk
+                info = await self.life._create(spec, None, t0, restore_from=d)
+                sb, roots = self.sandboxes[info.id], []
+            else:  # the checkpoint's files stacked as they are (read-only, shared by every restore)
+                info = await self.life._create(spec, None, t0, extra_lower=str(d / "fs"))
+                sb = self.sandboxes[info.id]
+                try:
+                    roots = await sb.backend.restore(sb.handle, d, group_name=self.execs._group_name(sb))
+                except BaseException:
+                    await self.life.stop(info.id)
+                    raise
+        info = sb.info(self.name)
         info.timings_ms["restore"] = (time.perf_counter() - t0) * 1000
         await self.execs.log_event(
             sb.id, "restore", {"op": "restore", "checkpoint": checkpoint_id}, {"roots": roots}
@@ -237,6 +248,24 @@ class EdgeState(EdgePart):
             if not was_paused:
                 sb.backend.thaw(sb.handle)
 
+    async def _guest_layer(self, sb: Sandbox, stage: Path) -> None:
+        """A writable layer only the guest's kernel reads (a microVM's disk): its backend
+        streams it as an OCI layer tar, which is unpacked here like any tarball nothing
+        vouches for, its owners shifted into the store's range (ids beyond a container's are
+        refused with the path named)."""
+        # what the disk can hold, and a header or two per inode
+        limit = (sb.record.spec.disk_mb << 20) + sb.record.spec.disk_inodes * 2048
+        loop = asyncio.get_running_loop()
+        with tempfile.TemporaryFile(dir=stage.parent) as spool:
+            await sb.backend.archive_writable(sb.handle, spool.fileno(), limit)
+            spool.seek(0)
+
+            def unpack() -> None:
+                unpack_layer_stream(spool, stage, f"the writable layer of sandbox {sb.id}")
+                shift_tree(stage, self.settings.uid_offset)
+
+            await loop.run_in_executor(None, unpack)
+
     async def snapshot(self, sandbox_id: str, scrub_paths: builtins.list[str] | None = None) -> SnapshotInfo:
         sb = self.life._get(sandbox_id)
         sb.backend.require(Capability.SNAPSHOT, "snapshot")
@@ -249,7 +278,10 @@ class EdgeState(EdgePart):
         version = f"{int(time.time())}-{n}"
         loop = asyncio.get_running_loop()
         with self.layers.staging() as stage:
-            await self._frozen_copy(sb, stage)
+            if sb.backend.host_files:
+                await self._frozen_copy(sb, stage)
+            else:
+                await self._guest_layer(sb, stage)
             lower = [self.layers.layer_path(r) for r in reversed(base.layers)]  # as the sandbox sees them
 
             def clean() -> builtins.list[str]:

@@ -8,7 +8,7 @@ from dsec.layers.builders.debian import (
     load_recipe,
 )
 from dsec.layers.builders.oci import import_oci_archive
-from dsec.layers.builders.tar import import_tarball_layer
+from dsec.layers.builders.tar import import_tarball_layer, unpack_layer_stream
 from dsec.layers.builders.tree import import_dir_layer
 from dsec.layers.store import Image, Layer, LayerRef, LayerStore, shift_tree, tree_digest
 
@@ -27,4 +27,5 @@ __all__ = [
     "load_recipe",
     "shift_tree",
     "tree_digest",
+    "unpack_layer_stream",
 ]

@@ -18,17 +18,25 @@
  *                                 u32 pids, NUL-terminated hostname, addr/prefix, gateway,
  *                                 then optionally u32 len + seccomp program, u16 n + masked
  *                                 paths, u16 n + read-only paths, u64 memory bytes
- *                  'S' spawn      i32 uid, i32 gid, u16 argc, u16 envc, u8 flags (0),
- *                                 NUL-terminated cwd, argv, env
+ *                  'S' spawn      i32 uid, i32 gid, u16 argc, u16 envc, u8 flags,
+ *                                 NUL-terminated cwd, argv, env; flags 1: no program but
+ *                                 the agent's own archiver, which writes the writable
+ *                                 layer as a tar on its stdout (a snapshot: see tar_layer)
+ *                  'Z' resumed    u32 seed_len, seed, i64 sec, i64 nsec, hostname: a VM
+ *                                 restored from a memory checkpoint takes fresh entropy,
+ *                                 the clock and its new name; the processes of the old host
+ *                                 lose their stdio (their caller is gone) and run on
  *                  'I' stdin      bytes for the process's stdin; empty: close it
  *                  'K' signal     i32 signal (SIGKILL also kills its cgroup)
  *                  'P' ping
  *                  'Q' quiesce    u8 1: flush the writable disk and hold its writers, 0: release
+ *                  'U' kill all   every sandbox process (before a verifier, after a checkpoint)
  *   guest -> host  'H' hello, 'm' setup done (i32 errno, 0 on success)
  *                  'R' started (i32 pid), 'F' failed (i32 errno), 'X' exited (i32 status,
  *                  u32 disk full, u64 disk bytes used, u64 disk inodes used)
  *                  'O' / 'E' stdout / stderr bytes; empty: end of that stream
- *                  'p' pong, 'q' quiesced (i32 errno, 0 on success)
+ *                  'p' pong, 'q' quiesced (i32 errno, 0 on success), 'z' resumed (i32 errno),
+ *                  'u' all killed (i32 errno)
  * A process's 'X' comes after the last of its output that was in its pipes when it
  * exited, so a reader that stops at 'X' misses nothing the process itself wrote.
  *
@@ -73,6 +81,7 @@
 #include <sys/syscall.h>
 #include <sys/sysmacros.h>
 #include <sys/wait.h>
+#include <sys/xattr.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -309,6 +318,239 @@ static void child_exec(int errfd, int pin, int pout, int perr, int cgprocs, int3
     child_run(err, errfd, argv, envp);
 }
 
+/* --- the writable layer as a tar (a snapshot) ---------------------------------------------
+ * The overlay's upper directory on the writable disk, as an OCI layer: directories, regular
+ * files, symlinks and FIFOs with their modes, owners and times; a whiteout (the character
+ * device 0:0 overlayfs leaves for a deleted lower file) as an empty ".wh.NAME", an opaque
+ * directory as an empty ".wh..wh..opq" in it; hard links as copies; other device nodes and
+ * sockets are left out. POSIX pax records carry long names and large numbers. The host
+ * trusts nothing of it: it unpacks it as it unpacks any tarball (dsec.layers.builders.tar),
+ * into a layer of its store. Runs in a child of the agent (root, outside the sandbox's
+ * cgroup, non-dumpable), while the host holds the disk's writers (FIFREEZE). */
+
+static char tbuf[65536];
+static size_t tlen;
+
+static int tar_flush(void) {
+    size_t off = 0;
+    while (off < tlen) {
+        ssize_t n = write(1, tbuf + off, tlen - off);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) return errno ? errno : EIO;
+        off += (size_t)n;
+    }
+    tlen = 0;
+    return 0;
+}
+
+static int tar_put(const void *data, size_t n) {
+    const char *c = data;
+    while (n) {
+        size_t k = sizeof tbuf - tlen < n ? sizeof tbuf - tlen : n;
+        memcpy(tbuf + tlen, c, k);
+        tlen += k;
+        c += k;
+        n -= k;
+        if (tlen == sizeof tbuf) {
+            int e = tar_flush();
+            if (e) return e;
+        }
+    }
+    return 0;
+}
+
+static int tar_pad(uint64_t size) {
+    static const char zero[512];
+    size_t r = (size_t)(size % 512);
+    return r ? tar_put(zero, 512 - r) : 0;
+}
+
+/* One pax record, "LEN key=value\n", LEN counting itself; 0 if it does not fit. */
+static size_t pax_record(char *out, size_t room, const char *key, const char *value) {
+    size_t body = strlen(key) + strlen(value) + 3, len = body + 1;
+    while ((size_t)snprintf(NULL, 0, "%zu", len) + body != len) len++;
+    if (len >= room) return 0;
+    snprintf(out, room, "%zu %s=%s\n", len, key, value);
+    return len;
+}
+
+static void tar_octal(char *field, int width, uint64_t v) {
+    snprintf(field, (size_t)width, "%0*llo", width - 1, (unsigned long long)v);
+}
+
+static int tar_block(const char *name, char type, uint64_t mode, uint64_t uid, uint64_t gid, uint64_t size,
+                     uint64_t mtime, const char *link) {
+    char h[512];
+    memset(h, 0, sizeof h);
+    memcpy(h, name, strnlen(name, 100));
+    tar_octal(h + 100, 8, mode & 07777);
+    tar_octal(h + 108, 8, uid > 07777777 ? 0 : uid);
+    tar_octal(h + 116, 8, gid > 07777777 ? 0 : gid);
+    tar_octal(h + 124, 12, size > 077777777777ULL ? 0 : size);
+    tar_octal(h + 136, 12, mtime > 077777777777ULL ? 077777777777ULL : mtime);
+    memset(h + 148, ' ', 8);
+    h[156] = type;
+    if (link) memcpy(h + 157, link, strnlen(link, 100));
+    memcpy(h + 257, "ustar", 6);
+    memcpy(h + 263, "00", 2);
+    unsigned sum = 0;
+    for (int i = 0; i < 512; i++) sum += (unsigned char)h[i];
+    snprintf(h + 148, 8, "%06o", sum);
+    h[155] = ' ';
+    return tar_put(h, sizeof h);
+}
+
+static int tar_header(const char *path, char type, const struct stat *st, uint64_t size, const char *link) {
+    static char pax[2 * 4096 + 256];
+    char num[32];
+    size_t plen = 0;
+    uint64_t uid = st->st_uid, gid = st->st_gid;
+    if (strlen(path) > 99) plen += pax_record(pax + plen, sizeof pax - plen, "path", path);
+    if (link && strlen(link) > 99) plen += pax_record(pax + plen, sizeof pax - plen, "linkpath", link);
+    if (uid > 07777777) {
+        snprintf(num, sizeof num, "%llu", (unsigned long long)uid);
+        plen += pax_record(pax + plen, sizeof pax - plen, "uid", num);
+    }
+    if (gid > 07777777) {
+        snprintf(num, sizeof num, "%llu", (unsigned long long)gid);
+        plen += pax_record(pax + plen, sizeof pax - plen, "gid", num);
+    }
+    if (size > 077777777777ULL) {
+        snprintf(num, sizeof num, "%llu", (unsigned long long)size);
+        plen += pax_record(pax + plen, sizeof pax - plen, "size", num);
+    }
+    int e;
+    if (plen && ((e = tar_block("././@PaxHeader", 'x', 0644, 0, 0, plen, 0, NULL)) || (e = tar_put(pax, plen)) ||
+                 (e = tar_pad(plen))))
+        return e;
+    uint64_t mtime = st->st_mtim.tv_sec < 0 ? 0 : (uint64_t)st->st_mtim.tv_sec;
+    return tar_block(path, type, st->st_mode, uid, gid, size, mtime, link);
+}
+
+static int tar_file(int dfd, const char *name, const char *path) {
+    int fd = openat(dfd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return errno;
+    struct stat st;
+    int e = fstat(fd, &st) < 0 ? errno : 0;
+    if (!e && !S_ISREG(st.st_mode)) e = EAGAIN; /* changed under us: the disk is held, so never */
+    if (!e) e = tar_header(path, '0', &st, (uint64_t)st.st_size, NULL);
+    uint64_t left = e ? 0 : (uint64_t)st.st_size;
+    while (!e && left) {
+        if (tlen == sizeof tbuf && (e = tar_flush())) break;
+        size_t want = sizeof tbuf - tlen < left ? sizeof tbuf - tlen : (size_t)left;
+        ssize_t n = read(fd, tbuf + tlen, want);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) { e = errno; break; }
+        if (n == 0) { /* shorter than it said: the rest as zeros, the size as announced */
+            memset(tbuf + tlen, 0, want);
+            n = (ssize_t)want;
+        }
+        tlen += (size_t)n;
+        left -= (uint64_t)n;
+    }
+    if (!e) e = tar_pad((uint64_t)st.st_size);
+    close(fd);
+    return e;
+}
+
+static int tar_tree(int dfd, char *path, size_t plen, int depth);
+
+static int tar_entry(int dfd, const char *name, char *path, size_t plen, int depth) {
+    struct stat st;
+    if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) < 0) return errno == ENOENT ? 0 : errno;
+    if (S_ISREG(st.st_mode)) return tar_file(dfd, name, path);
+    if (S_ISLNK(st.st_mode)) {
+        static char target[4097];
+        ssize_t n = readlinkat(dfd, name, target, sizeof target - 1);
+        if (n < 0) return errno;
+        target[n] = 0;
+        return tar_header(path, '2', &st, 0, target);
+    }
+    if (S_ISFIFO(st.st_mode)) return tar_header(path, '6', &st, 0, NULL);
+    if (S_ISCHR(st.st_mode) && st.st_rdev == 0) { /* a whiteout: ".wh.NAME" beside it */
+        static char wh[4400];
+        size_t dir = plen - strlen(name);
+        snprintf(wh, sizeof wh, "%.*s.wh.%s", (int)dir, path, name);
+        struct stat none = {.st_mode = S_IFREG, .st_mtim = st.st_mtim};
+        return tar_header(wh, '0', &none, 0, NULL);
+    }
+    if (!S_ISDIR(st.st_mode)) return 0; /* devices, sockets: not part of a layer */
+    if (depth > 512) return ELOOP;
+    int fd = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) return errno;
+    int e = tar_header(path, '5', &st, 0, NULL);
+    char opq[2];
+    if (!e && fgetxattr(fd, "trusted.overlay.opaque", opq, sizeof opq) == 1 && opq[0] == 'y') {
+        static char wh[4400];
+        snprintf(wh, sizeof wh, "%s/.wh..wh..opq", path);
+        struct stat none = {.st_mode = S_IFREG, .st_mtim = st.st_mtim};
+        e = tar_header(wh, '0', &none, 0, NULL);
+    }
+    if (e) {
+        close(fd);
+        return e;
+    }
+    return tar_tree(fd, path, plen, depth + 1);
+}
+
+/* Every entry of the directory `dfd` (closed here), named below `path` (plen bytes). */
+static int tar_tree(int dfd, char *path, size_t plen, int depth) {
+    DIR *d = fdopendir(dfd);
+    if (!d) {
+        close(dfd);
+        return errno;
+    }
+    int e = 0;
+    for (;;) {
+        errno = 0;
+        struct dirent *ent = readdir(d);
+        if (!ent) {
+            e = errno;
+            break;
+        }
+        const char *n = ent->d_name;
+        if (!strcmp(n, ".") || !strcmp(n, "..")) continue;
+        size_t nl = strlen(n), at = plen ? plen + 1 : 0;
+        if (at + nl >= 4096) {
+            e = ENAMETOOLONG;
+            break;
+        }
+        if (plen) path[plen] = '/';
+        memcpy(path + at, n, nl + 1);
+        e = tar_entry(dirfd(d), n, path, at + nl, depth);
+        path[plen] = 0;
+        if (e) break;
+    }
+    closedir(d);
+    return e;
+}
+
+/* The archiver child: stdout the tar, nothing else open but the upper directory. */
+static void child_archive(int errfd, int pout, int perr) {
+    int err = 0;
+    child_reset_signals();
+    setsid();
+    int up = rwfd < 0 ? -1 : openat(rwfd, "upper", O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
+    if (up < 0) err = rwfd < 0 ? ENODEV : errno;
+    if (!err && (dup2(pout, 1) < 0 || dup2(perr, 2) < 0)) err = errno;
+    if (!err && up < 3) err = EBADF; /* (0-2 are always open in the agent) */
+    if (!err && prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) err = errno;
+    if (!err) err = child_own_domain(); /* nothing of the sandbox can ptrace-access it */
+    if (err) {
+        (void)!write(errfd, &err, sizeof err);
+        _exit(127);
+    }
+    syscall(SYS_close_range, 3, up - 1, 0); /* the error pipe too: the parent reads "started" */
+    syscall(SYS_close_range, up + 1, ~0U, 0);
+    static char path[4200];
+    path[0] = 0;
+    static const char end[1024];
+    err = tar_tree(up, path, 0, 0);
+    if (!err) err = tar_put(end, sizeof end);
+    if (!err) err = tar_flush();
+    _exit(err & 0xff ? err & 0xff : (err ? EIO : 0));
+}
+
 static void handle_spawn(uint32_t id, const char *buf, uint32_t len) {
     int32_t uid, gid;
     uint16_t argc, envc;
@@ -317,6 +559,7 @@ static void handle_spawn(uint32_t id, const char *buf, uint32_t len) {
     memcpy(&gid, buf + 4, 4);
     memcpy(&argc, buf + 8, 2);
     memcpy(&envc, buf + 10, 2);
+    unsigned char flags = (unsigned char)buf[12];
     int slot = -1;
     for (int i = 0; i < MAX_PROCS; i++)
         if (!procs[i].pid) { slot = i; break; }
@@ -348,6 +591,7 @@ static void handle_spawn(uint32_t id, const char *buf, uint32_t len) {
         pipe2(errpipe, O_CLOEXEC) < 0)
         e = errno;
     pid_t pid = e ? -1 : fork();
+    if (pid == 0 && (flags & 1)) child_archive(errpipe[1], out[1], er[1]);
     if (pid == 0) child_exec(errpipe[1], in[0], out[1], er[1], cgprocs, uid, gid, cwd, argv, envp);
     if (!e && pid < 0) e = errno;
     free(argv);
@@ -632,27 +876,41 @@ static int protect_paths(const char *masked, int nmasked, const char *readonly, 
     return 0;
 }
 
-static int handle_setup(const char *buf, uint32_t len) {
-    uint32_t seed_len, pids;
+/* Fresh entropy and the clock from the host: u32 seed_len, seed, i64 sec, i64 nsec. A
+ * template's clones (and a checkpoint's restores) share its random state: reseed before
+ * anything. Returns the bytes taken, or -errno. */
+static int take_entropy_and_clock(const char *buf, uint32_t len) {
+    uint32_t seed_len;
     int64_t sec, nsec;
-    if (len < 4) return EINVAL;
+    if (len < 4) return -EINVAL;
     memcpy(&seed_len, buf, 4);
-    if (seed_len > 512 || len < 4 + seed_len + 16 + 1 + 4) return EINVAL;
+    if (seed_len > 512 || len < 4 + seed_len + 16) return -EINVAL;
     const char *p = buf + 4;
-    /* A template's clones share its memory, so its random state: reseed before anything. */
     struct { int entropy_count, buf_size; unsigned char buf[512]; } ent;
     ent.entropy_count = (int)seed_len * 8;
     ent.buf_size = (int)seed_len;
     memcpy(ent.buf, p, seed_len);
     int rnd = open("/dev/urandom", O_RDWR | O_CLOEXEC);
-    if (rnd < 0 || ioctl(rnd, RNDADDENTROPY, &ent) < 0 || ioctl(rnd, RNDRESEEDCRNG) < 0) return errno ? errno : EIO;
+    if (rnd < 0 || ioctl(rnd, RNDADDENTROPY, &ent) < 0 || ioctl(rnd, RNDRESEEDCRNG) < 0) {
+        int e = errno ? errno : EIO;
+        if (rnd >= 0) close(rnd);
+        return -e;
+    }
     close(rnd);
     p += seed_len;
     memcpy(&sec, p, 8);
     memcpy(&nsec, p + 8, 8);
     struct timespec ts = {.tv_sec = sec, .tv_nsec = nsec};
-    if (clock_settime(CLOCK_REALTIME, &ts) < 0) return errno;
-    p += 16;
+    if (clock_settime(CLOCK_REALTIME, &ts) < 0) return -errno;
+    return (int)(4 + seed_len + 16);
+}
+
+static int handle_setup(const char *buf, uint32_t len) {
+    uint32_t pids;
+    int taken = take_entropy_and_clock(buf, len);
+    if (taken < 0) return -taken;
+    if (len < (uint32_t)taken + 1 + 4) return EINVAL;
+    const char *p = buf + taken;
     int nlower = (unsigned char)*p++;
     memcpy(&pids, p, 4);
     p += 4;
@@ -734,6 +992,34 @@ static int handle_setup(const char *buf, uint32_t len) {
     return 0;
 }
 
+/* A VM restored from a memory checkpoint ('Z'): fresh entropy, the clock, its new name.
+ * What ran for the old host keeps running but loses its stdio, whose reader is gone. */
+static int handle_resumed(const char *buf, uint32_t len) {
+    int taken = take_entropy_and_clock(buf, len);
+    if (taken < 0) return -taken;
+    const char *name = buf + taken, *z = memchr(name, 0, len - (uint32_t)taken);
+    if (!z) return EINVAL;
+    if (sethostname(name, (size_t)(z - name)) < 0) return errno;
+    for (int i = 0; i < MAX_PROCS; i++) {
+        struct proc *p = &procs[i];
+        if (!p->pid) continue;
+        close_fd(&p->in);
+        close_fd(&p->out);
+        close_fd(&p->err);
+        free(p->inbuf);
+        memset(p, 0, sizeof *p); /* (its cgroup stays until it is empty) */
+        p->in = p->out = p->err = -1;
+    }
+    outlen = outoff = 0; /* frames for the old host */
+    return 0;
+}
+
+/* Every sandbox process ('U'): what a restore into the sandbox or a verifier needs gone. */
+static int kill_all(void) {
+    if (cgroot < 0) return ENODEV;
+    return write_file(cgroot, "cgroup.kill", "1") < 0 ? errno : 0;
+}
+
 /* --- the loop ------------------------------------------------------------------------ */
 
 /* The writable disk at one consistent point, for a copy of it (a fork): 1 flushes it and
@@ -779,6 +1065,8 @@ static int handle_frames(int *setup_done) {
         case 'K': handle_kill(id, body, len); break;
         case 'P': send_value('p', id, 0); break;
         case 'Q': send_value('q', id, len >= 1 ? quiesce(body[0]) : EINVAL); break;
+        case 'Z': send_value('z', id, *setup_done ? handle_resumed(body, len) : EAGAIN); break;
+        case 'U': send_value('u', id, *setup_done ? kill_all() : EAGAIN); break;
         default: break;
         }
         off += 9 + len;

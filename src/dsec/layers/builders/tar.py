@@ -15,7 +15,7 @@ import tempfile
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from dsec import errors
 from dsec.layers.builders.common import _CHUNK, _OPAQUE_XATTR, _TAR_FORMATS, _ZSTD_MAGIC
@@ -262,6 +262,20 @@ def _open_tar_stream(path: Path) -> Iterator[tarfile.TarFile]:
             err.seek(0)
             msg = err.read().decode(errors="replace").strip()[-500:]
             raise errors.InvalidRequest(f"{path} could not be decompressed by zstd: {msg}")
+
+
+def unpack_layer_stream(src: BinaryIO, dest: Path, what: str) -> dict[str, Any]:
+    """Unpack an OCI layer tar that nothing vouches for (a guest's writable layer, say) from
+    ``src`` into ``dest``, as ``import_tarball_layer`` unpacks a tarball: nothing outside
+    ``dest``, nothing through a symlink, OCI whiteouts as overlayfs ones, device nodes left
+    out. Owners stay as archived (container-side). What it held, for the layer's source."""
+    ex = _Extractor(dest, oci=True, what=what)
+    try:
+        with tarfile.open(fileobj=src, mode="r|", bufsize=_CHUNK) as tf:
+            ex.run(tf)
+    except _TAR_ERRORS as e:
+        raise errors.InvalidRequest(f"{what} is not a readable tar archive ({e})") from None
+    return ex.report()
 
 
 def import_tarball_layer(store: LayerStore, name: str, version: str, tar_path: Path) -> Layer:
