@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from dsec import errors
-from dsec.layers import LayerStore, import_oci_archive, import_tarball_layer, tree_digest
+from dsec.layers import LayerStore, import_oci_archive, import_tarball_layer, tree_digest, unpack_layer_stream
 
 pytestmark = [
     pytest.mark.root,
@@ -291,6 +291,33 @@ def test_tarball_escapes_are_refused(dsec_dir: Path, entries: list[Entry]) -> No
     assert not Path("/tmp/evil").exists() or Path("/tmp/evil").stat().st_mtime < 1_700_000_001
     assert store.list_layers() == []
     assert list((store.root / "staging").iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "entries",
+    [
+        [_entry(".wh...")],
+        [_entry("a/", kind=tarfile.DIRTYPE), _entry("a/.wh...")],
+        [_entry("a/", kind=tarfile.DIRTYPE), _entry("a/.wh..")],
+        [_entry(".wh.")],
+        [_entry("esc", kind=tarfile.SYMTYPE, linkname=".."), _entry("esc/.wh.x")],
+        [_entry("esc", kind=tarfile.SYMTYPE, linkname=".."), _entry("esc/.wh..wh..opq")],
+    ],
+    ids=["top-dotdot", "nested-dotdot", "dot", "empty", "through-symlink", "opaque-through-symlink"],
+)
+def test_an_untrusted_layer_stream_cannot_whiteout_its_way_out(dsec_dir: Path, entries: list[Entry]) -> None:
+    """A guest's writable layer (a microVM's snapshot) is unpacked with OCI whiteouts: a
+    whiteout naming '..' or '.' (it would remove the directory above, then put a device node
+    there) or reached through a symlink is refused, and nothing outside is touched."""
+    stage = dsec_dir / "staging" / "stage"
+    stage.mkdir(parents=True)
+    (dsec_dir / "staging" / "neighbour").write_bytes(b"kept")
+    (dsec_dir / "x").write_bytes(b"host file")
+    with pytest.raises(errors.InvalidRequest):
+        unpack_layer_stream(io.BytesIO(make_tar(entries)), stage, "a guest's layer")
+    assert (dsec_dir / "staging" / "neighbour").read_bytes() == b"kept"
+    assert (dsec_dir / "x").read_bytes() == b"host file" and stage.is_dir()
+    assert not os.path.lexists(dsec_dir / ".wh..wh..opq")
 
 
 def test_device_nodes_other_than_whiteouts_are_skipped(dsec_dir: Path) -> None:

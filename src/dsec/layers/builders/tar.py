@@ -207,6 +207,8 @@ class _Extractor:
         if base.startswith(".wh..wh."):
             return True  # other aufs bookkeeping entries: meaningless for overlayfs
         name = base[len(".wh.") :]
+        if name in ("", ".", ".."):  # ".wh..." would whiteout (and first remove) the parent
+            raise errors.InvalidRequest(f"{self.what}: whiteout {rel!r} names no file")
         target_rel = posixpath.join(parent_rel, name) if parent_rel else name
         full = self._parent(target_rel)
         self._clear(full, keep_dir=False)
