@@ -368,7 +368,7 @@ LAYER_CHECK = r"""
 set -e
 sha256sum -c /work/big.sum > /dev/null
 cat /work/$(printf 'n%.0s' $(seq 120))/$(printf 'f%.0s' $(seq 90))
-stat -c '%a %u:%g' /work/m /work/suid; cat /work/m2
+stat -c '%a %u:%g' /work/m /work/suid; cat /work/m2; [ /work/m -ef /work/m2 ] && echo linked
 readlink /work/longlink | wc -c
 test -p /work/fifo && echo fifo
 test -e /etc/issue || echo issue-gone
@@ -388,8 +388,9 @@ async def test_a_snapshot_is_a_layer_every_backend_runs(edge):
     snap = await edge.snapshot(sb.id, scrub_paths=["/work/secret"])
     assert snap.scrubbed == ["/work/secret"] and snap.size_bytes >= 3_000_000
     # the sandbox runs on, unchanged, its disk writable again
-    assert await _run(edge, sb.id, "cat /work/secret; echo more > /work/after; cat /work/after") == "hidden\nmore\n"
-    expected = "long\n640 1000:1001\n755 0:0\nmode\n157\nfifo\nissue-gone\nmine\nempty\nscrubbed\n"
+    out = await _run(edge, sb.id, "cat /work/secret; echo more > /work/after; cat /work/after")
+    assert out == "hidden\nmore\n"
+    expected = "long\n640 1000:1001\n755 0:0\nmode\nlinked\n157\nfifo\nissue-gone\nmine\nempty\nscrubbed\n"
     for backend in ("microvm", "container"):
         kid = await edge.create(SandboxSpec(image=snap.id, backend=backend, memory_mb=256))
         assert await _run(edge, kid.id, LAYER_CHECK) == expected, backend
@@ -473,5 +474,5 @@ async def test_a_checkpoint_restores_only_onto_the_layers_it_was_taken_on(edge, 
     before = set(edge.sandboxes)
     with pytest.raises(errors.UnsupportedOperation, match="other layers") as ei:
         await edge.restore(ckpt.id)
-    assert ei.value.details.get("reason") == "checkpoint_stale" or "checkpoint_stale" in str(ei.value.to_wire())
+    assert ei.value.details["reason"] == "checkpoint_stale"
     assert set(edge.sandboxes) == before

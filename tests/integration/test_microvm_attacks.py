@@ -515,3 +515,29 @@ async def test_clones_cannot_touch_the_template_or_each_other(edge):
     ua = await _ok(edge, a.id, "python3 -c 'import uuid, os; print(uuid.uuid4(), os.urandom(8).hex())'")
     ub = await _ok(edge, b.id, "python3 -c 'import uuid, os; print(uuid.uuid4(), os.urandom(8).hex())'")
     assert ua != ub
+
+
+# --- snapshots and checkpoints of a hostile guest ------------------------------------------
+
+
+async def test_a_snapshot_cannot_be_inflated_or_smuggle_foreign_owners(edge):
+    """Hard links travel as links (a file linked 500 times is archived once, not 500 times),
+    and a file the guest's root gave an owner beyond a container's id range makes the
+    snapshot fail with the path named (a 4xx), leaving nothing in the store."""
+    sb = await edge.create(VM)
+    await _ok(
+        edge,
+        sb.id,
+        "head -c 2000000 /dev/urandom > /work/h; for i in $(seq 500); do ln /work/h /work/h$i; done",
+    )
+    snap = await edge.snapshot(sb.id)
+    assert snap.size_bytes < 3_000_000, snap
+    kid = await edge.create(SandboxSpec(image=snap.id, backend="container"))
+    assert await _ok(edge, kid.id, "cmp /work/h /work/h500 && stat -c %h /work/h") == "501\n"
+    images = {i["name"] for i in edge.list_snapshots()}
+    await _ok(edge, sb.id, "echo x > /work/foreign; chown 100000:100000 /work/foreign")
+    with pytest.raises(errors.InvalidRequest, match=r"foreign.*100000"):
+        await edge.snapshot(sb.id)
+    assert {i["name"] for i in edge.list_snapshots()} == images
+    assert list((edge.layers.root / "staging").iterdir()) == []
+    await _alive(edge, sb.id)

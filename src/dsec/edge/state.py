@@ -253,8 +253,8 @@ class EdgeState(EdgePart):
         streams it as an OCI layer tar, which is unpacked here like any tarball nothing
         vouches for, its owners shifted into the store's range (ids beyond a container's are
         refused with the path named)."""
-        # what the disk can hold, and a header or two per inode
-        limit = (sb.record.spec.disk_mb << 20) + sb.record.spec.disk_inodes * 2048
+        # what the disk can hold, and the headers of every inode (names of up to 4 KiB)
+        limit = (sb.record.spec.disk_mb << 20) + sb.record.spec.disk_inodes * 10240
         loop = asyncio.get_running_loop()
         with tempfile.TemporaryFile(dir=stage.parent) as spool:
             await sb.backend.archive_writable(sb.handle, spool.fileno(), limit)

@@ -322,8 +322,9 @@ static void child_exec(int errfd, int pin, int pout, int perr, int cgprocs, int3
  * The overlay's upper directory on the writable disk, as an OCI layer: directories, regular
  * files, symlinks and FIFOs with their modes, owners and times; a whiteout (the character
  * device 0:0 overlayfs leaves for a deleted lower file) as an empty ".wh.NAME", an opaque
- * directory as an empty ".wh..wh..opq" in it; hard links as copies; other device nodes and
- * sockets are left out. POSIX pax records carry long names and large numbers. The host
+ * directory as an empty ".wh..wh..opq" in it; hard links as links to the first name met
+ * (the first HL_MAX files with several names; further ones as copies); other device nodes
+ * and sockets are left out. POSIX pax records carry long names and large numbers. The host
  * trusts nothing of it: it unpacks it as it unpacks any tarball (dsec.layers.builders.tar),
  * into a layer of its store. Runs in a child of the agent (root, outside the sandbox's
  * cgroup, non-dumpable), while the host holds the disk's writers (FIFREEZE). */
@@ -453,11 +454,33 @@ static int tar_file(int dfd, const char *name, const char *path) {
     return e;
 }
 
+/* Files with several names met so far: (inode, first name), open addressing. */
+#define HL_SLOTS 131072
+#define HL_MAX 65536
+static struct hl { uint64_t ino; char *path; } *hl;
+static size_t hl_used;
+
+static const char *hl_first(uint64_t ino, const char *path) {
+    if (!hl && !(hl = calloc(HL_SLOTS, sizeof *hl))) return NULL;
+    size_t i = (size_t)(ino * 0x9E3779B97F4A7C15ULL) & (HL_SLOTS - 1);
+    for (; hl[i].path; i = (i + 1) & (HL_SLOTS - 1))
+        if (hl[i].ino == ino) return hl[i].path;
+    if (hl_used < HL_MAX && (hl[i].path = strdup(path)) != NULL) {
+        hl[i].ino = ino;
+        hl_used++;
+    }
+    return NULL;
+}
+
 static int tar_tree(int dfd, char *path, size_t plen, int depth);
 
 static int tar_entry(int dfd, const char *name, char *path, size_t plen, int depth) {
     struct stat st;
     if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) < 0) return errno == ENOENT ? 0 : errno;
+    if (S_ISREG(st.st_mode) && st.st_nlink > 1) { /* (one file system: the inode names it) */
+        const char *first = hl_first((uint64_t)st.st_ino, path);
+        if (first) return tar_header(path, '1', &st, 0, first);
+    }
     if (S_ISREG(st.st_mode)) return tar_file(dfd, name, path);
     if (S_ISLNK(st.st_mode)) {
         static char target[4097];
