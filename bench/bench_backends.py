@@ -4,8 +4,9 @@
         [--backends container,gvisor,microvm]
 
 Per backend: create -> first exec -> stop, exec round trip, fork x8 (where the backend
-forks), pause + resume, and host memory per idle sandbox (MemAvailable delta; microVMs:
---idle-vm of them, each holds its guest's RAM); floors: `runsc do true` (a gVisor sandbox
+forks), pause + resume, memory checkpoint and restore (where it has them), and host memory
+per idle sandbox (MemAvailable delta; microVMs: --idle-vm of them, each holds its guest's
+RAM); floors: `runsc do true` (a gVisor sandbox
 with nothing of dsec), a bare QEMU microvm boot of the guest kernel to the agent's hello
 (under the accelerator the backend uses: TCG on hosts whose KVM does not boot a guest), and
 `unshare ... true` (namespaces only). Prints Markdown for docs/benchmarks.md: read the
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from _common import pct, row, timed_cmd  # type: ignore[import-not-found]
 
+from dsec import errors
 from dsec.backends import qemu
 from dsec.backends.base import Capability
 from dsec.config import EdgeSettings
@@ -67,6 +69,7 @@ async def measure(edge: Edge, backend: str, n: int, idle: int) -> dict[str, list
         await edge.resume(sb.id)
         pauses.append(time.perf_counter() - t)
     await edge.stop(sb.id)
+    ckpts, restores = await checkpoints(edge, spec, max(3, n // 10))
     before = mem_available()
     ids = [(await edge.create(spec)).id for _ in range(idle)]
     for i in ids:
@@ -74,7 +77,34 @@ async def measure(edge: Edge, backend: str, n: int, idle: int) -> dict[str, list
     await asyncio.sleep(1)
     per = (before - mem_available()) / idle
     await asyncio.gather(*(edge.stop(i) for i in ids))
-    return {"cycle": cycle, "exec": execs, "fork8": forks, "pause": pauses, "idle_bytes": per, "idle": idle}
+    return {
+        "cycle": cycle, "exec": execs, "fork8": forks, "pause": pauses, "checkpoint": ckpts,
+        "restore": restores, "idle_bytes": per, "idle": idle,
+    }  # fmt: skip
+
+
+async def checkpoints(edge: Edge, spec: SandboxSpec, n: int) -> tuple[list[float], list[float]]:
+    """Memory checkpoint (left running) of a sandbox with a background process, and a restore
+    of it into a new sandbox, where the backend has them (CRIU: where it runs here)."""
+    if Capability.CHECKPOINT not in edge.backends[spec.backend].capabilities:
+        return [], []
+    sb = await edge.create(spec)
+    await edge.exec(sb.id, ExecRequest(cmd="sleep 1000 > /dev/null 2>&1 &"))
+    ckpts, restores = [], []
+    try:
+        for _ in range(n):
+            t = time.perf_counter()
+            c = await edge.checkpoint(sb.id)
+            ckpts.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            r = await edge.restore(c.id)
+            restores.append(time.perf_counter() - t)
+            await edge.stop(r.id)
+            edge.delete_checkpoint(c.id)
+    except errors.UnsupportedOperation as e:
+        print(f"{spec.backend}: no checkpoints here ({e.message})")
+    await edge.stop(sb.id)
+    return ckpts, restores
 
 
 async def main(n: int, idle: int, idle_vm: int, backends: list[str]) -> None:
@@ -119,6 +149,8 @@ async def main(n: int, idle: int, idle_vm: int, backends: list[str]) -> None:
         ("exec", "exec /bin/true round trip"),
         ("fork8", "fork x8"),
         ("pause", "pause + resume"),
+        ("checkpoint", "memory checkpoint (left running)"),
+        ("restore", "restore into a new sandbox"),
     ):
         for b, res in results.items():
             xs = res[what]

@@ -541,3 +541,22 @@ async def test_a_snapshot_cannot_be_inflated_or_smuggle_foreign_owners(edge):
     assert {i["name"] for i in edge.list_snapshots()} == images
     assert list((edge.layers.root / "staging").iterdir()) == []
     await _alive(edge, sb.id)
+
+
+async def test_an_exec_running_at_a_checkpoint_reaches_no_one_in_the_restore(edge):
+    """The original's exec finishes there with all its output; in a restore the same
+    process goes on (it is in the memory) but its output has no reader: nothing of it lands
+    in a later exec of the restored VM, whose results are its own."""
+    sb = await edge.create(VM)
+    loop = "for i in $(seq 60); do echo line$i; sleep 0.05; done"
+    running = asyncio.ensure_future(edge.exec(sb.id, ExecRequest(cmd=loop, timeout=60)))
+    await asyncio.sleep(1.0)
+    ckpt = await edge.checkpoint(sb.id)
+    r = await running
+    assert r.exit_code == 0 and r.stdout.split() == [f"line{i}" for i in range(1, 61)], r
+    kid = await edge.restore(ckpt.id)
+    for _ in range(3):
+        r = await _sh(edge, kid.id, "sleep 1; echo mine; exit 4")
+        assert (r.stdout, r.stderr, r.exit_code) == ("mine\n", "", 4), r
+    await edge.stop(kid.id)
+    edge.delete_checkpoint(ckpt.id)
