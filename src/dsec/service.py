@@ -123,10 +123,20 @@ def serve(app: FastAPI, host: str, port: int, log_level: str = "warning") -> Non
     uvicorn.Server(config).run()
 
 
-def apiserver_app(data_dir: Path, edges: dict[str, str]) -> FastAPI:
+def apiserver_app(data_dir: Path, edges: dict[str, str], database: str | None = None) -> FastAPI:
+    """An apiserver: its IAM in `database` (a PostgreSQL URL several apiservers share), else
+    in SQLite under `data_dir` (one host)."""
     seal_data_dir(data_dir)
-    iam = IAM(data_dir / "iam.db")
-    admin_token(iam, data_dir)
+    if database is None:
+        iam = IAM(data_dir / "iam.db")
+        admin_token(iam, data_dir)
+    else:
+        iam = IAM(database)
+        created = iam.bootstrap()  # the first apiserver on a new database issues it, once
+        if created is not None:
+            (data_dir / "admin-token").unlink(missing_ok=True)
+            _secret_file(data_dir / "admin-token", created)
+            log.warning("issued the admin token: %s", data_dir / "admin-token")
     cluster = os.environ.get("DSEC_CLUSTER_TOKEN") or _secret_file(data_dir / "cluster-token")
     return create_api_app(
         iam=iam,

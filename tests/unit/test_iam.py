@@ -22,9 +22,17 @@ def db_path(tmp_path: Path) -> Path:
     return tmp_path / "iam.db"
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Path | str:
+    """The IAM's database: a SQLite file, or a fresh database on a real PostgreSQL."""
+    if request.param == "sqlite":
+        return tmp_path / "iam.db"
+    return str(request.getfixturevalue("pg_url"))
+
+
 @pytest.fixture
-def iam(db_path: Path) -> Iterator[IAM]:
-    i = IAM(db_path)
+def iam(db: Path | str) -> Iterator[IAM]:
+    i = IAM(db)
     i.bootstrap()
     yield i
     i.close()
@@ -33,8 +41,8 @@ def iam(db_path: Path) -> Iterator[IAM]:
 # ---------------------------------------------------------------- bootstrap and tokens
 
 
-def test_bootstrap_is_idempotent(db_path: Path) -> None:
-    with IAM(db_path) as iam:
+def test_bootstrap_is_idempotent(db: Path | str) -> None:
+    with IAM(db) as iam:
         token = iam.bootstrap()
         assert token is not None and token.startswith("dsec_")
         assert iam.bootstrap() is None
@@ -42,7 +50,7 @@ def test_bootstrap_is_idempotent(db_path: Path) -> None:
         assert admin.admin and admin.name == "admin" and admin.projects == ["default"]
         default = iam.get_project("default")
         assert default.parent is None and default.quota == Quota()
-    with IAM(db_path) as again:  # a restart does not mint a new admin token
+    with IAM(db) as again:  # a restart does not mint a new admin token
         assert again.bootstrap() is None
         assert again.authenticate(token).id == admin.id
         assert [p.name for p in again.list_projects()] == ["default"]
@@ -88,11 +96,11 @@ def test_rotate_and_delete_invalidate_the_cache(iam: IAM) -> None:
         iam.rotate_token(p.id)
 
 
-def test_rotate_and_revoke_reach_other_processes_at_once(db_path: Path) -> None:
+def test_rotate_and_revoke_reach_other_processes_at_once(db: Path | str) -> None:
     """Two apiservers share one IAM file: a token rotated or revoked through one stops working
     in the other at once, although the other has it cached (TTL 1 h here)."""
-    a = IAM(db_path, auth_cache_ttl_s=3600)
-    b = IAM(db_path, auth_cache_ttl_s=3600)
+    a = IAM(db, auth_cache_ttl_s=3600)
+    b = IAM(db, auth_cache_ttl_s=3600)
     try:
         a.bootstrap()
         p, token = a.create_principal("leaky", ["default"])
@@ -123,17 +131,17 @@ def test_rotate_and_revoke_reach_other_processes_at_once(db_path: Path) -> None:
 
 
 def _reserve_pending_and_hang(db: str, ready: Any) -> None:
-    iam = IAM(Path(db))
+    iam = IAM(db, owner_lease_s=1.0)
     iam.reserve("pending-crashed", "default", 1, 64, pending=True)
     ready.set()
     time.sleep(3600)  # killed by the test: a crashed apiserver mid-create
 
 
-def test_pending_reservations_stay_while_their_create_runs(db_path: Path) -> None:
+def test_pending_reservations_stay_while_their_create_runs(db: Path | str) -> None:
     """A create's reservation is never reconciled away while its process lives, however long
     the create takes; a crashed process's pending reservations are released by the next."""
-    creator = IAM(db_path)
-    reconciler = IAM(db_path)
+    creator = IAM(db)
+    reconciler = IAM(db)
     try:
         creator.bootstrap()
         creator.set_quota("default", Quota(max_sandboxes=2))
@@ -150,7 +158,7 @@ def test_pending_reservations_stay_while_their_create_runs(db_path: Path) -> Non
         assert reconciler.reconcile({"n0-sandbox"}, older_than_s=0) == []
         ctx = multiprocessing.get_context("spawn")
         ready = ctx.Event()
-        proc = ctx.Process(target=_reserve_pending_and_hang, args=(str(db_path), ready))
+        proc = ctx.Process(target=_reserve_pending_and_hang, args=(str(db), ready))
         proc.start()
         assert ready.wait(60)
         assert reconciler.release_orphaned() == []  # alive: kept
@@ -158,14 +166,19 @@ def test_pending_reservations_stay_while_their_create_runs(db_path: Path) -> Non
             reconciler.reserve("third", "default", 1, 64)
         proc.kill()
         proc.join(30)
+        if not isinstance(db, Path):  # PostgreSQL: its lease (1 s here) must run out first
+            assert reconciler.release_orphaned() == []
+            time.sleep(1.5)
         assert reconciler.release_orphaned() == ["pending-crashed"]
         assert set(reconciler.reservations()) == {"n0-sandbox"}
         assert reconciler.usage("default").sandboxes == 1
-        assert not list((db_path.parent / (db_path.name + ".owners")).iterdir())[1:]  # only creator's
+        if isinstance(db, Path):
+            assert not list((db.parent / (db.name + ".owners")).iterdir())[1:]  # only creator's
     finally:
         creator.close()
         reconciler.close()
-    assert list((db_path.parent / (db_path.name + ".owners")).iterdir()) == []  # closed: gone
+    if isinstance(db, Path):
+        assert list((db.parent / (db.name + ".owners")).iterdir()) == []  # closed: gone
 
 
 def test_principal_validation(iam: IAM) -> None:
@@ -418,9 +431,9 @@ def test_concurrent_threads_shared_instance(
     assert iam.usage("hot").sandboxes == expected
 
 
-def test_concurrent_threads_separate_connections(db_path: Path) -> None:
+def test_concurrent_threads_separate_connections(db: Path | str) -> None:
     """16 threads, each with its own IAM (own SQLite connection): contention is resolved by SQLite itself."""
-    with IAM(db_path) as setup:
+    with IAM(db) as setup:
         setup.create_project("org", quota=Quota(max_sandboxes=50, max_cpu=100))
         setup.create_project("hot", parent="org")
     local = threading.local()
@@ -429,7 +442,7 @@ def test_concurrent_threads_separate_connections(db_path: Path) -> None:
 
     def reserve(key: str, cpu: float, mem: int) -> None:
         if not hasattr(local, "iam"):
-            local.iam = IAM(db_path)
+            local.iam = IAM(db)
             with lock:
                 opened.append(local.iam)
         local.iam.reserve(key, "hot", cpu, mem)
@@ -439,7 +452,7 @@ def test_concurrent_threads_separate_connections(db_path: Path) -> None:
     finally:
         for i in opened:
             i.close()
-    with IAM(db_path) as check:
+    with IAM(db) as check:
         assert check.usage("org") == Usage(sandboxes=50, cpu=50, memory_mb=0)
         assert check.usage("hot", recursive=False).sandboxes == 50
 
@@ -447,7 +460,7 @@ def test_concurrent_threads_separate_connections(db_path: Path) -> None:
 def _process_worker(
     db_path: str, project: str, worker: int, n: int, cpu: float, mem: int, start: Any, out: Any
 ) -> None:
-    iam = IAM(Path(db_path))
+    iam = IAM(db_path)
     admitted = 0
     try:
         start.wait()
@@ -471,14 +484,14 @@ def _process_worker(
     ],
     ids=["sandboxes", "cpu", "memory"],
 )
-def test_concurrent_processes(db_path: Path, quota: Quota, cpu: float, mem: int, expected: int) -> None:
-    with IAM(db_path) as setup:
+def test_concurrent_processes(db: Path | str, quota: Quota, cpu: float, mem: int, expected: int) -> None:
+    with IAM(db) as setup:
         setup.create_project("hot", quota=quota)
     ctx = multiprocessing.get_context("spawn")
     procs_n, per = 4, 50
     start, out = ctx.Barrier(procs_n), ctx.Queue()
     procs = [
-        ctx.Process(target=_process_worker, args=(str(db_path), "hot", w, per, cpu, mem, start, out))
+        ctx.Process(target=_process_worker, args=(str(db), "hot", w, per, cpu, mem, start, out))
         for w in range(procs_n)
     ]
     for p in procs:
@@ -490,7 +503,7 @@ def test_concurrent_processes(db_path: Path, quota: Quota, cpu: float, mem: int,
     out.close()
     out.join_thread()
     assert sum(results) == expected
-    with IAM(db_path) as check:
+    with IAM(db) as check:
         assert len(check.reservations()) == expected
         assert check.usage("hot").sandboxes == expected
 
@@ -694,9 +707,9 @@ def test_concurrent_snapshot_reservations_shared_instance(
     assert iam.usage("org").snapshot_mb == expected * size
 
 
-def test_concurrent_snapshot_reservations_separate_connections(db_path: Path) -> None:
+def test_concurrent_snapshot_reservations_separate_connections(db: Path | str) -> None:
     """Sandboxes and snapshots admitted at once by 16 threads with their own connections."""
-    with IAM(db_path) as setup:
+    with IAM(db) as setup:
         setup.create_project("org", quota=Quota(max_sandboxes=30, max_snapshots=40, max_snapshot_mb=700))
         setup.create_project("hot", parent="org")
     local = threading.local()
@@ -705,7 +718,7 @@ def test_concurrent_snapshot_reservations_separate_connections(db_path: Path) ->
 
     def mine() -> IAM:
         if not hasattr(local, "iam"):
-            local.iam = IAM(db_path)
+            local.iam = IAM(db)
             with lock:
                 opened.append(local.iam)
         i: IAM = local.iam
@@ -722,13 +735,13 @@ def test_concurrent_snapshot_reservations_separate_connections(db_path: Path) ->
     finally:
         for i in opened:
             i.close()
-    with IAM(db_path) as check:
+    with IAM(db) as check:
         assert check.usage("org") == Usage(sandboxes=30, cpu=0, memory_mb=0, snapshots=40, snapshot_mb=400)
         assert len(check.reservations()) == 30 and len(check.snapshot_reservations()) == 40
 
 
 def _snapshot_process_worker(db_path: str, worker: int, n: int, start: Any, out: Any) -> None:
-    iam = IAM(Path(db_path))
+    iam = IAM(db_path)
     admitted = 0
     try:
         start.wait()
@@ -743,14 +756,14 @@ def _snapshot_process_worker(db_path: str, worker: int, n: int, start: Any, out:
         out.put(admitted)
 
 
-def test_concurrent_snapshot_processes(db_path: Path) -> None:
-    with IAM(db_path) as setup:
+def test_concurrent_snapshot_processes(db: Path | str) -> None:
+    with IAM(db) as setup:
         setup.create_project("hot", quota=Quota(max_snapshot_mb=1000))
     ctx = multiprocessing.get_context("spawn")
     procs_n, per = 4, 25
     start, out = ctx.Barrier(procs_n), ctx.Queue()
     procs = [
-        ctx.Process(target=_snapshot_process_worker, args=(str(db_path), w, per, start, out))
+        ctx.Process(target=_snapshot_process_worker, args=(str(db), w, per, start, out))
         for w in range(procs_n)
     ]
     for p in procs:
@@ -762,7 +775,7 @@ def test_concurrent_snapshot_processes(db_path: Path) -> None:
     out.close()
     out.join_thread()
     assert sum(results) == 15
-    with IAM(db_path) as check:
+    with IAM(db) as check:
         assert check.usage("hot") == Usage(sandboxes=0, cpu=0, memory_mb=0, snapshots=15, snapshot_mb=960)
 
 
@@ -909,8 +922,8 @@ def test_a_principal_name_cannot_look_like_a_principal_id(tmp_path) -> None:
     iam.create_principal("pr_not_an_id", ["p"])  # other names starting with pr_ are fine
 
 
-def test_tier_policy_is_inherited_and_only_narrowed(db_path: Path) -> None:
-    with IAM(db_path) as iam:
+def test_tier_policy_is_inherited_and_only_narrowed(db: Path | str) -> None:
+    with IAM(db) as iam:
         iam.bootstrap()
         iam.create_project("sec", allowed_backends=["gvisor", "microvm"])
         iam.create_project("sec-a", parent="sec")  # inherits
@@ -932,5 +945,29 @@ def test_tier_policy_is_inherited_and_only_narrowed(db_path: Path) -> None:
                 iam.check_backend(project, backend)
             assert fe.value.status == 403 and fe.value.code == "forbidden"
             assert backend in fe.value.message and fe.value.details["allowed"][0] in fe.value.message
-    with IAM(db_path) as again:  # stored
+    with IAM(db) as again:  # stored
         assert again.allowed_backends("sec-b-c") == ["microvm"]
+
+
+def test_postgres_openers_migrate_once_and_refuse_a_newer_schema(pg_url: str) -> None:
+    """Several apiservers starting at once on one PostgreSQL database make the schema once
+    (under the write lock); a database a newer dsec migrated is refused with what to do."""
+    import psycopg
+
+    with ThreadPoolExecutor(8) as pool:
+        opened = list(pool.map(lambda _: IAM(pg_url), range(8)))
+    try:
+        assert [i.bootstrap() is not None for i in opened].count(True) == 1
+        assert len(opened[3].list_projects()) == 1
+    finally:
+        for i in opened:
+            i.close()
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        (v,) = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()  # type: ignore[misc]
+        conn.execute("UPDATE meta SET value = %s WHERE key = 'schema_version'", (v + 1,))
+        # tokens are stored hashed here too
+        hashes = [r[0] for r in conn.execute("SELECT token_hash FROM principals")]
+        assert hashes and all(len(h) == 64 for h in hashes)
+    with pytest.raises(errors.InvalidRequest, match="upgrade dsec") as ei:
+        IAM(pg_url)
+    assert ":***@" in ei.value.message and pg_url.split(":")[2].split("@")[0] not in ei.value.message

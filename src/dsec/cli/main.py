@@ -77,14 +77,23 @@ def apiserver(
     edge: Annotated[
         list[str], typer.Option(help="a static edge as name=url (edges also self-register)")
     ] = [],  # noqa: B006
+    database: Annotated[
+        str | None,
+        typer.Option(
+            envvar="DSEC_DATABASE",
+            help="PostgreSQL URL shared by every apiserver (postgresql://user:pw@host/db); "
+            "default: SQLite in the data dir (one apiserver)",
+        ),
+    ] = None,
     verbose: bool = False,
 ) -> None:
-    """Run an apiserver only; edges register with it."""
+    """Run an apiserver only; edges register with it. Stateless with --database: run as
+    many as you like behind one name, against one PostgreSQL."""
     from dsec.service import apiserver_app, serve
 
     _logging(verbose)
     edges = dict(e.split("=", 1) for e in edge)
-    serve(apiserver_app(data_dir, edges), host, port)
+    serve(apiserver_app(data_dir, edges, database), host, port)
 
 
 @app.command("edge")

@@ -6,42 +6,35 @@ A part of `IAM` (store.py): what it uses of the rest of IAM is declared at the t
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import math
-import os
-import secrets
-import sqlite3
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsec.errors import Conflict, InvalidRequest, NotFound, QuotaExceeded
-from dsec.iam.schema import _ANCESTORS_SQL, _MILLI, _OWNER_RE, _fmt, _milli, _usage_of
+from dsec.iam.db import Database, Row
+from dsec.iam.schema import _ANCESTORS_SQL, _MILLI, _fmt, _milli, _usage_of
 from dsec.models.iam import Usage
 
 
 class Admission:
     """reserve, release, rekey, usage, reconcile; the same for snapshot storage (see the module)."""
 
-    # What this part uses of the edge (set by Edge).
-    _owners_dir: Path
+    # What this part uses of the rest of IAM.
     _owner_id: str | None
-    _owner_fd: int
     _lock: threading.Lock
-    _db: sqlite3.Connection
+    _db: Database
 
     if TYPE_CHECKING:
 
-        def _project_row(self, db: sqlite3.Connection, name: str) -> sqlite3.Row: ...
+        def _project_row(self, db: Database, name: str) -> Row: ...
 
-        def _read(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]: ...
+        def _read(self, sql: str, params: Sequence[Any] = ()) -> list[Row]: ...
 
         @contextmanager
-        def _write(self) -> Iterator[sqlite3.Connection]: ...
+        def _write(self) -> Iterator[Database]: ...
 
     # ------------------------------------------------------------------ admission
 
@@ -83,7 +76,7 @@ class Admission:
             )
             _add_usage(db, chain, used_sandboxes=1, used_cpu_m=cpu_m, used_memory_mb=memory_mb)
 
-    def _release(self, db: sqlite3.Connection, key: str) -> str | None:
+    def _release(self, db: Database, key: str) -> str | None:
         row = _take(db, "reservations", key)
         if row is None:
             return None
@@ -130,12 +123,14 @@ class Admission:
             if recursive:
                 return _usage_of(row)
             n, cpu_m, mem = self._db.execute(
-                "SELECT COUNT(*), COALESCE(SUM(cpu_m), 0), COALESCE(SUM(memory_mb), 0)"
+                "SELECT COUNT(*), CAST(COALESCE(SUM(cpu_m), 0) AS BIGINT),"
+                " CAST(COALESCE(SUM(memory_mb), 0) AS BIGINT)"
                 " FROM reservations WHERE project = ?",
                 (project,),
             ).fetchone()
             snaps, snap_mb = self._db.execute(
-                "SELECT COUNT(*), COALESCE(SUM(size_mb), 0) FROM snapshot_reservations WHERE project = ?",
+                "SELECT COUNT(*), CAST(COALESCE(SUM(size_mb), 0) AS BIGINT) FROM snapshot_reservations"
+                " WHERE project = ?",
                 (project,),
             ).fetchone()
             return Usage(sandboxes=n, cpu=cpu_m / _MILLI, memory_mb=mem, snapshots=snaps, snapshot_mb=snap_mb)
@@ -172,32 +167,17 @@ class Admission:
     # ------------------------------------------------------------------ pending creates' owners
 
     def _owner(self) -> str:
-        """This instance's owner id, locked for as long as it lives (created on first use)."""
+        """This instance's owner id, alive for as long as it lives (made on first use)."""
         with self._lock:
             if self._owner_id is None:
-                self._owners_dir.mkdir(mode=0o700, exist_ok=True)
-                oid = "o" + secrets.token_hex(8)
-                fd = os.open(self._owners_dir / oid, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-                self._owner_id, self._owner_fd = oid, fd
+                self._owner_id = self._db.new_owner()
             return self._owner_id
 
     def _owner_alive(self, owner: str) -> bool:
         if owner == self._owner_id:
             return True
-        if not _OWNER_RE.fullmatch(owner):
-            return False
-        try:
-            fd = os.open(self._owners_dir / owner, os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)  # drops the lock we may have taken
-        return False
+        with self._lock:
+            return self._db.owner_alive(owner)
 
     def release_orphaned(self) -> list[str]:
         """Release the pending reservations of processes that are gone (a crash mid-create);
@@ -212,9 +192,9 @@ class Admission:
                 for (key,) in db.execute("SELECT key FROM reservations WHERE owner = ?", (owner,)).fetchall():
                     if self._release(db, key):
                         released.append(key)
-        for owner in dead:
-            with contextlib.suppress(OSError):
-                os.unlink(self._owners_dir / owner)
+        with self._lock:
+            for owner in dead:
+                self._db.forget_owner(owner)
         return released
 
     # ------------------------------------------------------------------ snapshot storage
@@ -281,7 +261,7 @@ class Admission:
             db.execute("UPDATE snapshot_reservations SET size_mb = ? WHERE key = ?", (mb, key))
             _add_usage(db, chain, used_snapshot_mb=delta)
 
-    def _release_snapshot(self, db: sqlite3.Connection, key: str) -> bool:
+    def _release_snapshot(self, db: Database, key: str) -> bool:
         row = _take(db, "snapshot_reservations", key)
         if row is None:
             return False
@@ -327,16 +307,16 @@ class Admission:
         return sorted(released)
 
 
-def _take(db: sqlite3.Connection, table: str, key: str) -> sqlite3.Row | None:
+def _take(db: Database, table: str, key: str) -> Row | None:
     """Delete reservation ``key`` from ``table`` (reservations, snapshot_reservations); its row
     as it was (None: there was none)."""
-    row: sqlite3.Row | None = db.execute(f"SELECT * FROM {table} WHERE key = ?", (key,)).fetchone()
+    row: Row | None = db.execute(f"SELECT * FROM {table} WHERE key = ?", (key,)).fetchone()
     if row is not None:
         db.execute(f"DELETE FROM {table} WHERE key = ?", (key,))
     return row
 
 
-def _add_usage(db: sqlite3.Connection, chain: Sequence[sqlite3.Row], **delta: int) -> None:
+def _add_usage(db: Database, chain: Sequence[Row], **delta: int) -> None:
     """Add ``delta`` (a ``used_*`` column of projects: an amount) to every project of ``chain``
     (the rows of a project and its ancestors)."""
     columns = ", ".join(f"{column} = {column} + ?" for column in delta)
@@ -359,7 +339,7 @@ def _snapshot_mb(key: str, size_mb: float) -> int:
 _Check = tuple[str, str, float | None, float, float, float]  # field, unit, limit, used, wanted, scale
 
 
-def _admit(row: sqlite3.Row, project: str, cpu_m: int, memory_mb: int) -> None:
+def _admit(row: Row, project: str, cpu_m: int, memory_mb: int) -> None:
     """Raise QuotaExceeded if adding one sandbox of (cpu_m, memory_mb) would overflow ``row``'s quota."""
     checks: tuple[_Check, ...] = (
         ("max_sandboxes", "sandboxes", row["max_sandboxes"], row["used_sandboxes"], 1, 1),
@@ -369,7 +349,7 @@ def _admit(row: sqlite3.Row, project: str, cpu_m: int, memory_mb: int) -> None:
     _check_limits(row["name"], project, checks, "sandbox", "delete sandboxes, ask for fewer resources")
 
 
-def _admit_snapshot(row: sqlite3.Row, project: str, n: int, size_mb: int) -> None:
+def _admit_snapshot(row: Row, project: str, n: int, size_mb: int) -> None:
     """Raise QuotaExceeded if ``n`` more snapshots of ``size_mb`` MiB in all overflow ``row``'s quota."""
     checks: list[_Check] = []
     if n:

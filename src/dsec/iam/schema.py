@@ -7,7 +7,6 @@ import hashlib
 import json
 import re
 import secrets
-import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +24,6 @@ _MILLI = 1000
 # 3: reservations.owner (pending creates), meta (auth epoch)
 # 4: projects.allowed_backends (a JSON list; NULL: whatever the parent allows)
 _SCHEMA_VERSION = 4
-_OWNER_RE = re.compile(r"o[0-9a-f]{16}")
 _REVOKED = "revoked:"  # prefix of a revoked principal's token_hash: no SHA-256 hex matches it
 
 _SCHEMA = (
@@ -93,7 +91,7 @@ _ADDED_COLUMNS: tuple[tuple[str, str, str], ...] = (
 # The project and its ancestors, nearest first, with their quotas and recursive usage.
 _ANCESTORS_SQL = """
 WITH RECURSIVE anc(name, depth) AS (
-    SELECT ?, 0
+    SELECT CAST(? AS TEXT), 0
     UNION ALL
     SELECT p.parent, anc.depth + 1 FROM projects p JOIN anc ON p.name = anc.name
     WHERE p.parent IS NOT NULL
@@ -139,11 +137,11 @@ def _fmt(value: float) -> str:
     return f"{value:g}"
 
 
-def _quota_of(row: sqlite3.Row) -> Quota:
+def _quota_of(row: Any) -> Quota:
     return Quota(**{field: row[field] for field, _ in _DIMENSIONS})
 
 
-def _usage_of(row: sqlite3.Row) -> Usage:
+def _usage_of(row: Any) -> Usage:
     """The recursive usage kept on a project row."""
     return Usage(
         sandboxes=row["used_sandboxes"],
@@ -154,7 +152,7 @@ def _usage_of(row: sqlite3.Row) -> Usage:
     )
 
 
-def _project_from_row(row: sqlite3.Row) -> Project:
+def _project_from_row(row: Any) -> Project:
     return Project(
         name=row["name"],
         parent=row["parent"],
@@ -164,12 +162,12 @@ def _project_from_row(row: sqlite3.Row) -> Project:
     )
 
 
-def _backends_of(row: sqlite3.Row) -> list[str] | None:
+def _backends_of(row: Any) -> list[str] | None:
     raw = row["allowed_backends"]
     return None if raw is None else list(json.loads(raw))
 
 
-def _effective_backends(rows: Sequence[sqlite3.Row]) -> list[str] | None:
+def _effective_backends(rows: Sequence[Any]) -> list[str] | None:
     """What a project's ancestors (and itself) allow together: None when none limits them."""
     allowed: set[str] | None = None
     for row in rows:

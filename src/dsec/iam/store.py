@@ -38,13 +38,10 @@ Design notes
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import json
-import os
 import re
 import secrets
-import sqlite3
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -54,6 +51,7 @@ from typing import Any
 
 from dsec.errors import AuthError, Conflict, Forbidden, InvalidRequest, NotFound
 from dsec.iam.admission import Admission
+from dsec.iam.db import LEASE_S, Database, Row, open_database
 from dsec.iam.schema import (
     _ADDED_COLUMNS,
     _ANCESTORS_SQL,
@@ -75,7 +73,6 @@ from dsec.iam.schema import (
     _tighten,
 )
 from dsec.models.iam import Principal, Project, Quota, Usage
-from dsec.privatefs import private_file
 
 __all__ = ["IAM", "Principal", "Project", "Quota", "Usage"]
 
@@ -83,84 +80,58 @@ __all__ = ["IAM", "Principal", "Project", "Quota", "Usage"]
 class IAM(Admission):
     """Projects, principals, tokens and quota admission stored in one SQLite database."""
 
-    def __init__(self, db_path: Path, *, auth_cache_ttl_s: float = 5.0, busy_timeout_s: float = 30.0) -> None:
-        self.db_path = Path(db_path)
-        self.db_path.parent.mkdir(parents=True, exist_ok=True)
+    def __init__(
+        self,
+        db: Path | str,
+        *,
+        auth_cache_ttl_s: float = 5.0,
+        busy_timeout_s: float = 30.0,
+        owner_lease_s: float = LEASE_S,
+    ) -> None:
+        """`db`: a SQLite file, or a PostgreSQL URL (postgresql://...) shared by apiservers;
+        `owner_lease_s`: how long after a PostgreSQL apiserver is last heard of its pending
+        creates' reservations count as orphaned."""
         self._lock = threading.Lock()
         self._auth_ttl = auth_cache_ttl_s
         # token hash -> (principal, expiry on the monotonic clock)
         self._auth_cache: dict[str, tuple[Principal, float]] = {}
-        self._data_version = -1  # PRAGMA data_version when the auth epoch was last read
         self._auth_epoch = -1
-        self._owners_dir = self.db_path.with_name(self.db_path.name + ".owners")
         self._owner_id: str | None = None  # set on this process's first pending reservation
-        self._owner_fd = -1
-        private_file(self.db_path)  # 0600, and so its -wal and -shm files
-        self._db = sqlite3.connect(
-            str(self.db_path), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
-        )
-        self._db.row_factory = sqlite3.Row
+        self._db = open_database(db, busy_timeout_s=busy_timeout_s, lease_s=owner_lease_s)
+        self.url = self._db.url
         self._closed = False
         try:
-            self._init_db(busy_timeout_s)
+            self._db.migrate(_SCHEMA, _ADDED_COLUMNS, _SCHEMA_VERSION)
         except BaseException:
             self._db.close()
             raise
 
     # ------------------------------------------------------------------ plumbing
 
-    def _init_db(self, busy_timeout_s: float) -> None:
-        db = self._db
-        db.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
-        deadline = time.monotonic() + busy_timeout_s
-        while True:  # switching to WAL needs a moment of exclusive access; another opener may hold it
-            try:
-                db.execute("PRAGMA journal_mode = WAL")
-                break
-            except sqlite3.OperationalError as e:
-                if "locked" not in str(e) or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.01)
-        db.execute("PRAGMA synchronous = NORMAL")
-        db.execute("PRAGMA foreign_keys = ON")
-        with self._tx():
-            (version,) = db.execute("PRAGMA user_version").fetchone()
-            if version > _SCHEMA_VERSION:
-                raise InvalidRequest(
-                    f"IAM database {self.db_path} has schema version {version}, newer than this dsec "
-                    f"understands ({_SCHEMA_VERSION}): upgrade dsec"
-                )
-            for stmt in _SCHEMA:
-                db.execute(stmt)
-            for table, column, decl in _ADDED_COLUMNS:
-                have = {r["name"] for r in db.execute(f"PRAGMA table_info({table})")}
-                if column not in have:
-                    db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
-            db.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
-
     @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
+    def _tx(self) -> Iterator[Database]:
         """One write transaction; the caller must hold ``self._lock``."""
         if self._closed:
             raise RuntimeError("IAM is closed")
-        self._db.execute("BEGIN IMMEDIATE")
+        self._db.begin_write()
         try:
             yield self._db
         except BaseException:
-            self._db.execute("ROLLBACK")
+            self._db.rollback()
             raise
-        self._db.execute("COMMIT")
+        self._db.commit()
 
     @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
+    def _write(self) -> Iterator[Database]:
         with self._lock, self._tx() as db:
             yield db
 
-    def _read(self, sql: str, params: Sequence[Any] = ()) -> list[sqlite3.Row]:
+    def _read(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         with self._lock:
             if self._closed:
                 raise RuntimeError("IAM is closed")
-            return self._db.execute(sql, params).fetchall()
+            rows: list[Row] = self._db.execute(sql, params).fetchall()
+            return rows
 
     def close(self) -> None:
         with self._lock:
@@ -169,10 +140,6 @@ class IAM(Admission):
             self._closed = True
             self._auth_cache.clear()
             self._db.close()
-            if self._owner_id is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(self._owners_dir / self._owner_id)  # while still holding the lock
-                os.close(self._owner_fd)
 
     def __enter__(self) -> IAM:
         return self
@@ -186,7 +153,7 @@ class IAM(Admission):
         """Ensure project ``default`` and principal ``admin`` exist; return the admin token if new."""
         with self._write() as db:
             db.execute(
-                "INSERT OR IGNORE INTO projects (name, parent, created_at) VALUES (?, NULL, ?)",
+                "INSERT INTO projects (name, parent, created_at) VALUES (?, NULL, ?) ON CONFLICT DO NOTHING",
                 (DEFAULT_PROJECT, time.time()),
             )
             if db.execute("SELECT 1 FROM principals WHERE name = ?", (ADMIN_NAME,)).fetchone():
@@ -196,14 +163,14 @@ class IAM(Admission):
 
     # ------------------------------------------------------------------ projects
 
-    def _project_row(self, db: sqlite3.Connection, name: str) -> sqlite3.Row:
+    def _project_row(self, db: Database, name: str) -> Row:
         return _one(
             db.execute("SELECT * FROM projects WHERE name = ?", (name,)),
             f"project {name!r} does not exist: check the name (`dsec project list`) or create it first",
             project=name,
         )
 
-    def _effective(self, db: sqlite3.Connection, name: str) -> Quota:
+    def _effective(self, db: Database, name: str) -> Quota:
         """Effective bounds of ``name``: its own quota tightened by every ancestor's."""
         rows = db.execute(_ANCESTORS_SQL, (name,)).fetchall()
         if not rows:
@@ -289,7 +256,7 @@ class IAM(Admission):
             if parent is not None:
                 _check_fits(name, quota, parent, bound)
             # Every descendant with an explicit value must still fit under its (new) effective parent bound.
-            children: dict[str, list[sqlite3.Row]] = {}
+            children: dict[str, list[Row]] = {}
             for r in db.execute("SELECT * FROM projects WHERE parent IS NOT NULL"):
                 children.setdefault(r["parent"], []).append(r)
             stack = [(name, _tighten(bound, quota))]
@@ -309,7 +276,7 @@ class IAM(Admission):
     # ------------------------------------------------------------------ principals and tokens
 
     def _insert_principal(
-        self, db: sqlite3.Connection, name: str, projects: list[str], *, admin: bool
+        self, db: Database, name: str, projects: list[str], *, admin: bool
     ) -> tuple[Principal, str]:
         token = _new_token()
         now = time.time()
@@ -354,7 +321,7 @@ class IAM(Admission):
                 )
             return self._insert_principal(db, name, wanted, admin=admin)
 
-    def _principal(self, db: sqlite3.Connection, row: sqlite3.Row) -> Principal:
+    def _principal(self, db: Database, row: Row) -> Principal:
         grants = db.execute(
             "SELECT project FROM grants WHERE principal_id = ? ORDER BY project", (row["id"],)
         ).fetchall()
@@ -366,7 +333,7 @@ class IAM(Admission):
             created_at=row["created_at"],
         )
 
-    def _principal_row(self, db: sqlite3.Connection, principal_id: str) -> sqlite3.Row:
+    def _principal_row(self, db: Database, principal_id: str) -> Row:
         return _one(
             db.execute("SELECT * FROM principals WHERE id = ?", (principal_id,)),
             f"principal {principal_id!r} does not exist: check the id (`dsec principal list`)",
@@ -402,7 +369,7 @@ class IAM(Admission):
                 )
             return self._principal(self._db, row)
 
-    def _bump_epoch(self, db: sqlite3.Connection) -> None:
+    def _bump_epoch(self, db: Database) -> None:
         """Tell every process sharing the database to drop its cached authentications (this
         one drops its own entries for the principal itself; its other entries stay unless
         another process had bumped the epoch unseen)."""
@@ -410,7 +377,7 @@ class IAM(Admission):
         before = row[0] if row is not None else 0
         db.execute(
             "INSERT INTO meta (key, value) VALUES ('auth_epoch', 1)"
-            " ON CONFLICT(key) DO UPDATE SET value = value + 1"
+            " ON CONFLICT(key) DO UPDATE SET value = meta.value + 1"
         )
         if before != self._auth_epoch:
             self._auth_cache.clear()
@@ -451,12 +418,9 @@ class IAM(Admission):
 
     def _check_epoch(self) -> None:
         """Empty the auth cache if another connection changed the auth epoch; caller holds the
-        lock. ``PRAGMA data_version`` changes only when another connection committed, so the
-        common case costs one pragma and no read."""
-        (version,) = self._db.execute("PRAGMA data_version").fetchone()
-        if version == self._data_version:
+        lock. In SQLite the common case costs one pragma and no read (see db.py)."""
+        if not self._db.others_wrote():
             return
-        self._data_version = version
         row = self._db.execute("SELECT value FROM meta WHERE key = 'auth_epoch'").fetchone()
         epoch = row[0] if row is not None else 0
         if epoch != self._auth_epoch:
@@ -517,7 +481,7 @@ class IAM(Admission):
         )
 
 
-def _one(cursor: sqlite3.Cursor, missing: str, **details: str) -> sqlite3.Row:
+def _one(cursor: Any, missing: str, **details: str) -> Row:
     """The row a lookup found, or NotFound with `missing` as its message."""
     row = cursor.fetchone()
     if row is None:

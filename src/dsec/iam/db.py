@@ -1,0 +1,431 @@
+"""The IAM's database: SQLite in one file (one host: what `dsec up` embeds) or PostgreSQL
+(stateless apiservers on several hosts), behind the few calls IAM makes.
+
+IAM writes its SQL once, in SQLite's dialect with `?` placeholders, in the subset both
+understand (`INSERT ... ON CONFLICT`, recursive CTEs, typed parameters where PostgreSQL
+cannot infer one). What differs is here:
+
+* Write transactions. SQLite's `BEGIN IMMEDIATE` takes the database's one write lock before
+  anything is read; PostgreSQL's equivalent is a transaction-scoped advisory lock taken first
+  thing (`pg_advisory_xact_lock`): every IAM write on every apiserver is serialised, so a
+  reservation's read-check-write of its project rows can never interleave with another's and
+  no quota is overshot, whichever apiserver admits.
+* Pending creates' owners (a process that reserved quota for a create in flight, see
+  admission.py). SQLite: an flock on a file beside the database (one host). PostgreSQL: a
+  lease row renewed every few seconds by the process that owns it; an owner whose lease ran
+  out (its process died, or its host was cut off) is gone, and its pending reservations are
+  released by whichever apiserver reconciles next.
+* Whether another process wrote since we last looked (the auth cache's epoch check): free in
+  SQLite (`PRAGMA data_version`), a read of the epoch row in PostgreSQL.
+* Losing the server: a PostgreSQL connection that broke is replaced from the pool on the next
+  call (psycopg_pool); the call that met the break fails with `unavailable` (503), never with
+  half a transaction applied. SQLite has no server to lose.
+* The schema: SQLite's `user_version`, PostgreSQL's row in `meta`; types mapped (REAL is
+  double precision, INTEGER is bigint). Migrations run at start under the write lock, so
+  several apiservers starting at once migrate once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import secrets
+import sqlite3
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from dsec.errors import InvalidRequest, Unavailable
+from dsec.privatefs import private_file
+
+Row = Any  # a row of either: by position and by column name
+
+OWNER_RE = re.compile(r"o[0-9a-f]{16}")
+LEASE_S = 30.0  # a PostgreSQL owner's lease, renewed every sixth of it
+_WRITE_LOCK = 0x64736563  # "dsec": the advisory lock every IAM write transaction takes first
+
+
+class Database(ABC):
+    """One connection's worth of the IAM's database (IAM serialises its own use of it)."""
+
+    url: str
+
+    @abstractmethod
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        """Run one statement; a cursor (fetchone, fetchall, rowcount, iteration), rows
+        indexable by position and by column name."""
+
+    @abstractmethod
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None: ...
+
+    @abstractmethod
+    def begin_write(self) -> None:
+        """Begin a transaction that holds the database's write lock from its first statement."""
+
+    def commit(self) -> None:
+        self.execute("COMMIT")
+
+    def rollback(self) -> None:
+        self.execute("ROLLBACK")
+
+    @abstractmethod
+    def others_wrote(self) -> bool:
+        """Whether another connection may have committed since the last call."""
+
+    @abstractmethod
+    def migrate(self, schema: Sequence[str], added: Sequence[tuple[str, str, str]], version: int) -> None:
+        """Create what is missing of `schema`, add the `added` (table, column, declaration)
+        columns an older database lacks, and record `version`; refuse a newer database."""
+
+    # pending creates' owners
+
+    @abstractmethod
+    def new_owner(self) -> str:
+        """An owner id for this process, alive until `close` (or the process's end)."""
+
+    @abstractmethod
+    def owner_alive(self, owner: str) -> bool: ...
+
+    @abstractmethod
+    def forget_owner(self, owner: str) -> None:
+        """Remove what is left of a dead owner."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+def open_database(target: str | Path, *, busy_timeout_s: float = 30.0, lease_s: float = LEASE_S) -> Database:
+    """A database by URL (postgresql://...) or SQLite file path. `lease_s`: how long a
+    PostgreSQL owner outlives its last renewal (see the module)."""
+    text = str(target)
+    if text.startswith(("postgresql://", "postgres://")):
+        return PostgresDatabase(text, lease_s=lease_s)
+    return SqliteDatabase(Path(text), busy_timeout_s=busy_timeout_s)
+
+
+def _newer(version: int, mine: int, url: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"IAM database {url} has schema version {version}, newer than this dsec understands "
+        f"({mine}): upgrade dsec"
+    )
+
+
+# --- SQLite -------------------------------------------------------------------------------
+
+
+class SqliteDatabase(Database):
+    """One SQLite file: WAL (several processes of one host may open it), busy timeout."""
+
+    def __init__(self, path: Path, *, busy_timeout_s: float = 30.0) -> None:
+        self.path = path
+        self.url = str(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        private_file(path)  # 0600, and so its -wal and -shm files
+        self._busy_s = busy_timeout_s
+        self.db = sqlite3.connect(
+            str(path), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
+        )
+        self.db.row_factory = sqlite3.Row
+        self._data_version = -1
+        self._owners_dir = path.with_name(path.name + ".owners")
+        self._owner_fds: dict[str, int] = {}
+        try:
+            self._pragmas()
+        except BaseException:
+            self.db.close()
+            raise
+
+    def _pragmas(self) -> None:
+        db = self.db
+        db.execute(f"PRAGMA busy_timeout = {int(self._busy_s * 1000)}")
+        deadline = time.monotonic() + self._busy_s
+        while True:  # switching to WAL needs a moment of exclusive access; another opener may hold it
+            try:
+                db.execute("PRAGMA journal_mode = WAL")
+                break
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+        db.execute("PRAGMA synchronous = NORMAL")
+        db.execute("PRAGMA foreign_keys = ON")
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> sqlite3.Cursor:
+        return self.db.execute(sql, params)
+
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        self.db.executemany(sql, rows)
+
+    def begin_write(self) -> None:
+        self.db.execute("BEGIN IMMEDIATE")
+
+    def others_wrote(self) -> bool:
+        (version,) = self.db.execute("PRAGMA data_version").fetchone()
+        if version == self._data_version:
+            return False
+        self._data_version = version
+        return True
+
+    def migrate(self, schema: Sequence[str], added: Sequence[tuple[str, str, str]], version: int) -> None:
+        db = self.db
+        self.begin_write()
+        try:
+            (have,) = db.execute("PRAGMA user_version").fetchone()
+            if have > version:
+                raise _newer(have, version, self.url)
+            for stmt in schema:
+                db.execute(stmt)
+            for table, column, decl in added:
+                columns = {r["name"] for r in db.execute(f"PRAGMA table_info({table})")}
+                if column not in columns:
+                    db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+            db.execute(f"PRAGMA user_version = {version}")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    def new_owner(self) -> str:
+        """An flock held on <db>.owners/<id> for as long as this process lives."""
+        self._owners_dir.mkdir(mode=0o700, exist_ok=True)
+        oid = "o" + secrets.token_hex(8)
+        fd = os.open(self._owners_dir / oid, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        self._owner_fds[oid] = fd
+        return oid
+
+    def owner_alive(self, owner: str) -> bool:
+        if owner in self._owner_fds:
+            return True
+        if not OWNER_RE.fullmatch(owner):
+            return False
+        try:
+            fd = os.open(self._owners_dir / owner, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # drops the lock we may have taken
+        return False
+
+    def forget_owner(self, owner: str) -> None:
+        if OWNER_RE.fullmatch(owner):
+            with contextlib.suppress(OSError):
+                os.unlink(self._owners_dir / owner)
+
+    def close(self) -> None:
+        self.db.close()
+        for oid, fd in self._owner_fds.items():
+            with contextlib.suppress(OSError):
+                os.unlink(self._owners_dir / oid)  # while still holding the lock
+            os.close(fd)
+        self._owner_fds.clear()
+
+
+# --- PostgreSQL ----------------------------------------------------------------------------
+
+
+def _pg_sql(sql: str) -> str:
+    """SQLite's `?` placeholders as psycopg's `%s` (a literal % doubled first)."""
+    return sql.replace("%", "%%").replace("?", "%s")
+
+
+def _pg_ddl(stmt: str) -> str:
+    stmt = stmt.replace(" WITHOUT ROWID", "")
+    stmt = re.sub(r"\bREAL\b", "DOUBLE PRECISION", stmt)
+    return re.sub(r"\bINTEGER\b", "BIGINT", stmt)
+
+
+class _Row(tuple[Any, ...]):
+    """A row by position and by column name (what sqlite3.Row offers)."""
+
+    _names: dict[str, int]
+
+    def __getitem__(self, key: Any) -> Any:  # type: ignore[override]
+        if isinstance(key, str):
+            return tuple.__getitem__(self, self._names[key])
+        return tuple.__getitem__(self, key)
+
+    def keys(self) -> list[str]:
+        return list(self._names)
+
+
+def _row_factory(cursor: Any) -> Any:
+    if cursor.description is None:
+        return None
+    names = {c.name: i for i, c in enumerate(cursor.description)}
+
+    def make(values: Sequence[Any]) -> _Row:
+        row = _Row(values)
+        row._names = names
+        return row
+
+    return make
+
+
+class PostgresDatabase(Database):
+    """PostgreSQL through a small psycopg pool: one connection in use at a time (IAM
+    serialises its calls), another ready when a connection breaks."""
+
+    def __init__(self, url: str, *, lease_s: float = LEASE_S) -> None:
+        self.lease_s = lease_s
+        try:
+            import psycopg
+            from psycopg_pool import ConnectionPool
+        except ImportError as e:  # pragma: no cover - a dependency of dsec
+            raise InvalidRequest(f"PostgreSQL needs psycopg and psycopg-pool: {e}") from e
+        self.url = url
+        self._psycopg = psycopg
+        self.pool = ConnectionPool(
+            url,
+            min_size=1,
+            max_size=2,
+            kwargs={"autocommit": True, "row_factory": _row_factory, "connect_timeout": 5},
+            check=ConnectionPool.check_connection,
+            open=False,
+            name="dsec-iam",
+        )
+        try:
+            self.pool.open(wait=True, timeout=30)
+        except Exception as e:
+            self.pool.close()
+            raise Unavailable(f"cannot reach the IAM database at {_redact(url)}: {e}") from e
+        self._conn: Any = None
+        self._owners: set[str] = set()
+        self._renewer: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # one connection for a transaction, fresh from the pool otherwise
+
+    def _connection(self) -> Any:
+        if self._conn is None:
+            try:
+                self._conn = self.pool.getconn(timeout=10)
+            except Exception as e:
+                raise Unavailable(f"the IAM database is unreachable ({e}); retry") from e
+        return self._conn
+
+    def _drop(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                self.pool.putconn(conn)
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        try:
+            cur = self._connection().execute(_pg_sql(sql), tuple(params))
+        except self._psycopg.OperationalError as e:
+            self._drop()  # (the pool checks it before lending it again)
+            raise Unavailable(f"lost the IAM database's connection ({e}); retry") from e
+        return cur
+
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        try:
+            with self._connection().cursor() as cur:
+                cur.executemany(_pg_sql(sql), [tuple(r) for r in rows])
+        except self._psycopg.OperationalError as e:
+            self._drop()
+            raise Unavailable(f"lost the IAM database's connection ({e}); retry") from e
+
+    def begin_write(self) -> None:
+        self.execute("BEGIN")
+        self.execute("SELECT pg_advisory_xact_lock(?)", (_WRITE_LOCK,))
+
+    def commit(self) -> None:
+        self.execute("COMMIT")
+
+    def rollback(self) -> None:
+        with contextlib.suppress(Unavailable):  # (a broken connection rolled it back itself)
+            self.execute("ROLLBACK")
+
+    def others_wrote(self) -> bool:
+        return True  # (one read of the epoch row: see the module)
+
+    def migrate(self, schema: Sequence[str], added: Sequence[tuple[str, str, str]], version: int) -> None:
+        self.begin_write()
+        try:
+            self.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BIGINT NOT NULL)")
+            row = self.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            have = row[0] if row is not None else 0
+            if have > version:
+                raise _newer(have, version, _redact(self.url))
+            for stmt in schema:
+                self.execute(_pg_ddl(stmt))
+            for table, column, decl in added:
+                self.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {_pg_ddl(decl)}")
+            self.execute(
+                "CREATE TABLE IF NOT EXISTS owners"
+                " (id TEXT PRIMARY KEY, expires_at DOUBLE PRECISION NOT NULL)"
+            )
+            self.execute(
+                "INSERT INTO meta (key, value) VALUES ('schema_version', ?)"
+                " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                (version,),
+            )
+        except BaseException:
+            self.rollback()
+            raise
+        self.commit()
+
+    # pending creates' owners: leases (see the module)
+
+    def _lease(self, owner: str) -> None:
+        self.execute(
+            "INSERT INTO owners (id, expires_at) VALUES (?, EXTRACT(EPOCH FROM clock_timestamp()) + ?)"
+            " ON CONFLICT (id) DO UPDATE SET expires_at = excluded.expires_at",
+            (owner, self.lease_s),
+        )
+
+    def new_owner(self) -> str:
+        oid = "o" + secrets.token_hex(8)
+        self._lease(oid)
+        self._owners.add(oid)
+        if self._renewer is None:
+            self._renewer = threading.Thread(target=self._renew, name="dsec-iam-lease", daemon=True)
+            self._renewer.start()
+        return oid
+
+    def _renew(self) -> None:
+        # Its own connection: the IAM's is its caller's, under IAM's lock.
+        while not self._stop.wait(self.lease_s / 6):
+            with contextlib.suppress(Exception), self.pool.connection(timeout=5) as conn:
+                for oid in list(self._owners):
+                    conn.execute(
+                        "UPDATE owners SET expires_at = EXTRACT(EPOCH FROM clock_timestamp()) + %s"
+                        " WHERE id = %s",
+                        (self.lease_s, oid),
+                    )
+
+    def owner_alive(self, owner: str) -> bool:
+        if owner in self._owners:
+            return True
+        row = self.execute(
+            "SELECT expires_at > EXTRACT(EPOCH FROM clock_timestamp()) FROM owners WHERE id = ?", (owner,)
+        ).fetchone()
+        return bool(row is not None and row[0])
+
+    def forget_owner(self, owner: str) -> None:
+        self.execute("DELETE FROM owners WHERE id = ?", (owner,))
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join(timeout=5)
+        with contextlib.suppress(Exception):
+            for oid in self._owners:
+                self.execute("DELETE FROM owners WHERE id = ?", (oid,))
+        self._drop()
+        self.pool.close()
+
+
+def _redact(url: str) -> str:
+    """A database URL without its password, for messages."""
+    return re.sub(r"://([^:/@]+):[^@]*@", r"://\1:***@", url)

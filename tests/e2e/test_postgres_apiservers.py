@@ -1,0 +1,117 @@
+"""Stateless apiservers on PostgreSQL (issue #14): three `dsec apiserver --database` processes
+share one real PostgreSQL and one edge; quotas hold across them, and a PostgreSQL crash
+costs retries, never an over-admission."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dsec import errors
+from dsec.client import AsyncClient, Client
+from dsec.service import free_port
+
+from .conftest import _env, start, wait_healthy
+
+pytestmark = [pytest.mark.root, pytest.mark.e2e]
+
+
+def _admin_token(dirs: list[Path], timeout: float = 30.0) -> str:
+    """The first apiserver on a new database issues the admin token, into its data dir."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for d in dirs:
+            if (d / "admin-token").exists():
+                return (d / "admin-token").read_text().strip()
+        time.sleep(0.05)
+    raise TimeoutError("no apiserver issued the admin token")
+
+
+def test_three_apiservers_on_postgres_admit_exactly_the_quota(
+    tmp_path, python_image, postgres_server, pg_url
+):
+    run_id = secrets.token_hex(4)
+    env = _env(tmp_path, f"dsec-e2e-{run_id}")
+    env["DSEC_EDGE_FNCALL_IMAGE"] = ""
+    env["DSEC_CLUSTER_TOKEN"] = "dsec_" + secrets.token_urlsafe(24)
+    env["DSEC_DATABASE"] = pg_url
+    ports = [free_port() for _ in range(3)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    dirs = [tmp_path / f"api{i}" for i in range(3)]
+    procs = {
+        f"api{i}": start(["apiserver", "--port", str(p), "--data-dir", str(d)], env, tmp_path / f"api{i}.log")
+        for i, (p, d) in enumerate(zip(ports, dirs, strict=True))
+    }
+    edge_args = [a for u in urls for a in ("--apiserver", u)]
+    procs["edge"] = start(
+        ["edge", *edge_args, "--name", "pg1", "--port", str(free_port()),
+         "--data-dir", str(tmp_path / "edge"), "--run-dir", f"/run/dsec-e2e-{run_id}-pg1",
+         "--max-sandboxes", "60", "--no-keep-sandboxes"],
+        env, tmp_path / "edge.log",
+    )  # fmt: skip
+    try:
+        for u in urls:
+            wait_healthy(u)
+        admin = _admin_token(dirs)
+        assert sum((d / "admin-token").exists() for d in dirs) == 1  # issued once, not rotated
+        with httpx.Client(base_url=urls[1], headers={"Authorization": f"Bearer {admin}"}, timeout=60) as http:
+            r = http.post("/v1/projects", json={"name": "pgq", "quota": {"max_sandboxes": 20}})
+            assert r.status_code == 200, r.text
+            tok = http.post("/v1/principals", json={"name": "pgq-user", "projects": ["pgq"]}).json()["token"]
+
+        async def burst() -> list[object]:
+            clients = [AsyncClient(u, tok) for u in urls]
+            try:
+                return await asyncio.gather(
+                    *(clients[i % 3].create("python", memory_mb=64, project="pgq") for i in range(200)),
+                    return_exceptions=True,
+                )
+            finally:
+                for c in clients:
+                    await c.aclose()
+
+        results = asyncio.run(burst())
+        ok = [r for r in results if not isinstance(r, BaseException)]
+        refused = [r for r in results if isinstance(r, BaseException)]
+        assert len(ok) == 20, (len(ok), {type(e).__name__ for e in refused})
+        assert all(isinstance(e, errors.QuotaExceeded) for e in refused), {repr(e) for e in refused}
+        for u in urls:  # every apiserver sees the same usage
+            with Client(u, tok) as c:
+                assert len(c.list(project="pgq")) == 20
+
+        # PostgreSQL crashes (SIGKILL) and comes back: calls in between fail with a retryable
+        # 503 at worst; afterwards every apiserver works again and the quota still holds.
+        postgres_server.kill()
+        with Client(urls[0], tok) as c, pytest.raises(errors.Unavailable):
+            c.create("python", memory_mb=64, project="pgq")
+        postgres_server.start()
+        for u in urls:
+            with Client(u, tok) as c:
+                for attempt in range(20):
+                    try:
+                        with pytest.raises(errors.QuotaExceeded):
+                            c.create("python", memory_mb=64, project="pgq")
+                        break
+                    except errors.Unavailable:
+                        assert attempt < 19
+                        time.sleep(0.5)
+        with Client(urls[2], tok) as c:
+            c.stop_many([s.id for s in ok])  # type: ignore[attr-defined]
+            assert c.list(project="pgq") == []
+            c.create("python", memory_mb=64, project="pgq").stop()  # released: room again
+    finally:
+        for p in procs.values():
+            p.terminate()
+        for p in procs.values():
+            try:
+                p.wait(60)
+            except Exception:
+                p.kill()
+                p.wait()
+        shutil.rmtree(f"/run/dsec-e2e-{run_id}-pg1", ignore_errors=True)
