@@ -31,6 +31,9 @@ def edge_of(sandbox_id: str) -> str:
 class EdgeAPI(ABC):
     name: str
     url: str | None = None
+    # whether it can stop answering while this process runs (an edge on another host, or in
+    # another process): the apiserver then gives up its sandboxes (sandbox_lost)
+    can_be_lost: bool = True
 
     @abstractmethod
     async def create(self, spec: wire.SandboxSpec) -> wire.SandboxInfo: ...

@@ -23,6 +23,7 @@ from the code with :func:`error_from_wire`.
      │    ├── TrajectoryDivergence  a tagged step differs from the logged one
      │    └── FileExists_ (also FileExistsError)
      ├── SandboxFailed (410)                       the sandbox itself died: an environment fault
+     ├── SandboxLost (410)                         its node stopped answering: given up
      ├── PathEscape (403, also PermissionError)   a path leaves the sandbox
      ├── QuotaExceeded (429)
      ├── CapacityExhausted (503)                   the edge or cluster is full
@@ -118,6 +119,12 @@ class EditMismatch(Conflict, code="edit_mismatch"): ...
 class SandboxFailed(DsecError, code="sandbox_failed", status=410):
     """The sandbox itself died (its init exited or was killed, e.g. out of memory): an
     environment failure, not the task's. Create a new sandbox."""
+
+
+class SandboxLost(DsecError, code="sandbox_lost", status=410):
+    """The sandbox's node stopped answering (its edge was killed or cut off) and the control
+    plane gave it up: an environment fault, not the task's. Its quota is released; create a
+    new sandbox (replay its trajectory there to go on)."""
 
 
 class SandboxNotRunning(Conflict, code="sandbox_not_running"): ...

@@ -7,23 +7,36 @@ the image's layers, then picks the least loaded of k random candidates. Each
 apiserver overlays its own recent placements not yet seen by the watcher, so a
 burst is spread before the next poll. Nothing here is durable: after a restart
 the view is rebuilt by polling (edges also re-register every few seconds).
+
+Node loss: an edge that has not answered a status poll for `lost_after_s` (5 s; a poll
+waits at most a third of that) is unhealthy (no placements) and lost: `on_lost` gives up its
+sandboxes (their quota is released, they answer sandbox_lost), every call in flight to it
+ends with sandbox_lost at once instead of waiting for a host that may never answer, and
+new calls are refused the same way. When it answers again, `on_back` reconciles it (what
+was given up is stopped there) and it takes placements again. An edge in this process
+(`can_be_lost` false) is never lost.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 from dsec import errors
 from dsec.edgeapi import EdgeAPI, edge_of
 from dsec.models import EdgeStatus, SandboxSpec
 
 log = logging.getLogger("dsec.apiserver.placement")
+
+
+LOST_AFTER_S = 5.0
 
 
 @dataclass
@@ -33,10 +46,24 @@ class EdgeView:
     last_ok: float = 0.0
     failures: int = 0
     recent: list[float] = field(default_factory=list)  # our placements since the last poll
+    added_at: float = field(default_factory=time.monotonic)
+    lost: bool = False  # given up (see the module); until it answers again
+    gone: asyncio.Event = field(default_factory=asyncio.Event)  # set while lost: in-flight calls end
+    lost_after_s: float = LOST_AFTER_S
 
     @property
     def healthy(self) -> bool:
-        return self.status is not None and self.status.healthy and self.failures < 3
+        if self.status is None or not self.status.healthy or self.failures >= 3 or self.lost:
+            return False
+        return not self.can_be_lost or time.monotonic() - self.last_ok < self.lost_after_s
+
+    @property
+    def can_be_lost(self) -> bool:
+        return bool(getattr(self.api, "can_be_lost", True))
+
+    def silent_for(self) -> float:
+        """Seconds since it last answered (or since it was added, if it never did)."""
+        return time.monotonic() - max(self.last_ok, self.added_at)
 
     def load(self, spec: SandboxSpec) -> float:
         s = self.status
@@ -50,44 +77,164 @@ class EdgeView:
         return max(by_count, by_cpu, by_mem)
 
 
+class GuardedEdge:
+    """An edge's API whose calls end with sandbox_lost as soon as the watcher gives the edge
+    up (a call to a host that was cut off would otherwise wait for its timeouts), and whose
+    "no such sandbox" for a sandbox given up earlier is sandbox_lost too."""
+
+    def __init__(self, view: EdgeView, is_lost: Callable[[str], bool]) -> None:
+        self._view = view
+        self._is_lost = is_lost
+        self.name = view.api.name
+
+    def _lost(self, sid: object = None) -> errors.SandboxLost:
+        what = f"sandbox {sid}" if isinstance(sid, str) else "the call"
+        return errors.SandboxLost(
+            f"edge {self.name} stopped answering and was given up: {what} is lost (its quota "
+            "is released); create a new sandbox",
+            edge=self.name,
+        )
+
+    async def _call(
+        self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...], kw: dict[str, Any]
+    ) -> Any:
+        view = self._view
+        if view.lost:
+            raise self._lost(args[0] if args else None)
+        call = asyncio.ensure_future(fn(*args, **kw))
+        gone = asyncio.ensure_future(view.gone.wait())
+        try:
+            await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            call.cancel()
+            raise
+        finally:
+            gone.cancel()
+        if not call.done():
+            call.cancel()
+            raise self._lost(args[0] if args else None)
+        try:
+            return call.result()
+        except errors.SandboxNotFound:
+            if args and isinstance(args[0], str) and self._is_lost(args[0]):
+                raise self._lost(args[0]) from None
+            raise
+
+    async def _stream(
+        self, fn: Callable[..., AsyncIterator[Any]], args: tuple[Any, ...], kw: dict[str, Any]
+    ) -> AsyncIterator[Any]:
+        it = fn(*args, **kw).__aiter__()
+        while True:
+            try:
+                item = await self._call(it.__anext__, (), {})
+            except StopAsyncIteration:
+                return
+            yield item
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._view.api, name)
+        if inspect.iscoroutinefunction(attr):
+
+            async def call(*args: Any, **kw: Any) -> Any:
+                return await self._call(attr, args, kw)
+
+            return call
+        if inspect.isasyncgenfunction(attr) or name in ("exec_stream", "download_tar"):
+
+            def stream(*args: Any, **kw: Any) -> AsyncIterator[Any]:
+                return self._stream(attr, args, kw)
+
+            return stream
+        return attr
+
+
+LostHook = Callable[[EdgeAPI], Awaitable[None]]
+
+
 class EdgeDirectory:
-    def __init__(self, *, poll_interval_s: float = 1.0, k: int = 2) -> None:
+    def __init__(
+        self, *, poll_interval_s: float = 1.0, k: int = 2, lost_after_s: float = LOST_AFTER_S
+    ) -> None:
         self.views: dict[str, EdgeView] = {}
         self.poll_interval_s = poll_interval_s
+        self.lost_after_s = lost_after_s
         self.k = k
         self._task: asyncio.Task[None] | None = None
+        self.on_lost: LostHook | None = None  # an edge was given up (see the module)
+        self.on_back: LostHook | None = None  # a given-up edge answers again
+        self.is_lost: Callable[[str], bool] = lambda _sid: False  # a sandbox given up earlier
 
     def add(self, api: EdgeAPI) -> EdgeView:
         view = self.views.get(api.name)
         if view is not None and view.api.url == api.url:
             return view
-        self.views[api.name] = view = EdgeView(api)
+        self.views[api.name] = view = EdgeView(api, lost_after_s=self.lost_after_s)
         return view
+
+    def _api(self, view: EdgeView) -> EdgeAPI:
+        if not view.can_be_lost:
+            return view.api
+        return cast(EdgeAPI, GuardedEdge(view, self.is_lost))
 
     def edge_for(self, sandbox_id: str) -> EdgeAPI:
         name = edge_of(sandbox_id)
         view = self.views.get(name)
         if view is None:
+            if self.is_lost(sandbox_id):
+                raise errors.SandboxLost(
+                    f"sandbox {sandbox_id} was lost with its edge {name!r}; create a new sandbox", edge=name
+                )
             raise errors.SandboxNotFound(
                 f"sandbox {sandbox_id} belongs to edge {name!r}, which is not registered"
             )
-        return view.api
+        return self._api(view)
 
     def all(self) -> Iterable[EdgeAPI]:
-        return [v.api for v in self.views.values()]
+        """The edges to ask (fan-out calls): not those given up."""
+        return [self._api(v) for v in self.views.values() if not v.lost]
 
     async def poll_once(self) -> None:
+        timeout = max(0.5, min(5.0, self.lost_after_s / 3))
+
         async def one(view: EdgeView) -> None:
             try:
-                view.status = await asyncio.wait_for(view.api.status(), 5.0)
+                view.status = await asyncio.wait_for(view.api.status(), timeout)
                 view.last_ok = time.monotonic()
                 view.failures = 0
                 view.recent.clear()
             except Exception as e:  # an unreachable edge is just unhealthy
                 view.failures += 1
                 log.debug("edge %s status failed: %s", view.api.name, e)
+            await self._judge(view)
 
         await asyncio.gather(*(one(v) for v in list(self.views.values())))
+
+    async def _judge(self, view: EdgeView) -> None:
+        """Give a silent edge up, or take a given-up one back (see the module)."""
+        if not view.can_be_lost:
+            return
+        answered = view.failures == 0 and view.last_ok > 0
+        if not view.lost and not answered and view.silent_for() >= self.lost_after_s:
+            view.lost = True
+            view.gone.set()
+            log.warning("edge %s has not answered for %.1f s: given up", view.api.name, view.silent_for())
+            if self.on_lost is not None:
+                try:
+                    await self.on_lost(view.api)
+                except Exception:
+                    log.exception("giving up edge %s failed; retried at the next poll", view.api.name)
+                    view.lost = False
+                    view.gone = asyncio.Event()
+        elif view.lost and answered:
+            if self.on_back is not None:
+                try:
+                    await self.on_back(view.api)
+                except Exception:
+                    log.exception("taking edge %s back failed; retried at the next poll", view.api.name)
+                    return
+            view.lost = False
+            view.gone = asyncio.Event()
+            log.warning("edge %s answers again: taking placements", view.api.name)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="dsec-watcher")

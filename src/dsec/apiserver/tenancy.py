@@ -23,6 +23,7 @@ from urllib.parse import parse_qs
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from dsec import errors
@@ -52,6 +53,11 @@ class ApiServerSettings(BaseSettings):
     #: A reservation younger than this is never taken for a leftover (a sandbox just made may
     #: not be listed yet). A create still in flight is never released, however long it takes.
     reservation_grace_s: float = 30.0
+    #: An edge silent this long is given up: no placements, its sandboxes answer sandbox_lost
+    #: and their quota is released (what survives is stopped when it answers again).
+    edge_lost_after_s: float = Field(5.0, ge=1.0, le=3600.0)
+    #: How long a lost sandbox's id keeps answering sandbox_lost (then: not found).
+    lost_memory_s: float = 86400.0
     #: A token that may read /metrics (for Prometheus) without being an IAM principal.
     metrics_token: str | None = None
     #: ...or a file holding it (read at start).

@@ -18,6 +18,8 @@ from dsec.edgeapi import EdgeAPI, Projects, decode_write
 class LocalEdge(EdgeAPI):
     """An edge in this process."""
 
+    can_be_lost = False  # it lives and dies with the apiserver that holds it
+
     def __init__(self, edge: Edge, url: str | None = None) -> None:
         self.edge = edge
         self.name = edge.name

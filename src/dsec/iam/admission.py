@@ -164,6 +164,43 @@ class Admission:
                     released.append(key)
         return sorted(released)
 
+    # ------------------------------------------------------------------ lost edges
+
+    def mark_edge_lost(self, edge: str) -> list[tuple[str, str]]:
+        """Give up the sandboxes of `edge` (it stopped answering): release their reservations
+        and remember them as lost, in one transaction (idempotent: every apiserver that sees
+        the edge go does this). Their (sandbox, project) pairs, newly given up."""
+        prefix = f"{edge}-"
+        lost: list[tuple[str, str]] = []
+        with self._write() as db:
+            rows = db.execute("SELECT key, project FROM reservations WHERE owner IS NULL").fetchall()
+            now = time.time()
+            for key, project in ((r[0], r[1]) for r in rows):
+                if not key.startswith(prefix):
+                    continue
+                self._release(db, key)
+                db.execute(
+                    "INSERT INTO lost_sandboxes (id, edge, project, lost_at) VALUES (?, ?, ?, ?)"
+                    " ON CONFLICT DO NOTHING",
+                    (key, edge, project, now),
+                )
+                lost.append((key, project))
+        return lost
+
+    def is_lost(self, sandbox_id: str) -> bool:
+        return bool(self._read("SELECT 1 FROM lost_sandboxes WHERE id = ?", (sandbox_id,)))
+
+    def lost_on(self, edge: str) -> set[str]:
+        """The sandboxes of `edge` given up (to stop there when it answers again)."""
+        return {r[0] for r in self._read("SELECT id FROM lost_sandboxes WHERE edge = ?", (edge,))}
+
+    def forget_lost(self, older_than_s: float) -> int:
+        """Forget sandboxes given up more than `older_than_s` ago (they answer not found from
+        then on); how many."""
+        with self._write() as db:
+            cur = db.execute("DELETE FROM lost_sandboxes WHERE lost_at < ?", (time.time() - older_than_s,))
+            return int(cur.rowcount or 0)
+
     # ------------------------------------------------------------------ pending creates' owners
 
     def _owner(self) -> str:

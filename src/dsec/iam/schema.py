@@ -23,7 +23,8 @@ _MILLI = 1000
 # 2: snapshot quotas (max_snapshot*, used_snapshot*, snapshot_reservations)
 # 3: reservations.owner (pending creates), meta (auth epoch)
 # 4: projects.allowed_backends (a JSON list; NULL: whatever the parent allows)
-_SCHEMA_VERSION = 4
+# 5: lost_sandboxes (sandboxes of an edge that stopped answering, given up)
+_SCHEMA_VERSION = 5
 _REVOKED = "revoked:"  # prefix of a revoked principal's token_hash: no SHA-256 hex matches it
 
 _SCHEMA = (
@@ -75,6 +76,13 @@ _SCHEMA = (
     "CREATE INDEX IF NOT EXISTS snapshot_reservations_project ON snapshot_reservations(project)",
     "CREATE INDEX IF NOT EXISTS snapshot_reservations_created ON snapshot_reservations(created_at)",
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL) WITHOUT ROWID",
+    """CREATE TABLE IF NOT EXISTS lost_sandboxes (
+        id TEXT PRIMARY KEY,
+        edge TEXT NOT NULL,
+        project TEXT NOT NULL,
+        lost_at REAL NOT NULL
+    )""",
+    "CREATE INDEX IF NOT EXISTS lost_sandboxes_edge ON lost_sandboxes(edge)",
 )
 
 # Columns added after schema version 1, by table: a database from an older dsec gains them on open

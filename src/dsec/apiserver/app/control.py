@@ -104,7 +104,39 @@ def _refresh_gauges(st: ApiServerState) -> None:
     m.edges.set(healthy)
 
 
-async def _reconcile_quota(st: ApiServerState, interval_s: float, grace_s: float) -> None:
+def watch_node_loss(st: ApiServerState) -> None:
+    """What the watcher does when an edge goes silent and when it answers again (see
+    dsec.apiserver.placement): its sandboxes are given up in the IAM (quota released, ids
+    remembered as lost), and stopped on it when it is back, so none is counted twice or
+    left running unaccounted."""
+    directory, iam = st.directory, st.iam
+
+    async def lost(edge: EdgeAPI) -> None:
+        given_up = iam.mark_edge_lost(edge.name)
+        for sid, project in given_up:
+            st.events.publish("lost", id=sid, edge=edge.name, project=project)
+        log.warning("edge %s lost: %d sandboxes given up, their quota released", edge.name, len(given_up))
+
+    async def back(edge: EdgeAPI) -> None:
+        doomed = iam.lost_on(edge.name)
+        if not doomed:
+            return
+        live = {i.id for i in await edge.list({}, None, None)}
+        for sid in sorted(doomed & live):
+            with contextlib.suppress(errors.SandboxNotFound):
+                await edge.stop(sid, None)
+        log.warning(
+            "edge %s is back: stopped %d sandboxes given up while it was lost", edge.name, len(doomed & live)
+        )
+
+    directory.on_lost = lost
+    directory.on_back = back
+    directory.is_lost = iam.is_lost
+
+
+async def _reconcile_quota(
+    st: ApiServerState, interval_s: float, grace_s: float, lost_memory_s: float = 86400.0
+) -> None:
     """Release reservations of sandboxes no edge reports any more (TTL reaping, crashes) and
     those of creates whose apiserver died mid-way. A create in flight keeps its reservation
     however long it takes: only its own success (re-keyed to the sandbox) or failure
@@ -112,6 +144,7 @@ async def _reconcile_quota(st: ApiServerState, interval_s: float, grace_s: float
     while True:
         try:
             st.iam.release_orphaned()
+            st.iam.forget_lost(lost_memory_s)
         except Exception:
             log.exception("releasing the reservations of dead apiservers failed; retrying")
         await asyncio.sleep(interval_s)

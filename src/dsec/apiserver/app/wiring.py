@@ -20,7 +20,13 @@ from dsec.apiserver.app.admin_routes import (
     _install_image_pool_routes,
     _install_pool_routes,
 )
-from dsec.apiserver.app.control import _candidates, _reconcile_quota, _refresh_gauges, _visibility
+from dsec.apiserver.app.control import (
+    _candidates,
+    _reconcile_quota,
+    _refresh_gauges,
+    _visibility,
+    watch_node_loss,
+)
 from dsec.apiserver.app.sandbox_routes import (
     _install_checkpoint_routes,
     _install_sandbox_routes,
@@ -75,12 +81,13 @@ def create_api_app(
     settings: ApiServerSettings | None = None,
 ) -> FastAPI:
     settings = settings or ApiServerSettings()
-    directory = EdgeDirectory(poll_interval_s=poll_interval_s)
+    directory = EdgeDirectory(poll_interval_s=poll_interval_s, lost_after_s=settings.edge_lost_after_s)
     for e in local_edges or []:
         directory.add(e)
     for name, url in (remote_edges or {}).items():
         directory.add(HttpEdge(name, url, cluster_token))
     st = ApiServerState(iam, directory, cluster_token, Metrics(), EventBus())
+    watch_node_loss(st)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -89,7 +96,9 @@ def create_api_app(
         await directory.poll_once()
         directory.start()
         reconcile = asyncio.create_task(
-            _reconcile_quota(st, settings.reconcile_interval_s, settings.reservation_grace_s)
+            _reconcile_quota(
+                st, settings.reconcile_interval_s, settings.reservation_grace_s, settings.lost_memory_s
+            )
         )
         try:
             yield
