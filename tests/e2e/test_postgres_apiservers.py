@@ -5,9 +5,12 @@ costs retries, never an over-admission."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import shutil
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -115,3 +118,92 @@ def test_three_apiservers_on_postgres_admit_exactly_the_quota(
                 p.kill()
                 p.wait()
         shutil.rmtree(f"/run/dsec-e2e-{run_id}-pg1", ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _cluster(tmp_path: Path, pg_url: str, n: int = 3) -> Iterator[tuple[list[str], dict, str]]:
+    """`n` apiservers on `pg_url` and one edge registered with all of them."""
+    run_id = secrets.token_hex(4)
+    env = _env(tmp_path, f"dsec-e2e-{run_id}")
+    env.update(DSEC_EDGE_FNCALL_IMAGE="", DSEC_DATABASE=pg_url)
+    env["DSEC_CLUSTER_TOKEN"] = "dsec_" + secrets.token_urlsafe(24)
+    ports = [free_port() for _ in range(n)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    dirs = [tmp_path / f"api{i}" for i in range(n)]
+    procs = {
+        f"api{i}": start(["apiserver", "--port", str(p), "--data-dir", str(d)], env, tmp_path / f"api{i}.log")
+        for i, (p, d) in enumerate(zip(ports, dirs, strict=True))
+    }
+    procs["edge"] = start(
+        ["edge", *[a for u in urls for a in ("--apiserver", u)], "--name", "pf1", "--port", str(free_port()),
+         "--data-dir", str(tmp_path / "edge"), "--run-dir", f"/run/dsec-e2e-{run_id}-pf1",
+         "--max-sandboxes", "60", "--no-keep-sandboxes"],
+        env, tmp_path / "edge.log",
+    )  # fmt: skip
+    try:
+        for u in urls:
+            wait_healthy(u)
+        yield urls, procs, _admin_token(dirs)
+    finally:
+        for p in procs.values():
+            p.terminate()
+        for p in procs.values():
+            try:
+                p.wait(60)
+            except Exception:
+                p.kill()
+                p.wait()
+        shutil.rmtree(f"/run/dsec-e2e-{run_id}-pf1", ignore_errors=True)
+
+
+def test_clients_fail_over_when_an_apiserver_dies_and_keyed_creates_make_one_sandbox(
+    tmp_path, python_image, pg_url
+):
+    with _cluster(tmp_path, pg_url) as (urls, procs, admin):
+        with httpx.Client(base_url=urls[0], headers={"Authorization": f"Bearer {admin}"}, timeout=60) as http:
+            r = http.post("/v1/projects", json={"name": "fo", "quota": {"max_sandboxes": 40}})
+            assert r.status_code == 200, r.text
+            tok = http.post("/v1/principals", json={"name": "fo-user", "projects": ["fo"]}).json()["token"]
+
+        # One idempotency key, sent to two apiservers (a retry after a lost answer): one sandbox.
+        with Client(urls[1], tok) as b, Client(urls[2], tok) as c:
+            first = b.create("python", memory_mb=64, project="fo", idempotency_key="step-1-env-0")
+            again = c.create("python", memory_mb=64, project="fo", idempotency_key="step-1-env-0")
+            assert first.id == again.id
+            assert [i.id for i in c.list(project="fo")] == [first.id]
+            first.stop()
+
+        # Several clients, each given every URL, work in a loop with idempotent calls while
+        # the apiserver they all talk to first is SIGKILLed: no error reaches them.
+        failures: list[BaseException] = []
+        made: list[str] = []
+        stop = threading.Event()
+
+        def worker(n: int) -> None:
+            with Client(urls, tok) as cl:
+                while not stop.is_set():
+                    try:
+                        sb = cl.create("python", memory_mb=64, project="fo")
+                        made.append(sb.id)
+                        sb.files.write("/work/n", str(n))
+                        assert sb.files.read("/work/n") == str(n)
+                        assert cl.get(sb.id).id == sb.id
+                        sb.stop()
+                    except BaseException as e:  # collected for the assertion
+                        failures.append(e)
+                        return
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(2.0)
+        procs["api0"].kill()  # the first URL of every client
+        procs["api0"].wait()
+        time.sleep(3.0)
+        stop.set()
+        for t in threads:
+            t.join(120)
+        assert failures == [], failures
+        assert len(made) > 8 and len(set(made)) == len(made)
+        with Client(urls[1:], tok) as cl:
+            assert cl.list(project="fo") == []  # every create made one sandbox, and it was stopped

@@ -406,14 +406,46 @@ def test_non_retryable_errors_are_not_retried(client: Client, fake: FakeDsec) ->
     assert len(fake.requests) == 1
 
 
-def test_exec_and_create_are_not_retried(client: Client, fake: FakeDsec) -> None:
+def test_exec_is_not_retried_and_create_is_with_one_idempotency_key(client: Client, fake: FakeDsec) -> None:
     fake.on("POST", "/v1/sandboxes/sb1/exec", wire_error(503, "unavailable"))
     fake.on("POST", "/v1/sandboxes", wire_error(503, "unavailable"))
     with pytest.raises(errors.Unavailable):
         client.sandbox("sb1").exec("true")
+    assert len(fake.requests) == 1
     with pytest.raises(errors.Unavailable):
         client.create()
-    assert len(fake.requests) == 2
+    creates = fake.requests[1:]
+    assert len(creates) == 3  # the first try and retries=2, all with the same key
+    keys = {r.headers["Idempotency-Key"] for r in creates}
+    assert len(keys) == 1 and len(keys.pop()) >= 32
+    with pytest.raises(errors.Unavailable):
+        client.create(idempotency_key="step-7-env-3")
+    assert fake.requests[-1].headers["Idempotency-Key"] == "step-7-env-3"
+
+
+def test_several_urls_fail_over_for_idempotent_calls(fake: FakeDsec) -> None:
+    """A call that cannot reach one apiserver goes on to the next at once (and stays there);
+    DSEC_URL may list several."""
+    tried: list[str] = []
+
+    def route(request: httpx.Request) -> httpx.Response:
+        tried.append(request.url.host)
+        if request.url.host == "down.test":
+            raise httpx.ConnectError("connection refused", request=request)
+        return fake(request)
+
+    fake.on("GET", "/v1/version", httpx.Response(200, json={"version": "1.2.3"}))
+    with Client(["http://down.test", URL], "tok", transport=httpx.MockTransport(route)) as c:
+        assert c.version() == "1.2.3"
+        assert c.version() == "1.2.3"
+        assert c.url == URL
+    assert tried == ["down.test", "dsec.test", "dsec.test"]
+    # one URL: no failover, the usual backoff retries
+    tried.clear()
+    one = Client("http://down.test", "tok", transport=httpx.MockTransport(route), retries=1)
+    with one, pytest.raises(errors.Unavailable):
+        one.version()
+    assert tried == ["down.test", "down.test"]
 
 
 def test_transport_error_is_unavailable_and_retried_when_idempotent(fake: FakeDsec) -> None:

@@ -34,13 +34,16 @@ class AsyncClient(_base.AsyncEndsOnExit):
     """An asyncio connection to dsec. One pooled ``httpx.AsyncClient`` per instance.
 
     ``url`` / ``token`` default to ``DSEC_URL`` / ``DSEC_TOKEN``, then the config file of
-    ``dsec up`` (see :func:`dsec.client.config.resolve`). Idempotent calls are retried
-    ``retries`` times on transient errors; create, exec and session runs never are.
+    ``dsec up`` (see :func:`dsec.client.config.resolve`). ``url`` may name several
+    apiservers (a list, or ``DSEC_URL=a,b``): a call that cannot reach one goes to the next.
+    Idempotent calls are retried ``retries`` times on transient errors; so are creates (each
+    carries an idempotency key: one sandbox however often it is sent); exec and session
+    runs are not.
     """
 
     def __init__(
         self,
-        url: str | None = None,
+        url: str | builtins.list[str] | None = None,
         token: str | None = None,
         *,
         timeout: float = 120.0,
@@ -48,19 +51,29 @@ class AsyncClient(_base.AsyncEndsOnExit):
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self._base = _base.BaseClient(url, token, timeout=timeout, retries=retries)
-        kwargs = self._base._client_kwargs()
-        self._http = httpx.AsyncClient(transport=transport, **kwargs)
-        # Plain calls take the socket fast path (_wire.py) unless a transport is given.
-        self._wire = (
-            AsyncWire(
-                self._base.url,
-                kwargs["headers"],
-                max_keepalive=_base.MAX_KEEPALIVE,
-                max_connections=_base.MAX_CONNECTIONS,
+        self._conns: builtins.list[tuple[httpx.AsyncClient, AsyncWire | None]] = []
+        for u in self._base.urls:
+            kwargs = self._base._client_kwargs(u)
+            # Plain calls take the socket fast path (_wire.py) unless a transport is given.
+            wire = (
+                AsyncWire(
+                    u,
+                    kwargs["headers"],
+                    max_keepalive=_base.MAX_KEEPALIVE,
+                    max_connections=_base.MAX_CONNECTIONS,
+                )
+                if transport is None and usable(u)
+                else None
             )
-            if transport is None and usable(self._base.url)
-            else None
-        )
+            self._conns.append((httpx.AsyncClient(transport=transport, **kwargs), wire))
+
+    @property
+    def _http(self) -> httpx.AsyncClient:
+        return self._conns[self._base.current][0]
+
+    @property
+    def _wire(self) -> AsyncWire | None:
+        return self._conns[self._base.current][1]
 
     @property
     def url(self) -> str:
@@ -75,21 +88,23 @@ class AsyncClient(_base.AsyncEndsOnExit):
         request_id = self._base._request_id()
         attempt = 0
         while True:
+            used = self._base.current
+            http, wire = self._conns[used]
             try:
-                if self._wire is not None:
-                    response = await self._wire.request(*self._base._wire_call(self._wire, req, request_id))
+                if wire is not None:
+                    response = await wire.request(*self._base._wire_call(wire, req, request_id))
                 else:
-                    response = await self._http.send(self._base._build(self._http, req, request_id))
+                    response = await http.send(self._base._build(http, req, request_id))
             except httpx.TransportError as exc:
-                err: errors.DsecError = self._base._unreachable(exc)
-                delay = self._base._retry_delay(req, err, attempt)
+                err: errors.DsecError = self._base._unreachable(exc, self._base.urls[used])
+                delay = self._base._retry_delay(req, err, attempt, used)
                 if delay is None:
                     raise err from exc
             else:
                 if response.is_success:
                     return response
                 err = self._base._error(response)
-                delay = self._base._retry_delay(req, err, attempt)
+                delay = self._base._retry_delay(req, err, attempt, used)
                 if delay is None:
                     raise err
             await asyncio.sleep(delay)
@@ -105,9 +120,13 @@ class AsyncClient(_base.AsyncEndsOnExit):
         image: str = "python",
         *,
         snapshot: SnapshotInfo | str | None = None,
+        idempotency_key: str | None = None,
         **spec: Unpack[SpecOptions],
     ) -> AsyncSandbox:
-        """Create one sandbox (not retried: a lost response could leave a second one running).
+        """Create one sandbox. Retried on transient errors, to another apiserver too: it
+        carries an idempotency key (`idempotency_key`, else a fresh one per call), so however
+        often it is sent it makes one sandbox; pass your own to make a create idempotent
+        across calls (a trainer restarted mid-step, say).
         The options are SandboxSpec's (cpu, memory_mb, pids, disk_mb, env, user, workdir,
         labels, ttl_idle_s, ttl_action, project, backend, network, protected_paths...), with
         its defaults.
@@ -119,7 +138,7 @@ class AsyncClient(_base.AsyncEndsOnExit):
         `protected_paths=` paths moved out of reach of the sandbox's processes (see verify()).
         `backend=` the backend that runs it (the isolation tier; the default is container)."""
         full = _base.build_spec(_base.snapshot_image(snapshot) or image, spec)
-        info = await self._call(_base.create(full))
+        info = await self._call(_base.create(full, idempotency_key))
         return AsyncSandbox(self, info.id, info)
 
     async def create_many(
@@ -252,9 +271,10 @@ class AsyncClient(_base.AsyncEndsOnExit):
     # ------------------------------------------------------------------ lifetime
 
     async def aclose(self) -> None:
-        if self._wire is not None:
-            await self._wire.aclose()
-        await self._http.aclose()
+        for http, wire in self._conns:
+            if wire is not None:
+                await wire.aclose()
+            await http.aclose()
 
     _end = aclose  # what leaving a `with` block does
 

@@ -13,7 +13,7 @@ import json
 import random
 import tarfile
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -206,8 +206,14 @@ def _wire_error(item: Any, status: int = 500) -> errors.DsecError:
     return errors.error_from_wire(status, {"error": item} if isinstance(item, dict) else item)
 
 
-def create(spec: wire.SandboxSpec) -> Call[wire.SandboxInfo]:
-    return Call(Request("POST", "/v1/sandboxes", json=_dump(spec)), _model(wire.SandboxInfo))
+def create(spec: wire.SandboxSpec, idempotency_key: str | None = None) -> Call[wire.SandboxInfo]:
+    """With an idempotency key (the SDK makes one per call) the create is retried, to any
+    apiserver, and still makes one sandbox."""
+    key = idempotency_key or str(uuid.uuid4())
+    req = Request(
+        "POST", "/v1/sandboxes", json=_dump(spec), headers={"Idempotency-Key": key}, idempotent=True
+    )
+    return Call(req, _model(wire.SandboxInfo))
 
 
 def create_batch(count: int, spec: wire.SandboxSpec) -> Call[BatchCreated]:
@@ -736,24 +742,46 @@ def backoff_delay(attempt: int) -> float:
 class BaseClient:
     """Configuration and the I/O-free half of sending a :class:`Request`."""
 
-    def __init__(self, url: str | None, token: str | None, *, timeout: float, retries: int) -> None:
+    def __init__(
+        self, url: str | Sequence[str] | None, token: str | None, *, timeout: float, retries: int
+    ) -> None:
         if retries < 0:
             raise errors.InvalidRequest(f"retries must be >= 0, got {retries}")
         if timeout <= 0:
             raise errors.InvalidRequest(f"timeout must be > 0, got {timeout}")
-        self.url, self.token = config.resolve(url, token)
+        joined = ",".join(url) if isinstance(url, list | tuple) else url
+        urls, self.token = config.resolve(joined, token)  # type: ignore[arg-type]
+        # Several apiservers (`Client(url=[a, b])`, DSEC_URL=a,b): calls go to one; a call
+        # that cannot reach it (or is told it is unavailable) moves to the next.
+        self.urls = [u.strip().rstrip("/") for u in urls.split(",") if u.strip()]
+        if not self.urls:
+            raise errors.InvalidRequest("url must name at least one apiserver")
+        self.current = 0
         self.timeout = timeout
-        self.retries = retries
+        self.retries = max(retries, len(self.urls) - 1) if retries else 0
+
+    @property
+    def url(self) -> str:
+        return self.urls[self.current]
+
+    def failover(self, failed: int) -> bool:
+        """Move on from apiserver `failed` (if it is still the current one); whether there is
+        another to move to."""
+        if len(self.urls) < 2:
+            return False
+        if self.current == failed:
+            self.current = (failed + 1) % len(self.urls)
+        return True
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(url={self.url!r})"
 
-    def _client_kwargs(self) -> dict[str, Any]:
+    def _client_kwargs(self, url: str | None = None) -> dict[str, Any]:
         headers = {"User-Agent": USER_AGENT}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         return {
-            "base_url": self.url,
+            "base_url": url or self.url,
             "headers": headers,
             "timeout": httpx.Timeout(self.timeout),
             "limits": httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_KEEPALIVE),
@@ -796,8 +824,8 @@ class BaseClient:
     def _request_id() -> str:
         return str(uuid.uuid4())
 
-    def _unreachable(self, exc: Exception) -> errors.Unavailable:
-        return errors.Unavailable(f"cannot reach dsec at {self.url}: {str(exc) or type(exc).__name__}")
+    def _unreachable(self, exc: Exception, url: str | None = None) -> errors.Unavailable:
+        return errors.Unavailable(f"cannot reach dsec at {url or self.url}: {str(exc) or type(exc).__name__}")
 
     @staticmethod
     def _error(response: httpx.Response) -> errors.DsecError:
@@ -808,10 +836,17 @@ class BaseClient:
             body = response.text or response.reason_phrase
         return errors.error_from_wire(response.status_code, body)
 
-    def _retry_delay(self, req: Request, err: errors.DsecError, attempt: int) -> float | None:
-        """Seconds to wait before retrying, or ``None`` when ``err`` is final."""
+    def _retry_delay(
+        self, req: Request, err: errors.DsecError, attempt: int, used: int | None = None
+    ) -> float | None:
+        """Seconds to wait before retrying, or ``None`` when ``err`` is final. `used`: the
+        apiserver that failed, when it could not be reached or was unavailable: the next
+        one is tried at once."""
         if not req.idempotent or not err.retryable or attempt >= self.retries:
             return None
+        moved = used is not None and isinstance(err, errors.Unavailable) and self.failover(used)
+        if moved and attempt < len(self.urls) - 1:
+            return 0.0
         return backoff_delay(attempt)
 
     @staticmethod

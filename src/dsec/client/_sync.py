@@ -36,13 +36,16 @@ class Client(_base.EndsOnExit):
     """A connection to dsec. One pooled ``httpx.Client`` per instance; thread-safe.
 
     ``url`` / ``token`` default to ``DSEC_URL`` / ``DSEC_TOKEN``, then the config file of
-    ``dsec up`` (see :func:`dsec.client.config.resolve`). Idempotent calls are retried
-    ``retries`` times on transient errors; create, exec and session runs never are.
+    ``dsec up`` (see :func:`dsec.client.config.resolve`). ``url`` may name several
+    apiservers (a list, or ``DSEC_URL=a,b``): a call that cannot reach one goes to the next.
+    Idempotent calls are retried ``retries`` times on transient errors; so are creates (each
+    carries an idempotency key: one sandbox however often it is sent); exec and session
+    runs are not.
     """
 
     def __init__(
         self,
-        url: str | None = None,
+        url: str | builtins.list[str] | None = None,
         token: str | None = None,
         *,
         timeout: float = 120.0,
@@ -50,14 +53,24 @@ class Client(_base.EndsOnExit):
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self._base = _base.BaseClient(url, token, timeout=timeout, retries=retries)
-        kwargs = self._base._client_kwargs()
-        self._http = httpx.Client(transport=transport, **kwargs)
-        # Plain calls take the socket fast path (_wire.py) unless a transport is given.
-        self._wire = (
-            Wire(self._base.url, kwargs["headers"], max_keepalive=_base.MAX_KEEPALIVE)
-            if transport is None and usable(self._base.url)
-            else None
-        )
+        self._conns: builtins.list[tuple[httpx.Client, Wire | None]] = []
+        for u in self._base.urls:
+            kwargs = self._base._client_kwargs(u)
+            # Plain calls take the socket fast path (_wire.py) unless a transport is given.
+            wire = (
+                Wire(u, kwargs["headers"], max_keepalive=_base.MAX_KEEPALIVE)
+                if transport is None and usable(u)
+                else None
+            )
+            self._conns.append((httpx.Client(transport=transport, **kwargs), wire))
+
+    @property
+    def _http(self) -> httpx.Client:
+        return self._conns[self._base.current][0]
+
+    @property
+    def _wire(self) -> Wire | None:
+        return self._conns[self._base.current][1]
 
     @property
     def url(self) -> str:
@@ -72,21 +85,23 @@ class Client(_base.EndsOnExit):
         request_id = self._base._request_id()
         attempt = 0
         while True:
+            used = self._base.current
+            http, wire = self._conns[used]
             try:
-                if self._wire is not None:
-                    response = self._wire.request(*self._base._wire_call(self._wire, req, request_id))
+                if wire is not None:
+                    response = wire.request(*self._base._wire_call(wire, req, request_id))
                 else:
-                    response = self._http.send(self._base._build(self._http, req, request_id))
+                    response = http.send(self._base._build(http, req, request_id))
             except httpx.TransportError as exc:
-                err: errors.DsecError = self._base._unreachable(exc)
-                delay = self._base._retry_delay(req, err, attempt)
+                err: errors.DsecError = self._base._unreachable(exc, self._base.urls[used])
+                delay = self._base._retry_delay(req, err, attempt, used)
                 if delay is None:
                     raise err from exc
             else:
                 if response.is_success:
                     return response
                 err = self._base._error(response)
-                delay = self._base._retry_delay(req, err, attempt)
+                delay = self._base._retry_delay(req, err, attempt, used)
                 if delay is None:
                     raise err
             time.sleep(delay)
@@ -102,9 +117,13 @@ class Client(_base.EndsOnExit):
         image: str = "python",
         *,
         snapshot: SnapshotInfo | str | None = None,
+        idempotency_key: str | None = None,
         **spec: Unpack[SpecOptions],
     ) -> Sandbox:
-        """Create one sandbox (not retried: a lost response could leave a second one running).
+        """Create one sandbox. Retried on transient errors, to another apiserver too: it
+        carries an idempotency key (`idempotency_key`, else a fresh one per call), so however
+        often it is sent it makes one sandbox; pass your own to make a create idempotent
+        across calls (a trainer restarted mid-step, say).
         The options are SandboxSpec's (cpu, memory_mb, pids, disk_mb, env, user, workdir,
         labels, ttl_idle_s, ttl_action, project, backend, network, protected_paths...), with
         its defaults.
@@ -116,7 +135,7 @@ class Client(_base.EndsOnExit):
         `protected_paths=` paths moved out of reach of the sandbox's processes (see verify()).
         `backend=` the backend that runs it (the isolation tier; the default is container)."""
         full = _base.build_spec(_base.snapshot_image(snapshot) or image, spec)
-        info = self._call(_base.create(full))
+        info = self._call(_base.create(full, idempotency_key))
         return Sandbox(self, info.id, info)
 
     def create_many(
@@ -242,9 +261,10 @@ class Client(_base.EndsOnExit):
     # ------------------------------------------------------------------ lifetime
 
     def close(self) -> None:
-        if self._wire is not None:
-            self._wire.close()
-        self._http.close()
+        for http, wire in self._conns:
+            if wire is not None:
+                wire.close()
+            http.close()
 
     _end = close  # what leaving a `with` block does
 

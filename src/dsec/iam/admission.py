@@ -164,6 +164,53 @@ class Admission:
                     released.append(key)
         return sorted(released)
 
+    # ------------------------------------------------------------------ idempotency keys
+
+    def begin_idempotent(self, principal: str, key: str) -> tuple[str, str | None]:
+        """Claim `key` of `principal` for a create: ("new", None) when this call makes it,
+        ("done", result) when an earlier call made it, ("busy", None) while another live
+        apiserver process makes it, ("taken_over", None) when the one that began it died
+        (what it made, if anything, carries the key's label: look for it first)."""
+        owner = self._owner()
+        with self._write() as db:
+            row = db.execute(
+                "SELECT state, owner, result FROM idempotency WHERE principal = ? AND key = ?",
+                (principal, key),
+            ).fetchone()
+            if row is None:
+                db.execute(
+                    "INSERT INTO idempotency (principal, key, state, owner, created_at)"
+                    " VALUES (?, ?, 'pending', ?, ?)",
+                    (principal, key, owner, time.time()),
+                )
+                return "new", None
+            if row["state"] == "done":
+                return "done", row["result"]
+            if row["owner"] != owner and self._db.owner_alive(row["owner"] or ""):
+                return "busy", None
+            db.execute(
+                "UPDATE idempotency SET owner = ? WHERE principal = ? AND key = ?", (owner, principal, key)
+            )
+            return "taken_over", None
+
+    def end_idempotent(self, principal: str, key: str, result: str | None) -> None:
+        """The create of `key` made `result` (its answer, kept for retries), or failed (None:
+        the key is free again)."""
+        with self._write() as db:
+            if result is None:
+                db.execute("DELETE FROM idempotency WHERE principal = ? AND key = ?", (principal, key))
+            else:
+                db.execute(
+                    "UPDATE idempotency SET state = 'done', result = ?, owner = NULL"
+                    " WHERE principal = ? AND key = ?",
+                    (result, principal, key),
+                )
+
+    def forget_idempotency(self, older_than_s: float) -> None:
+        with self._write() as db:
+            cutoff = time.time() - older_than_s
+            db.execute("DELETE FROM idempotency WHERE state = 'done' AND created_at < ?", (cutoff,))
+
     # ------------------------------------------------------------------ lost edges
 
     def mark_edge_lost(self, edge: str) -> list[tuple[str, str]]:

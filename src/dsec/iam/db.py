@@ -12,9 +12,10 @@ cannot infer one). What differs is here:
   no quota is overshot, whichever apiserver admits.
 * Pending creates' owners (a process that reserved quota for a create in flight, see
   admission.py). SQLite: an flock on a file beside the database (one host). PostgreSQL: a
-  lease row renewed every few seconds by the process that owns it; an owner whose lease ran
-  out (its process died, or its host was cut off) is gone, and its pending reservations are
-  released by whichever apiserver reconciles next.
+  session-level advisory lock held by a connection of the owning process, and a lease row
+  that connection renews every few seconds: an owner whose lock is free (its process died:
+  its session ended) or whose lease ran out (its host was cut off) is gone, and its pending
+  reservations and idempotent creates are taken over by whichever apiserver comes next.
 * Whether another process wrote since we last looked (the auth cache's epoch check): free in
   SQLite (`PRAGMA data_version`), a read of the epoch row in PostgreSQL.
 * Losing the server: a PostgreSQL connection that broke is replaced from the pool on the next
@@ -288,7 +289,7 @@ class PostgresDatabase(Database):
             url,
             min_size=1,
             max_size=2,
-            kwargs={"autocommit": True, "row_factory": _row_factory, "connect_timeout": 5},
+            kwargs={"autocommit": True, "row_factory": _row_factory, "connect_timeout": 3},
             check=ConnectionPool.check_connection,
             open=False,
             name="dsec-iam",
@@ -302,13 +303,17 @@ class PostgresDatabase(Database):
         self._owners: set[str] = set()
         self._renewer: threading.Thread | None = None
         self._stop = threading.Event()
+        self._lock_conn: Any = None
+        self._holder_lock = threading.Lock()
 
     # one connection for a transaction, fresh from the pool otherwise
 
     def _connection(self) -> Any:
         if self._conn is None:
             try:
-                self._conn = self.pool.getconn(timeout=10)
+                # (short: IAM calls run on the apiserver's event loop; a server that is away
+                # must cost a quick 503, not a stalled apiserver)
+                self._conn = self.pool.getconn(timeout=2)
             except Exception as e:
                 raise Unavailable(f"the IAM database is unreachable ({e}); retry") from e
         return self._conn
@@ -375,34 +380,53 @@ class PostgresDatabase(Database):
             raise
         self.commit()
 
-    # pending creates' owners: leases (see the module)
+    # pending creates' owners: leases, and a session lock (see the module)
 
-    def _lease(self, owner: str) -> None:
-        self.execute(
-            "INSERT INTO owners (id, expires_at) VALUES (?, EXTRACT(EPOCH FROM clock_timestamp()) + ?)"
+    def _lease(self, conn: Any, owner: str) -> None:
+        conn.execute(
+            "INSERT INTO owners (id, expires_at) VALUES (%s, EXTRACT(EPOCH FROM clock_timestamp()) + %s)"
             " ON CONFLICT (id) DO UPDATE SET expires_at = excluded.expires_at",
             (owner, self.lease_s),
         )
 
+    def _holder(self) -> Any:
+        """The connection that holds this process's owner locks and renews its leases: when
+        the process dies its session ends, the locks go with it, and its owners are dead at
+        once (the lease covers a host cut off, whose session may linger)."""
+        if self._lock_conn is None or self._lock_conn.closed:
+            self._lock_conn = self._psycopg.connect(self.url, autocommit=True, connect_timeout=3)
+            for oid in self._owners:
+                self._lock_conn.execute("SELECT pg_advisory_lock(%s, %s)", _owner_key(oid))
+        return self._lock_conn
+
     def new_owner(self) -> str:
         oid = "o" + secrets.token_hex(8)
-        self._lease(oid)
-        self._owners.add(oid)
+        with self._holder_lock:
+            try:
+                conn = self._holder()
+                conn.execute("SELECT pg_advisory_lock(%s, %s)", _owner_key(oid))
+                self._lease(conn, oid)
+            except self._psycopg.OperationalError as e:
+                self._lock_conn = None
+                raise Unavailable(f"the IAM database is unreachable ({e}); retry") from e
+            self._owners.add(oid)
         if self._renewer is None:
             self._renewer = threading.Thread(target=self._renew, name="dsec-iam-lease", daemon=True)
             self._renewer.start()
         return oid
 
     def _renew(self) -> None:
-        # Its own connection: the IAM's is its caller's, under IAM's lock.
         while not self._stop.wait(self.lease_s / 6):
-            with contextlib.suppress(Exception), self.pool.connection(timeout=5) as conn:
-                for oid in list(self._owners):
-                    conn.execute(
-                        "UPDATE owners SET expires_at = EXTRACT(EPOCH FROM clock_timestamp()) + %s"
-                        " WHERE id = %s",
-                        (self.lease_s, oid),
-                    )
+            with self._holder_lock:
+                try:
+                    conn = self._holder()
+                    for oid in list(self._owners):
+                        self._lease(conn, oid)
+                except Exception:  # (the server is away: reconnect and re-lock next time)
+                    with contextlib.suppress(Exception):
+                        if self._lock_conn is not None:
+                            self._lock_conn.close()
+                    self._lock_conn = None
 
     def owner_alive(self, owner: str) -> bool:
         if owner in self._owners:
@@ -410,7 +434,13 @@ class PostgresDatabase(Database):
         row = self.execute(
             "SELECT expires_at > EXTRACT(EPOCH FROM clock_timestamp()) FROM owners WHERE id = ?", (owner,)
         ).fetchone()
-        return bool(row is not None and row[0])
+        if row is None or not row[0] or not OWNER_RE.fullmatch(owner):
+            return False
+        # Its lease runs; does its process still hold its lock? (taken: it is gone; give it back)
+        (free,) = self.execute("SELECT pg_try_advisory_lock(?, ?)", _owner_key(owner)).fetchone()
+        if free:
+            self.execute("SELECT pg_advisory_unlock(?, ?)", _owner_key(owner))
+        return not free
 
     def forget_owner(self, owner: str) -> None:
         self.execute("DELETE FROM owners WHERE id = ?", (owner,))
@@ -422,8 +452,17 @@ class PostgresDatabase(Database):
         with contextlib.suppress(Exception):
             for oid in self._owners:
                 self.execute("DELETE FROM owners WHERE id = ?", (oid,))
+        with contextlib.suppress(Exception):
+            if self._lock_conn is not None:
+                self._lock_conn.close()
         self._drop()
         self.pool.close()
+
+
+def _owner_key(owner: str) -> tuple[int, int]:
+    """The advisory lock (a pair of int4) of a PostgreSQL owner."""
+    v = int(owner[1:9], 16)
+    return 0x6F776E, v - (1 << 32) if v >= 1 << 31 else v
 
 
 def _redact(url: str) -> str:

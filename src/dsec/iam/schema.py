@@ -24,7 +24,8 @@ _MILLI = 1000
 # 3: reservations.owner (pending creates), meta (auth epoch)
 # 4: projects.allowed_backends (a JSON list; NULL: whatever the parent allows)
 # 5: lost_sandboxes (sandboxes of an edge that stopped answering, given up)
-_SCHEMA_VERSION = 5
+# 6: idempotency (creates by idempotency key)
+_SCHEMA_VERSION = 6
 _REVOKED = "revoked:"  # prefix of a revoked principal's token_hash: no SHA-256 hex matches it
 
 _SCHEMA = (
@@ -83,6 +84,15 @@ _SCHEMA = (
         lost_at REAL NOT NULL
     )""",
     "CREATE INDEX IF NOT EXISTS lost_sandboxes_edge ON lost_sandboxes(edge)",
+    """CREATE TABLE IF NOT EXISTS idempotency (
+        principal TEXT NOT NULL,
+        key TEXT NOT NULL,
+        state TEXT NOT NULL,
+        owner TEXT,
+        result TEXT,
+        created_at REAL NOT NULL,
+        PRIMARY KEY (principal, key)
+    )""",
 )
 
 # Columns added after schema version 1, by table: a database from an older dsec gains them on open

@@ -145,6 +145,7 @@ async def _reconcile_quota(
         try:
             st.iam.release_orphaned()
             st.iam.forget_lost(lost_memory_s)
+            st.iam.forget_idempotency(lost_memory_s)
         except Exception:
             log.exception("releasing the reservations of dead apiservers failed; retrying")
         await asyncio.sleep(interval_s)
@@ -156,9 +157,12 @@ async def _reconcile_quota(
                 live |= {i.id for i in await e.list({}, None, None)}
             except Exception:
                 complete = False
-        if complete:
-            st.iam.reconcile(live, older_than_s=grace_s, as_of=asked_at)
-        await _reconcile_fork_layers(st, grace_s)
+        try:
+            if complete:
+                st.iam.reconcile(live, older_than_s=grace_s, as_of=asked_at)
+            await _reconcile_fork_layers(st, grace_s)
+        except errors.DsecError as e:  # (the IAM's database is away: next round)
+            log.warning("reconciling quota failed, retrying in %.0f s: %s", interval_s, e)
 
 
 async def _reconcile_fork_layers(st: ApiServerState, grace_s: float) -> None:

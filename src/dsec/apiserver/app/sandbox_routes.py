@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
+import re
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Query, Request, Response
@@ -36,6 +38,56 @@ from dsec.models import (
 )
 
 log = logging.getLogger("dsec.apiserver")
+
+IDEMPOTENCY_KEY = re.compile(r"[A-Za-z0-9._-]{1,128}")
+IDEMPOTENCY_LABEL = "dsec.idempotency"  # what a keyed create made carries: a digest of principal and key
+
+
+async def _create_once(
+    st: ApiServerState,
+    p: Principal,
+    spec: SandboxSpec,
+    key: str,
+    make: Callable[[SandboxSpec], Awaitable[SandboxInfo]],
+) -> SandboxInfo:
+    """A create with an idempotency key: one sandbox however often it is sent, to whichever
+    apiserver (a client failing over, a retry after a lost response). The key is the
+    caller's own (kept per principal, a day); what it made carries its label, so a create
+    whose apiserver died mid-way is found rather than made twice."""
+    iam = st.iam
+    if not IDEMPOTENCY_KEY.fullmatch(key):
+        raise errors.InvalidRequest(
+            "Idempotency-Key must be 1-128 letters, digits, '.', '_' or '-' (a UUID, say)"
+        )
+    label = hashlib.sha256(f"{p.id}:{key}".encode()).hexdigest()[:32]
+    deadline = time.monotonic() + 120
+    while True:
+        state, result = iam.begin_idempotent(p.id, key)
+        if state == "done":
+            return SandboxInfo.model_validate_json(result or "{}")
+        if state != "busy":
+            break
+        if time.monotonic() > deadline:
+            raise errors.Conflict(f"a create with Idempotency-Key {key!r} is still in progress; retry")
+        await asyncio.sleep(0.1)  # the first call is still making it: its answer is ours
+    try:
+        info = None
+        if state == "taken_over":  # its first apiserver died: did it make the sandbox?
+            lists = await asyncio.gather(
+                *(e.list({IDEMPOTENCY_LABEL: label}, None, None) for e in st.directory.all()),
+                return_exceptions=True,
+            )
+            found = [i for lst in lists if isinstance(lst, list) for i in lst]
+            if found:
+                info = found[0]
+                iam.reserve(info.id, info.spec.project, info.spec.cpu, info.spec.memory_mb)
+        if info is None:
+            info = await make(spec.model_copy(update={"labels": {**spec.labels, IDEMPOTENCY_LABEL: label}}))
+    except BaseException:
+        iam.end_idempotent(p.id, key, None)
+        raise
+    iam.end_idempotent(p.id, key, info.model_dump_json())
+    return info
 
 
 def _install_sandbox_routes(
@@ -77,7 +129,10 @@ def _install_sandbox_routes(
     async def create(spec: SandboxSpec, request: Request) -> Response:
         t0 = time.perf_counter()
         p = principal(request)
-        return model_response(await create_one(p, spec, time.perf_counter() - t0), 201)
+        t_auth = time.perf_counter() - t0
+        key = request.headers.get("idempotency-key")  # (then: one sandbox however often sent)
+        made = _create_once(st, p, spec, key, lambda s: create_one(p, s, t_auth)) if key else None
+        return model_response(await (made or create_one(p, spec, t_auth)), 201)
 
     express.derive(app.routes, create)
 
