@@ -119,6 +119,14 @@ class GuardedEdge:
             if args and isinstance(args[0], str) and self._is_lost(args[0]):
                 raise self._lost(args[0]) from None
             raise
+        except errors.Unavailable:
+            # It cannot be reached (a dead process refuses at once): the watcher's verdict
+            # comes within lost_after_s; until then this is no answer yet.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(view.gone.wait(), view.lost_after_s + 2)
+            if view.lost:
+                raise self._lost(args[0] if args else None) from None
+            raise
 
     async def _stream(
         self, fn: Callable[..., AsyncIterator[Any]], args: tuple[Any, ...], kw: dict[str, Any]

@@ -24,6 +24,11 @@ sandbox_app = typer.Typer(help="Create, list, run in and remove sandboxes.", no_
 token_app = typer.Typer(
     help="Rotate or revoke API tokens (a leaked one, a departing user's).", no_args_is_help=True
 )
+cluster_app = typer.Typer(
+    help="A whole cluster on this machine: PostgreSQL, apiservers, edges in network namespaces.",
+    no_args_is_help=True,
+)
+app.add_typer(cluster_app, name="cluster")
 app.add_typer(image_app, name="image")
 app.add_typer(sandbox_app, name="sandbox")
 app.add_typer(token_app, name="token")
@@ -94,6 +99,57 @@ def apiserver(
     _logging(verbose)
     edges = dict(e.split("=", 1) for e in edge)
     serve(apiserver_app(data_dir, edges, database), host, port)
+
+
+ClusterDir = Annotated[
+    Path, typer.Option("--dir", envvar="DSEC_CLUSTER_DIR", help="where the cluster keeps its state")
+]
+
+
+@cluster_app.command("up")
+def cluster_up(
+    apiservers: Annotated[int, typer.Option(help="apiserver processes (on one PostgreSQL)")] = 1,
+    edges: Annotated[int, typer.Option(help="edges, each in a network namespace of its own")] = 1,
+    directory: ClusterDir = Path("/var/lib/dsec/cluster"),
+    seed_layers: Annotated[
+        Path, typer.Option(help="the layer store every edge's own starts as (hard links)")
+    ] = Path("/var/lib/dsec/layers"),
+    json_out: JsonOut = False,
+) -> None:
+    """Start PostgreSQL, N apiservers and M edges (each a host of its own: network namespace,
+    address, data directory); `dsec cluster down` removes them."""
+    from dsec.cluster import local
+
+    try:
+        state = local.up(directory, apiservers=apiservers, edges=edges, seed_layers=seed_layers)
+    except errors.DsecError as e:
+        _fail(e)
+        return
+    if json_out:
+        print(json.dumps(state.public()))
+        return
+    table = Table("process", "pid", "address")
+    for a in state.apiservers:
+        table.add_row(a.name, str(a.pid), a.url)
+    for m in state.edges:
+        table.add_row(f"{m.name} ({m.netns})", str(m.pid), m.url)
+    console.print(table)
+    console.print(f"DSEC_URL={','.join(a.url for a in state.apiservers)}")
+    console.print(f"DSEC_TOKEN={state.token}")
+
+
+@cluster_app.command("down")
+def cluster_down(
+    directory: ClusterDir = Path("/var/lib/dsec/cluster"),
+    purge: Annotated[bool, typer.Option(help="also remove its data (databases, layer stores)")] = False,
+) -> None:
+    """Stop and remove everything `dsec cluster up` made."""
+    from dsec.cluster import local
+
+    try:
+        local.down(directory, purge=purge)
+    except errors.DsecError as e:
+        _fail(e)
 
 
 @app.command("edge")

@@ -62,6 +62,13 @@ class PostgresServer:
             return
         uid, gid = self._ids()
         self.root.mkdir(mode=0o755, parents=True, exist_ok=True)
+        for parent in [self.root, *self.root.parents]:
+            st = parent.stat()
+            if not st.st_mode & 0o001 and st.st_uid != uid and not (st.st_gid == gid and st.st_mode & 0o010):
+                raise InvalidRequest(
+                    f"PostgreSQL (user {PG_USER}) cannot reach {self.root}: {parent} is closed to it "
+                    f"(mode {oct(st.st_mode & 0o777)}); put the cluster in a directory others may traverse"
+                )
         for d in (self.data, self.run):
             d.mkdir(mode=0o700, exist_ok=True)
             os.chown(d, uid, gid)

@@ -1,0 +1,307 @@
+"""`dsec cluster up`: a whole cluster on this machine, each edge a host of its own (what `kind`
+is to Kubernetes), for users trying the cluster and for tests.
+
+    host network namespace                         one namespace per edge ("a host")
+    ---------------------------------------------  --------------------------------------
+    PostgreSQL (127.0.0.1:P, postgres user)         dsec edge (nsenter --net only: the
+    apiserver x N  (bridge address :Pi)  <-------->   host's mounts and cgroups, its own
+    bridge dsecc<id> 10.231.K.1/24  --- veth --->     network: eth0 10.231.K.(10+j)/24,
+                                                      its own data dir and layer store)
+
+Every process is started here, in a session of its own, logging into <dir>/logs; their pids
+(of the processes themselves, so a test can kill one), the namespaces, the bridge, the
+addresses and the admin token are written to <dir>/cluster.json, which `dsec cluster down`
+reads to remove everything `up` made (processes by pid, after checking they are still ours).
+An edge's layer store starts as a hard-link copy of this host's (a node provisioned with its
+images); each edge keeps its own from then on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from dsec.cluster.postgres import PostgresServer
+from dsec.errors import Conflict, InvalidRequest, Unavailable
+
+EDGE_PORT = 8421
+STATE = "cluster.json"
+
+
+@dataclass
+class Member:
+    name: str
+    pid: int
+    url: str = ""
+    netns: str = ""
+    address: str = ""
+    veth: str = ""
+
+
+@dataclass
+class ClusterState:
+    id: str
+    dir: str
+    bridge: str
+    subnet: str
+    database: str
+    token: str  # the admin token
+    cluster_token: str
+    postgres: dict[str, Any]
+    run_dir: str
+    registry: str | None = None
+    apiservers: list[Member] = field(default_factory=list)
+    edges: list[Member] = field(default_factory=list)
+
+    def save(self) -> None:
+        path = Path(self.dir) / STATE
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(self), f, indent=2)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, d: Path) -> ClusterState:
+        try:
+            raw = json.loads((d / STATE).read_text())
+        except (OSError, ValueError) as e:
+            raise InvalidRequest(
+                f"no cluster in {d} ({e}): start one with `dsec cluster up --dir {d}`"
+            ) from e
+        raw["apiservers"] = [Member(**m) for m in raw["apiservers"]]
+        raw["edges"] = [Member(**m) for m in raw["edges"]]
+        return cls(**raw)
+
+    def public(self) -> dict[str, Any]:
+        """What `dsec cluster up --json` prints."""
+        return {
+            "apiservers": [{"url": a.url, "pid": a.pid} for a in self.apiservers],
+            "edges": [
+                {"name": e.name, "pid": e.pid, "netns": e.netns, "address": e.address} for e in self.edges
+            ],
+            "token": self.token,
+            "database": self.database,
+            "registry": self.registry,
+        }
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
+    if check and r.returncode != 0:
+        raise Unavailable(f"ip {' '.join(args)} failed: {r.stderr.strip()}")
+    return r
+
+
+def _free_subnet() -> ipaddress.IPv4Network:
+    used = _ip("-4", "-o", "addr").stdout
+    for k in range(1, 255):
+        net = ipaddress.IPv4Network(f"10.231.{k}.0/24")
+        if f" 10.231.{k}." not in used:
+            return net
+    raise Unavailable("no free /24 in 10.231.0.0/16 for the cluster's bridge")
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as f:
+        return subprocess.Popen(
+            argv,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+
+def _ours(pid: int, needle: str) -> bool:
+    """Whether `pid` still runs a command line holding `needle` (not a reused pid)."""
+    try:
+        return needle.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def up(
+    d: Path,
+    *,
+    apiservers: int = 1,
+    edges: int = 1,
+    seed_layers: Path = Path("/var/lib/dsec/layers"),
+    env: dict[str, str] | None = None,
+    timeout: float = 180.0,
+) -> ClusterState:
+    """Start a cluster in `d` (see the module); its state, also in <d>/cluster.json."""
+    if os.geteuid() != 0:
+        raise InvalidRequest("dsec cluster up needs root (network namespaces, a bridge, cgroups)")
+    if not 1 <= apiservers <= 16 or not 1 <= edges <= 64:
+        raise InvalidRequest("a local cluster has 1-16 apiservers and 1-64 edges")
+    if (d / STATE).exists():
+        raise Conflict(f"a cluster already runs from {d}: `dsec cluster down --dir {d}` first")
+    d.mkdir(mode=0o755, parents=True, exist_ok=True)
+    (d / "logs").mkdir(exist_ok=True)
+    cid = secrets.token_hex(2)
+    subnet = _free_subnet()
+    hosts = list(subnet.hosts())
+    bridge_ip = str(hosts[0])
+    state = ClusterState(
+        id=cid, dir=str(d), bridge=f"dsecc{cid}", subnet=str(subnet), database="", token="",
+        cluster_token="dsec_" + secrets.token_urlsafe(32), postgres={}, run_dir=f"/run/dsec-c{cid}",
+    )  # fmt: skip
+    try:
+        _ip("link", "add", state.bridge, "type", "bridge")
+        _ip("addr", "add", f"{bridge_ip}/{subnet.prefixlen}", "dev", state.bridge)
+        _ip("link", "set", state.bridge, "up")
+        state.save()
+        pg = PostgresServer(d / "pg", port=_free_port("127.0.0.1"))
+        pg.start()
+        state.postgres = {"root": str(pg.root), "port": pg.port, "pid": pg.pid}
+        state.database = pg.create_database("dsec")
+        state.save()
+        base = {
+            **os.environ,
+            **(env or {}),
+            "DSEC_CLUSTER_TOKEN": state.cluster_token,
+            "DSEC_DATABASE": state.database,
+        }
+        python = [sys.executable, "-m", "dsec.cli"]
+        for i in range(apiservers):
+            port = _free_port(bridge_ip)
+            args = ["apiserver", "--host", bridge_ip, "--port", str(port), "--data-dir", str(d / f"api{i}")]
+            p = _spawn([*python, *args], base, d / "logs" / f"api{i}.log")
+            state.apiservers.append(Member(f"api{i}", p.pid, url=f"http://{bridge_ip}:{port}"))
+            state.save()
+        for j in range(edges):
+            name = f"c{cid}e{j}"
+            ns, veth, addr = f"dsec-{name}", f"dsv{cid}{j}", str(hosts[9 + j])
+            _ip("netns", "add", ns)
+            _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _ip("link", "set", veth, "master", state.bridge, "up")
+            _ip("-n", ns, "addr", "add", f"{addr}/{subnet.prefixlen}", "dev", "eth0")
+            _ip("-n", ns, "link", "set", "eth0", "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "route", "add", "default", "via", bridge_ip)
+            home = d / "edges" / name
+            home.mkdir(parents=True, exist_ok=True)
+            if seed_layers.is_dir() and not (home / "layers").exists():
+                subprocess.run(["cp", "-al", str(seed_layers), str(home / "layers")], check=True)
+            edge_env = {**base, "DSEC_EDGE_LAYERS_DIR": str(home / "layers")}
+            edge_env.pop("DSEC_DATABASE")
+            args = ["edge", *[a for api in state.apiservers for a in ("--apiserver", api.url)],
+                    "--name", name, "--host", addr, "--port", str(EDGE_PORT),
+                    "--url", f"http://{addr}:{EDGE_PORT}", "--data-dir", str(home),
+                    "--run-dir", state.run_dir, "--no-keep-sandboxes"]  # fmt: skip
+            # only the network namespace: the host's mounts and cgroups, as a node's own
+            argv = ["nsenter", f"--net=/run/netns/{ns}", "--", *python, *args]
+            p = _spawn(argv, edge_env, d / "logs" / f"{name}.log")
+            state.edges.append(
+                Member(name, p.pid, url=f"http://{addr}:{EDGE_PORT}", netns=ns, address=addr, veth=veth)
+            )
+            state.save()
+        _wait_healthy(state, edges, timeout)
+        admin = None
+        deadline = time.monotonic() + 30
+        while admin is None and time.monotonic() < deadline:
+            for i in range(apiservers):
+                f = d / f"api{i}" / "admin-token"
+                if f.exists():
+                    admin = f.read_text().strip()
+            time.sleep(0.05)
+        if admin is None:
+            raise Unavailable("no apiserver issued the admin token (see the logs in " + str(d / "logs") + ")")
+        state.token = admin
+        state.save()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            down(d, purge=False)
+        raise
+    return state
+
+
+def _wait_healthy(state: ClusterState, edges: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for api in state.apiservers:
+        while True:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                r = httpx.get(api.url + "/v1/health", timeout=2)
+                if r.status_code == 200 and r.json().get("edges", 0) >= edges:
+                    break
+            if time.monotonic() > deadline:
+                raise Unavailable(
+                    f"{api.url} did not see {edges} healthy edges within {timeout:.0f} s "
+                    f"(logs: {state.dir}/logs)"
+                )
+            for m in [*state.apiservers, *state.edges]:
+                if not Path(f"/proc/{m.pid}").exists():
+                    raise Unavailable(f"{m.name} exited at start: see {state.dir}/logs/{m.name}.log")
+            time.sleep(0.1)
+
+
+def _stop(members: list[Member], needle: str, timeout: float = 60.0) -> None:
+    """SIGTERM each member that is still ours, then SIGKILL what lingers; reap our children."""
+    live = [m for m in members if _ours(m.pid, needle)]
+    for m in live:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(m.pid, signal.SIGCONT)  # (a stopped process cannot act on SIGTERM)
+            os.kill(m.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for m in live:
+        while _ours(m.pid, needle) and time.monotonic() < deadline:
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(m.pid, os.WNOHANG)[0] == m.pid:
+                    break
+            time.sleep(0.05)
+        if _ours(m.pid, needle):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(m.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(m.pid, 0)
+
+
+def down(d: Path, *, purge: bool = False) -> None:
+    """Remove everything `up` made in `d`: edges (they stop their sandboxes), apiservers,
+    PostgreSQL, the namespaces, the bridge, the run directory; with `purge`, `d` too."""
+    state = ClusterState.load(d)
+    _stop(state.edges, "edge")
+    _stop(state.apiservers, "apiserver")
+    if state.postgres:
+        pg = PostgresServer(Path(state.postgres["root"]), port=int(state.postgres["port"]))
+        with contextlib.suppress(Exception):
+            pg_ctl = [str(pg.bin / "pg_ctl"), "-D", str(pg.data), "stop", "-m", "fast"]
+            runuser = ["runuser", "-u", "postgres", "--"]
+            subprocess.run([*runuser, *pg_ctl], capture_output=True, check=False, timeout=60)
+    for e in state.edges:
+        _ip("netns", "del", e.netns, check=False)
+        _ip("link", "del", e.veth, check=False)
+    _ip("link", "del", state.bridge, check=False)
+    run = Path(state.run_dir)
+    if run.exists():
+        from dsec.isolation.procs import mounts_under, unmount_all
+
+        for m in sorted(mounts_under(run), key=len, reverse=True):
+            unmount_all(Path(m))
+        shutil.rmtree(run, ignore_errors=True)
+    (d / STATE).unlink(missing_ok=True)
+    if purge:
+        shutil.rmtree(d, ignore_errors=True)
