@@ -15,6 +15,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn
 from rich.table import Table
 
 from dsec import errors
+from dsec.cli.plan_cmd import plan_command
 
 app = typer.Typer(help="dsec: elastic sandboxes for agentic RL.", no_args_is_help=True, add_completion=False)
 image_app = typer.Typer(
@@ -447,6 +448,9 @@ def status(as_json: JsonOut = False) -> None:
             ", ".join(ed.images),
         )
     console.print(t)
+
+
+app.command("plan")(plan_command)
 
 
 def main() -> None:  # pragma: no cover - console entry point

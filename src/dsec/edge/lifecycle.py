@@ -358,13 +358,15 @@ class EdgeLifecycle(EdgePart):
         return sb
 
     def get(self, sandbox_id: str) -> SandboxInfo:
-        """The sandbox with its misbehaviour telemetry (a failed one: its state and reason)."""
+        """The sandbox with its misbehaviour telemetry and resource use (a failed one: its state
+        and reason)."""
         failed = self._failed.get(sandbox_id)
         if failed is not None and sandbox_id not in self.sandboxes:
             return failed.info(self.name)  # its state: FAILED (_watch_exit)
         sb = self._lookup(sandbox_id)
         info = sb.info(self.name)
         info.telemetry = self.telemetry(sb)
+        info.usage = self.cgroups.usage(sb.id)
         return info
 
     async def sandbox_status(self, sandbox_id: str) -> SandboxInfo:

@@ -143,6 +143,31 @@ class CgroupHost:
         except (OSError, ValueError):
             return None
 
+    def usage(self, sandbox_id: str) -> dict[str, int]:
+        """What the sandbox uses now, read-only from its cgroup: memory_bytes (charged memory,
+        page cache included), memory_peak_bytes (the most it held since it started; v2 needs
+        memory.peak, kernel >= 5.19) and cpu_usec (CPU time of all its processes). A value the
+        host does not count is left out."""
+        out: dict[str, int] = {}
+        current = self.memory_bytes(sandbox_id)
+        if current is not None:
+            out["memory_bytes"] = current
+        if self.version == 2:
+            base = self.root / PARENT / sandbox_id
+            peak = _read_int(base / "memory.peak")
+            cpu_usec = keyed_value(base / "cpu.stat", "usage_usec") if (base / "cpu.stat").exists() else None
+        else:
+            mem = self.v1_mounts.get("memory", self.root / "memory") / PARENT / sandbox_id
+            peak = _read_int(mem / "memory.max_usage_in_bytes")
+            acct = self.v1_mounts.get("cpuacct", self.root / "cpuacct") / PARENT / sandbox_id
+            ns = _read_int(acct / "cpuacct.usage")
+            cpu_usec = None if ns is None else ns // 1000
+        if peak is not None:
+            out["memory_peak_bytes"] = peak
+        if cpu_usec is not None:
+            out["cpu_usec"] = cpu_usec
+        return out
+
     def remove_sandbox(self, sandbox_id: str) -> None:
         """Kill what is left and remove every cgroup of the sandbox (leaf first)."""
         for d in self.sandbox_dirs(sandbox_id):
@@ -315,6 +340,14 @@ def kill_group(d: Path, version: int, deadline_s: float = 5.0) -> None:
             return
         sigkill_each(pids)
         time.sleep(0.001)
+
+
+def _read_int(f: Path) -> int | None:
+    """A one-number cgroup file; None if it is absent or not a number."""
+    try:
+        return int(f.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def keyed_value(f: Path | str, key: str) -> int:

@@ -121,6 +121,12 @@ class SandboxInfo(_Model):
         description="misbehaviour counters (GET only): oom_kills, pids_limit_hits, timeouts, "
         "output_truncated, disk_full, disk_used_bytes, disk_used_inodes, denied_connections",
     )
+    usage: dict[str, int] = Field(
+        default_factory=dict,
+        description="resource use now, read from the sandbox's cgroup (GET only): memory_bytes, "
+        "memory_peak_bytes (the most since it started), cpu_usec (CPU time); what the host does "
+        "not count is left out",
+    )
     fork_layer: ForkLayer | None = Field(None, description="the layer a fork made (fork response only)")
 
 
