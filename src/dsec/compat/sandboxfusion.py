@@ -148,8 +148,9 @@ class _Compat:
             )  # fmt: skip
         try:
             return JSONResponse(run_code_response(await self.run(req)))
-        except errors.InvalidRequest as e:
-            # An unsupported language: the request is wrong, not the platform.
+        except (errors.InvalidRequest, errors.Forbidden) as e:
+            # An unsupported language, or a project whose tier policy excludes the fncall
+            # workers' backend: the request is wrong, not the platform.
             return JSONResponse(e.to_wire(), status_code=e.status)
         except errors.DsecError as e:
             log.warning("run_code failed on the platform side: %s", e)
@@ -165,6 +166,8 @@ class _Compat:
             )  # fmt: skip
         try:
             return JSONResponse(jupyter_response(await self.jupyter(req)))
+        except errors.Forbidden as e:  # the project's tier policy excludes the workers' backend
+            return JSONResponse(e.to_wire(), status_code=e.status)
         except errors.DsecError as e:
             return JSONResponse({**sandbox_error(e.message), "driver": None, "cells": []})
 

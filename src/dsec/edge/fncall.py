@@ -41,8 +41,10 @@ from dsec import errors
 from dsec.backends.base import SandboxHandle
 from dsec.backends.shim import Launch
 from dsec.edge.process import PipeReader, Spawned, spawn
+from dsec.fncall.tier import container_only
 from dsec.isolation.cgroups import CgroupHost, ExecGroup
 from dsec.models import (
+    WORKER_BACKEND,
     FnCallRequest,
     FnCallResult,
     JupyterRequest,
@@ -411,7 +413,13 @@ class FnCallPool:
 
     async def _new_worker(self, image: str) -> Worker:
         spec = SandboxSpec(
-            image=image, cpu=2, memory_mb=2048, pids=2048, disk_mb=2048, project=FNCALL_PROJECT
+            image=image,
+            cpu=2,
+            memory_mb=2048,
+            pids=2048,
+            disk_mb=2048,
+            project=FNCALL_PROJECT,
+            backend=WORKER_BACKEND,  # the default, stated: the pool relies on host cgroups per call
         )
         info = await self.host.create(spec)
         try:
@@ -529,7 +537,8 @@ class FnCallPool:
         raise errors.Unavailable(f"fncall workers for {image!r} keep failing; see the edge log")
 
     async def run(self, req: FnCallRequest) -> FnCallResult:
-        payload = req.model_dump(exclude={"image", "project"})
+        container_only(req.backend)  # the apiserver refused it already; a worker is a container
+        payload = req.model_dump(exclude={"image", "project", "backend"})
         payload["op"] = "run"
         try:
             reply, worker = await self._call(
@@ -543,7 +552,8 @@ class FnCallPool:
         )
 
     async def jupyter(self, req: JupyterRequest) -> JupyterResult:
-        payload = req.model_dump(exclude={"image", "project"})
+        container_only(req.backend)  # the apiserver refused it already; a worker is a container
+        payload = req.model_dump(exclude={"image", "project", "backend"})
         payload["op"] = "jupyter"
         try:
             reply, worker = await self._call(req.image, req.project or "", payload, req.total_timeout + 10)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dsec.models.fncall import (
     PROJECT_DOC,
+    WORKER_BACKEND,
     Cell,
     FnCallRequest,
     FnCallResult,
@@ -87,6 +88,7 @@ __all__ = [
     "MAX_RULES",
     "POOL_PROJECT",
     "PROJECT_DOC",
+    "WORKER_BACKEND",
     "BackendInfo",
     "BatchCreate",
     "BatchStop",

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
+from dsec.models.requests import BackendName
 from dsec.models.sandbox import MiB
 
 
@@ -35,6 +36,18 @@ PROJECT_DOC = (
     "apiserver sets it from the caller's token: one of its projects, the first when not given"
 )
 
+WORKER_BACKEND = "container"  # fncall workers are container sandboxes (the pool uses per-call host cgroups)
+BACKEND_DOC = (
+    "the isolation tier of the call: fncall workers are container sandboxes, so only 'container' "
+    "(the project's allowed_backends must include it); for gvisor or microvm create a sandbox with "
+    "that backend and exec in it"
+)
+
+
+def _backend_field() -> Any:
+    # Left out of what is sent when it is the default: older edges keep reading the requests.
+    return Field(WORKER_BACKEND, exclude_if=lambda v: v == WORKER_BACKEND, description=BACKEND_DOC)
+
 
 class Stage(BaseModel):
     status: Literal["Finished", "Error", "TimeLimitExceeded"]
@@ -59,6 +72,7 @@ class FnCallRequest(BaseModel):
     memory_limit_mb: int = Field(-1, ge=-1, le=65536)
     max_output: int = Field(1 * MiB, ge=0, le=64 * MiB)
     image: str = "code"
+    backend: BackendName = _backend_field()
     project: str | None = Field(None, max_length=256, description=PROJECT_DOC)
 
 
@@ -77,6 +91,7 @@ class JupyterRequest(BaseModel):
     files: dict[str, str | None] = Field(default_factory=dict)
     fetch_files: list[str] = Field(default_factory=list)
     image: str = "code"
+    backend: BackendName = _backend_field()
     project: str | None = Field(None, max_length=256, description=PROJECT_DOC)
 
     _files_are_base64 = field_validator("files")(_base64_files)

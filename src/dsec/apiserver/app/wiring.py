@@ -46,7 +46,8 @@ from dsec.apiserver.tenancy import (
 from dsec.compat.sandboxfusion import sandboxfusion_router
 from dsec.compat.swerex import swerex_router
 from dsec.edgeapi import EdgeAPI
-from dsec.fncall.tenancy import caller_project
+from dsec.fncall.tenancy import caller_project, check_tier
+from dsec.fncall.tier import container_only
 from dsec.http.routes import (
     Express,
     Gate,
@@ -171,21 +172,30 @@ def _install_fncall_routes(
 ) -> None:
     """Stateless code runs: the native API and the SandboxFusion-compatible endpoints."""
 
-    async def on_some_edge(image: str, call: Callable[[EdgeAPI], Awaitable[Any]]) -> Any:
+    async def on_some_edge(
+        req: FnCallRequest | JupyterRequest, call: Callable[[EdgeAPI], Awaitable[Any]]
+    ) -> Any:
+        # Every entry (native, SandboxFusion) comes here with the caller's project set.
+        if req.project is None:
+            raise errors.InternalError("a stateless call lost its caller's project")
+        check_tier(st.iam, req.project, req.backend)  # the project's tier policy (admins too)
+        # An unknown backend gets a create's answer; a known one other than the workers' is refused.
+        views = await _candidates(st, SandboxSpec(image=req.image, backend=req.backend))
+        container_only(req.backend)
         last: errors.DsecError | None = None
-        for view in await _candidates(st, SandboxSpec(image=image)):
+        for view in views:
             try:
                 return await call(view.api)
             except (errors.CapacityExhausted, errors.Unavailable) as e:
                 last = e
-        raise errors.Unavailable(f"no edge could run the call on image {image!r}; retry later") from last
+        raise errors.Unavailable(f"no edge could run the call on image {req.image!r}; retry later") from last
 
     async def run(req: FnCallRequest) -> FnCallResult:
-        result: FnCallResult = await on_some_edge(req.image, lambda e: e.fncall_run(req))
+        result: FnCallResult = await on_some_edge(req, lambda e: e.fncall_run(req))
         return result
 
     async def jupyter(req: JupyterRequest) -> JupyterResult:
-        result: JupyterResult = await on_some_edge(req.image, lambda e: e.fncall_jupyter(req))
+        result: JupyterResult = await on_some_edge(req, lambda e: e.fncall_jupyter(req))
         return result
 
     # Workers are per project: the project is always the caller's (never a client's word).
