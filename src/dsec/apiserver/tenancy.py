@@ -71,6 +71,9 @@ class ApiServerSettings(BaseSettings):
         return None
 
 
+EDGE_PATHS = frozenset({"/v1/edges/register", "/v1/edges/trajectories"})
+
+
 def make_guard(iam: IAM, cluster_token: str, *, compat_auth: bool, metrics_token: str | None) -> Guard:
     """Authentication (and admin-only refusals) of every route that needs a token, from the
     request line and headers alone. The principal goes to `scope["state"]["principal"]`."""
@@ -101,10 +104,10 @@ class _Guard:
     def native(self, scope: dict[str, Any], path: str) -> None:
         if path in OPEN_PATHS:
             return
-        if path == "/v1/edges/register":
+        if path in EDGE_PATHS:  # edges registering and shipping their trajectory logs
             given = bearer(scope) or ""
             if not secrets.compare_digest(given.encode(), self.cluster_token.encode()):
-                raise errors.AuthError("edge registration needs the cluster token")
+                raise errors.AuthError(f"{path} is for edges: it needs the cluster token")
             return
         p = self.iam.authenticate(bearer(scope))
         _state(scope)["principal"] = p

@@ -307,6 +307,48 @@ class ExecOptions(StreamOptions, total=False):
     trusted: bool  # the image's own toolchain, a platform uid, a clean environment
 
 
+@dataclass(frozen=True, slots=True)
+class ReplayStep:
+    """One logged operation to run again (`Sandbox.replay`): an exec or an edit, with its
+    step tag when it had one."""
+
+    seq: int
+    op: str  # "exec" | "edit"
+    args: dict[str, Any]
+
+
+def replay_plan(
+    trajectory: wire.Trajectory | Mapping[str, Any],
+) -> tuple[list[ReplayStep], list[tuple[int, str]]]:
+    """What of a logged trajectory (another sandbox's, its edge lost, say) can run again in
+    order to rebuild its files and processes' effects: execs and edits, with their step
+    tags (so a rollout that goes on with the same tags finds them done). What cannot, and
+    why: writes (the log keeps a digest, not the content), session runs, gaps."""
+    entries = trajectory["entries"]
+    steps: list[ReplayStep] = []
+    skipped: list[tuple[int, str]] = []
+    for e in entries:
+        seq, kind, action = e["seq"], e["kind"], e["action"]
+        tag = (e["trajectory"], e["step"]) if e["trajectory"] is not None and e["step"] is not None else None
+        op = action.get("op")
+        if kind == "gap":
+            skipped.append((seq, "lost before it was logged durably"))
+        elif op == "exec":
+            args = {k: action[k] for k in ("stdin", "env", "cwd", "user") if action.get(k) is not None}
+            steps.append(ReplayStep(seq, "exec", {"cmd": action["cmd"], "step": tag, **args}))
+        elif op == "edit":
+            args = {"path": action["path"], "old": action["old"], "new": action["new"], "step": tag}
+            steps.append(ReplayStep(seq, "edit", args))
+        else:
+            reason = (
+                "the log keeps its digest, not its content"
+                if op == "write"
+                else f"{op or kind} is not replayed"
+            )
+            skipped.append((seq, reason))
+    return steps, skipped
+
+
 def exec_request(
     cmd: str | list[str], opts: Mapping[str, Any], allowed: type, *, timeout: float = 60
 ) -> wire.ExecRequest:

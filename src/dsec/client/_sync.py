@@ -400,6 +400,22 @@ class Sandbox(_base.EndsOnExit):
         """The trajectory as JSON Lines or Parquet bytes."""
         return self._client._call(_base.trajectory_export(self.id, format))
 
+    def replay(self, trajectory: Trajectory) -> dict[str, Any]:
+        """Run another sandbox's logged execs and edits here, in order, with their step tags
+        (to rebuild a sandbox whose edge was lost from its shipped log). Stops at the first
+        that fails. Returns {"replayed": n, "skipped": [(seq, why), ...]}."""
+        steps, skipped = _base.replay_plan(trajectory)
+        for s in steps:
+            if s.op == "exec":
+                r = self.exec(**s.args)
+                if r.exit_code != 0:
+                    raise errors.InvalidRequest(
+                        f"replaying seq {s.seq} ({s.args['cmd']!r}) exited {r.exit_code}: {r.stderr[-500:]}"
+                    )
+            else:
+                self.files.edit(**s.args)
+        return {"replayed": len(steps), "skipped": skipped}
+
     def refresh(self) -> SandboxInfo:
         self.info = self._client._call(_base.get(self.id))
         return self.info

@@ -27,6 +27,7 @@ from dsec import __version__, errors
 from dsec.config import EdgeSettings
 from dsec.edge.edge import Edge
 from dsec.edge.local import LocalEdge
+from dsec.edge.shipper import TrajectoryShipper
 from dsec.http.routes import (
     Express,
     Gate,
@@ -94,13 +95,17 @@ def create_edge_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await edge.start()
-        task = asyncio.create_task(register_loop())
+        tasks = [asyncio.create_task(register_loop())]
+        if apiservers:  # the trajectory log survives this edge (dsec.edge.shipper)
+            shipper = TrajectoryShipper(edge.trajlog, edge.name, apiservers, token)
+            tasks.append(asyncio.create_task(shipper.run()))
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await edge.close(stop_sandboxes=not keep_sandboxes)
 
     app = FastAPI(title="dsec edge", version=__version__, lifespan=lifespan)

@@ -237,6 +237,11 @@ class Admission:
     def is_lost(self, sandbox_id: str) -> bool:
         return bool(self._read("SELECT 1 FROM lost_sandboxes WHERE id = ?", (sandbox_id,)))
 
+    def lost_project(self, sandbox_id: str) -> str | None:
+        """The project of a sandbox given up (None: it was not)."""
+        rows = self._read("SELECT project FROM lost_sandboxes WHERE id = ?", (sandbox_id,))
+        return str(rows[0][0]) if rows else None
+
     def lost_on(self, edge: str) -> set[str]:
         """The sandboxes of `edge` given up (to stop there when it answers again)."""
         return {r[0] for r in self._read("SELECT id FROM lost_sandboxes WHERE edge = ?", (edge,))}

@@ -25,7 +25,8 @@ _MILLI = 1000
 # 4: projects.allowed_backends (a JSON list; NULL: whatever the parent allows)
 # 5: lost_sandboxes (sandboxes of an edge that stopped answering, given up)
 # 6: idempotency (creates by idempotency key)
-_SCHEMA_VERSION = 6
+# 7: trajectory_entries, trajectory_shipped (trajectory logs shipped by edges)
+_SCHEMA_VERSION = 7
 _REVOKED = "revoked:"  # prefix of a revoked principal's token_hash: no SHA-256 hex matches it
 
 _SCHEMA = (
@@ -92,6 +93,31 @@ _SCHEMA = (
         result TEXT,
         created_at REAL NOT NULL,
         PRIMARY KEY (principal, key)
+    )""",
+    """CREATE TABLE IF NOT EXISTS trajectory_entries (
+        sandbox_id TEXT NOT NULL,
+        seq INTEGER NOT NULL,
+        seq_end INTEGER NOT NULL,
+        kind TEXT NOT NULL,
+        action TEXT NOT NULL,
+        observation TEXT,
+        timings TEXT NOT NULL,
+        trajectory TEXT,
+        step INTEGER,
+        action_hash TEXT,
+        recorded_at REAL NOT NULL,
+        scope TEXT,
+        PRIMARY KEY (sandbox_id, seq)
+    )""",
+    """CREATE TABLE IF NOT EXISTS trajectory_shipped (
+        sandbox_id TEXT PRIMARY KEY,
+        edge TEXT NOT NULL,
+        scope TEXT,
+        shipped_seq INTEGER NOT NULL,
+        acknowledged INTEGER NOT NULL,
+        recorded INTEGER NOT NULL,
+        lost INTEGER NOT NULL,
+        updated_at REAL NOT NULL
     )""",
 )
 

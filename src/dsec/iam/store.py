@@ -72,12 +72,13 @@ from dsec.iam.schema import (
     _quota_of,
     _tighten,
 )
+from dsec.iam.trajectories import ShippedTrajectories
 from dsec.models.iam import Principal, Project, Quota, Usage
 
 __all__ = ["IAM", "Principal", "Project", "Quota", "Usage"]
 
 
-class IAM(Admission):
+class IAM(Admission, ShippedTrajectories):
     """Projects, principals, tokens and quota admission stored in one SQLite database."""
 
     def __init__(

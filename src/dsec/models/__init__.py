@@ -78,6 +78,8 @@ from dsec.models.sandbox import (
 )
 from dsec.models.trajectory import (
     Entry,
+    Shipped,
+    ShippedBatch,
     Trajectory,
     TrajectoryStats,
 )
@@ -137,6 +139,8 @@ __all__ = [
     "SessionKind",
     "SessionResult",
     "SessionRun",
+    "Shipped",
+    "ShippedBatch",
     "ShortStr",
     "SnapshotInfo",
     "SnapshotRequest",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class _ItemAccess:
@@ -45,8 +45,31 @@ class TrajectoryStats(_ItemAccess, BaseModel):
     pending: int  # handed out, not yet durable
 
 
+class Shipped(_ItemAccess, BaseModel):
+    """A log read from the control plane (its edge was lost): how far it goes."""
+
+    edge: str
+    shipped_seq: int  # every entry up to here is in `entries` (or in a gap entry)
+    last_known_seq: int  # the edge had handed out up to here when it last shipped
+    shipped_at: float
+    note: str
+
+
 class Trajectory(_ItemAccess, BaseModel):
     """A sandbox's logged operations in seq order, gaps included, and its counts."""
 
     entries: list[Entry]
     stats: TrajectoryStats
+    # "edge": its edge answered; "control-plane": the edge was lost and this is what it
+    # shipped before (`shipped` says how far that goes and what may be missing)
+    source: str = "edge"
+    shipped: Shipped | None = None
+
+
+class ShippedBatch(BaseModel):
+    """Entries an edge ships to the control plane (dsec.edge.shipper): rows as its log
+    stores them, and each sandbox's counts as of the batch."""
+
+    edge: str = Field(pattern=r"^[a-z0-9]{1,12}$")
+    rows: list[list[Any]] = Field(max_length=5000)
+    stats: dict[str, dict[str, int]] = Field(default_factory=dict, max_length=5000)

@@ -83,6 +83,10 @@ CREATE TABLE IF NOT EXISTS entries (
     scope TEXT,                     -- whose step tag: the sandbox's project (NULL: logged before scopes)
     PRIMARY KEY (sandbox_id, seq)
 );
+CREATE TABLE IF NOT EXISTS shipped (
+    target TEXT PRIMARY KEY,                 -- where entries are shipped to (the control plane)
+    last_rowid INTEGER NOT NULL              -- every durable entry up to this rowid is there
+);
 CREATE TABLE IF NOT EXISTS sandboxes (
     sandbox_id TEXT PRIMARY KEY,
     reserved_hw INTEGER NOT NULL DEFAULT 0,  -- seqs up to here may have been handed out
@@ -500,6 +504,29 @@ class TrajectoryLog:
         return export_parquet(self, sandbox_id, path)
 
     # ----------------------------------------------------------------- internals: loop side
+
+    # --- shipping to the control plane (dsec.edge.shipper) ---------------------------------
+
+    def rows_after(self, rowid: int, limit: int = 2000) -> list[tuple[int, Row]]:
+        """Durable entries written after `rowid` (in write order), with their rowids."""
+        with self._rlock:
+            sql = f"SELECT rowid, {_COLUMNS} FROM entries WHERE rowid > ? ORDER BY rowid LIMIT ?"
+            cur = self._reader().execute(sql, (rowid, limit))
+            return [(r[0], tuple(r[1:])) for r in cur.fetchall()]  # type: ignore[misc]
+
+    def shipped_through(self, target: str) -> int:
+        with self._rlock:
+            sql = "SELECT last_rowid FROM shipped WHERE target = ?"
+            row = self._reader().execute(sql, (target,)).fetchone()
+        return int(row[0]) if row else 0
+
+    def mark_shipped(self, target: str, rowid: int) -> None:
+        with self._rlock:
+            self._reader().execute(
+                "INSERT INTO shipped (target, last_rowid) VALUES (?, ?)"
+                " ON CONFLICT (target) DO UPDATE SET last_rowid = excluded.last_rowid",
+                (target, rowid),
+            )
 
     def _check_open(self) -> None:
         if not self._open:

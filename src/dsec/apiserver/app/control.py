@@ -146,6 +146,7 @@ async def _reconcile_quota(
             st.iam.release_orphaned()
             st.iam.forget_lost(lost_memory_s)
             st.iam.forget_idempotency(lost_memory_s)
+            st.iam.forget_trajectories(lost_memory_s)
         except Exception:
             log.exception("releasing the reservations of dead apiservers failed; retrying")
         await asyncio.sleep(interval_s)

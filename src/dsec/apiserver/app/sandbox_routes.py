@@ -33,8 +33,10 @@ from dsec.models import (
     RestoreRequest,
     SandboxInfo,
     SandboxSpec,
+    ShippedBatch,
     SnapshotInfo,
     SnapshotRequest,
+    Trajectory,
 )
 
 log = logging.getLogger("dsec.apiserver")
@@ -432,3 +434,62 @@ def _install_sandbox_stop_routes(
             if r is not None
         }
         return {"stopped": stopped, "errors": failed}
+
+
+def _install_trajectory_routes(app: FastAPI, st: ApiServerState, principal: _PrincipalFn) -> None:
+    """A sandbox's trajectory log outlives its edge: edges ship it here (dsec.edge.shipper),
+    and once the edge is lost the log is answered from what was shipped. Installed before
+    the shared sandbox router, whose trajectory route it stands in for."""
+    iam, directory = st.iam, st.directory
+
+    @app.post("/v1/edges/trajectories")
+    async def ship(body: ShippedBatch) -> dict[str, Any]:
+        # the gate checked the cluster token; an edge ships its own sandboxes' logs only
+        for row in body.rows:
+            if len(row) != 12 or not isinstance(row[0], str) or edge_of(row[0]) != body.edge:
+                raise errors.InvalidRequest(
+                    f"edge {body.edge} shipped a row that is not one of its sandboxes' log entries"
+                )
+        new = iam.store_trajectories(body.edge, body.rows, body.stats)
+        return {"stored": new}
+
+    @app.get("/v1/sandboxes/{sid}/trajectory", response_model=Trajectory)
+    async def trajectory(
+        sid: str,
+        request: Request,
+        after_seq: int = Query(0, ge=0, le=2**63 - 1),
+        limit: int | None = Query(None, ge=1, le=1_000_000),
+    ) -> Any:
+        scope = iam.visible_projects(principal(request))
+        try:
+            return await directory.edge_for(sid).trajectory(sid, after_seq, limit, scope)
+        except (errors.SandboxLost, errors.SandboxNotFound):
+            project = iam.lost_project(sid)
+            got = None if project is None else iam.shipped_trajectory(sid, after_seq=after_seq, limit=limit)
+            if got is None or (scope is not None and project not in scope):
+                raise
+        entries, info = got
+        last = max(int(info["acknowledged"]), int(info["shipped_seq"]))
+        missing = last - int(info["shipped_seq"])
+        return {
+            "entries": entries,
+            "stats": {
+                "acknowledged": last,
+                "recorded": info["recorded"],
+                "lost": int(info["lost"]) + missing,
+                "pending": 0,
+            },
+            "source": "control-plane",
+            "shipped": {
+                "edge": info["edge"],
+                "shipped_seq": info["shipped_seq"],
+                "last_known_seq": last,
+                "shipped_at": info["shipped_at"],
+                "note": (
+                    f"edge {info['edge']} was lost: this is its log as shipped up to seq "
+                    f"{info['shipped_seq']}; "
+                    f"{missing} later operation(s) it had acknowledged are missing, and any after its "
+                    "last shipment (about a second of work) may be"
+                ),
+            },
+        }

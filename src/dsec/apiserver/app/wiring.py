@@ -33,6 +33,7 @@ from dsec.apiserver.app.sandbox_routes import (
     _install_sandbox_stop_routes,
     _install_snapshot_route,
     _install_state_routes,
+    _install_trajectory_routes,
 )
 from dsec.apiserver.app.state import ApiServerState, EventBus, Metrics, _PrincipalFn
 from dsec.apiserver.edges import HttpEdge
@@ -145,6 +146,7 @@ def create_api_app(
 
     app.state.resolve = resolve
     _install_snapshot_route(app, st, principal)  # before the shared router: snapshot/checkpoint quotas
+    _install_trajectory_routes(app, st, principal)  # ...and a lost edge's shipped trajectory logs
 
     app.include_router(sandbox_router(st.metrics.observe_exec, express))
     app.include_router(swerex_router())
