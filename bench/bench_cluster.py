@@ -67,8 +67,8 @@ def main(n: int, burst_n: int, apiservers: int, edges: int) -> None:
     d = root / "cluster"
     env = {**os.environ, "DSEC_EDGE_FNCALL_IMAGE": "", "DSEC_EDGE_MAX_SANDBOXES": str(max(400, burst_n))}
     up = subprocess.run(
-        [sys.executable, "-m", "dsec.cli", "cluster", "up", "--apiservers", str(apiservers), "--edges", str(edges),
-         "--dir", str(d), "--json"],
+        [sys.executable, "-m", "dsec.cli", "cluster", "up", "--apiservers", str(apiservers),
+         "--edges", str(edges), "--dir", str(d), "--json"],
         capture_output=True, text=True, env=env, check=True,
     )  # fmt: skip
     state = json.loads(up.stdout)
@@ -96,7 +96,8 @@ def main(n: int, burst_n: int, apiservers: int, edges: int) -> None:
     )
     print()
     print(
-        f"- burst of {burst_n} concurrent creates over {apiservers} apiservers: {len(made)} made, {failed} failed, "
+        f"- burst of {burst_n} concurrent creates over {apiservers} apiservers: {len(made)} made, "
+        f"{failed} failed, "
         f"{took:.1f} s ({len(made) / took:.0f} creates/s); per edge: {dict(sorted(spread.items()))}"
     )
 
