@@ -1,22 +1,28 @@
 """`dsec edge`: the node agent's HTTP API, spoken only to apiservers (cluster token).
 
 It registers itself with every apiserver it is given and keeps re-registering
-(a heartbeat), so a restarted apiserver learns its edges again within seconds.
+(a heartbeat), so a restarted apiserver learns its edges again within seconds. An http://
+name that resolves to several addresses (a Kubernetes headless Service) is resolved at each
+heartbeat and every address gets the registration, so apiservers added behind the name
+learn the edge too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import os
 import secrets
+import socket
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 from fastapi import FastAPI, Query, Request, Response
@@ -81,7 +87,8 @@ def create_edge_app(
     async def register_loop() -> None:
         async with httpx.AsyncClient(timeout=5.0) as http:
             while True:
-                for url in apiservers:
+                targets = [t for url in apiservers for t in await registration_urls(url)]
+                for url in targets:
                     try:
                         await http.post(
                             url.rstrip("/") + "/v1/edges/register",
@@ -125,6 +132,42 @@ def create_edge_app(
     _install_checkpoint_routes(app, local)
     _install_transfer_routes(app, edge)
     return app
+
+
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+
+async def _resolve(host: str, port: int) -> list[str]:
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return [str(info[4][0]) for info in infos]
+
+
+async def registration_urls(url: str, resolve: Resolver = _resolve) -> list[str]:
+    """Where the registrations for one `--apiserver` URL go. An http:// host name with several
+    addresses (a Kubernetes headless Service: one per apiserver pod) is every one of them, so
+    each apiserver behind the name learns this edge; anything else (one address, an IP, https,
+    a name that does not resolve now) is the URL itself."""
+    parts = urlsplit(url)
+    host = parts.hostname
+    if parts.scheme != "http" or not host:
+        return [url]
+    try:
+        ipaddress.ip_address(host)
+        return [url]
+    except ValueError:
+        pass
+    port = parts.port or 80
+    try:
+        addresses = list(dict.fromkeys(await resolve(host, port)))
+    except OSError:
+        return [url]
+    if len(addresses) < 2:
+        return [url]
+    out = []
+    for a in addresses:
+        netloc = f"[{a}]:{port}" if ":" in a else f"{a}:{port}"
+        out.append(urlunsplit((parts.scheme, netloc, parts.path, "", "")))
+    return out
 
 
 def _install_gate(app: FastAPI, token: str, express: Express) -> None:
