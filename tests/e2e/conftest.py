@@ -74,6 +74,17 @@ def start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[b
         return subprocess.Popen([*DSEC, *args], env=env, stdout=f, stderr=subprocess.STDOUT)
 
 
+def remove_run_dir(run_dir: str | Path) -> None:
+    """An edge's run directory and what is mounted under it (its tmpfs: an edge killed with
+    SIGKILL, or one that keeps its sandboxes, leaves it mounted)."""
+    from dsec.isolation.procs import mounts_under, unmount_all
+
+    run_dir = Path(run_dir)
+    for m in sorted(mounts_under(run_dir), key=len, reverse=True):
+        unmount_all(Path(m))
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def dsec_up(tmp: Path, extra_env: dict[str, str] | None = None) -> Iterator[Service]:
     """`dsec up` in `tmp` as a user runs it (with `extra_env` on top); stopped and cleaned

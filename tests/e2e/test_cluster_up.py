@@ -109,6 +109,9 @@ def test_cluster_up_runs_edges_as_hosts_and_down_removes_everything():
     netns = subprocess.run(["ip", "netns"], capture_output=True, text=True).stdout
     assert not any(e["netns"] in netns for e in state["edges"])
     assert "dsecc" not in subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
+    from dsec.cluster.local import remove_edge_leftovers
+
+    assert all(remove_edge_leftovers(e["name"]) == [] for e in state["edges"])  # e0's were killed by down
     mounts = Path("/proc/mounts").read_text()
     assert not any(e["name"] in mounts for e in state["edges"])
     with pytest.raises(httpx.HTTPError):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import signal
 import threading
 import time
@@ -18,9 +17,10 @@ import pytest
 
 from dsec import errors
 from dsec.client import Client
+from dsec.cluster.local import remove_edge_leftovers
 from dsec.service import free_port
 
-from .conftest import _env, start, wait_healthy
+from .conftest import _env, remove_run_dir, start, wait_healthy
 
 pytestmark = [pytest.mark.root, pytest.mark.e2e]
 
@@ -58,7 +58,7 @@ def test_an_edge_that_stops_answering_is_given_up_and_reconciled(tmp_path, pytho
         procs[name] = start(
             ["edge", "--apiserver", url, "--name", name, "--port", str(ports[name]),
              "--data-dir", str(tmp_path / name), "--run-dir", f"/run/dsec-e2e-{run_id}-{name}",
-             "--max-sandboxes", "10"],
+             "--max-sandboxes", "10", "--no-keep-sandboxes"],
             env, tmp_path / f"{name}.log",
         )  # fmt: skip
 
@@ -153,7 +153,8 @@ def test_an_edge_that_stops_answering_is_given_up_and_reconciled(tmp_path, pytho
                 p.kill()
                 p.wait()
         for name in ports:
-            shutil.rmtree(f"/run/dsec-e2e-{run_id}-{name}", ignore_errors=True)
+            remove_edge_leftovers(name)  # (the sandboxes of an edge killed and not restarted)
+            remove_run_dir(f"/run/dsec-e2e-{run_id}-{name}")
 
 
 def _on_edge(port: int, env: dict[str, str]) -> list[object]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from dsec import errors
 from dsec.client import AsyncClient, Client
 from dsec.service import free_port
 
-from .conftest import _env, start, wait_healthy
+from .conftest import _env, remove_run_dir, start, wait_healthy
 
 pytestmark = [pytest.mark.root, pytest.mark.e2e]
 
@@ -117,7 +116,7 @@ def test_three_apiservers_on_postgres_admit_exactly_the_quota(
             except Exception:
                 p.kill()
                 p.wait()
-        shutil.rmtree(f"/run/dsec-e2e-{run_id}-pg1", ignore_errors=True)
+        remove_run_dir(f"/run/dsec-e2e-{run_id}-pg1")
 
 
 @contextlib.contextmanager
@@ -153,7 +152,7 @@ def _cluster(tmp_path: Path, pg_url: str, n: int = 3) -> Iterator[tuple[list[str
             except Exception:
                 p.kill()
                 p.wait()
-        shutil.rmtree(f"/run/dsec-e2e-{run_id}-pf1", ignore_errors=True)
+        remove_run_dir(f"/run/dsec-e2e-{run_id}-pf1")
 
 
 def test_clients_fail_over_when_an_apiserver_dies_and_keyed_creates_make_one_sandbox(

@@ -5,7 +5,6 @@ may be missing, and the logged steps replay in a new sandbox on another edge."""
 from __future__ import annotations
 
 import secrets
-import shutil
 import time
 
 import httpx
@@ -13,9 +12,10 @@ import pytest
 
 from dsec import errors
 from dsec.client import Client
+from dsec.cluster.local import remove_edge_leftovers
 from dsec.service import free_port
 
-from .conftest import _env, start, wait_healthy
+from .conftest import _env, remove_run_dir, start, wait_healthy
 
 pytestmark = [pytest.mark.root, pytest.mark.e2e]
 
@@ -114,4 +114,5 @@ def test_a_lost_edges_trajectory_is_read_from_the_control_plane_and_replays(tmp_
                 p.kill()
                 p.wait()
         for name in ("sa", "sb"):
-            shutil.rmtree(f"/run/dsec-e2e-{run_id}-{name}", ignore_errors=True)
+            remove_edge_leftovers(name)  # (the sandboxes of an edge killed and not restarted)
+            remove_run_dir(f"/run/dsec-e2e-{run_id}-{name}")

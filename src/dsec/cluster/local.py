@@ -279,11 +279,27 @@ def _stop(members: list[Member], needle: str, timeout: float = 60.0) -> None:
             os.waitpid(m.pid, 0)
 
 
+def remove_edge_leftovers(edge: str) -> list[str]:
+    """What a dead edge left running on this host: its sandboxes' cgroups and every process
+    in them (shims, runsc, QEMU), killed and removed. The ids of the sandboxes."""
+    from dsec.isolation.cgroups import PARENT, CgroupHost
+
+    host = CgroupHost.detect()
+    ids = {p.name for h in host.hierarchies() for p in (h / PARENT).glob(f"{edge}-*") if p.is_dir()}
+    for sid in sorted(ids):
+        with contextlib.suppress(OSError):
+            host.remove_sandbox(sid)
+    return sorted(ids)
+
+
 def down(d: Path, *, purge: bool = False) -> None:
-    """Remove everything `up` made in `d`: edges (they stop their sandboxes), apiservers,
-    PostgreSQL, the namespaces, the bridge, the run directory; with `purge`, `d` too."""
+    """Remove everything `up` made in `d`: edges (they stop their sandboxes; the sandboxes of
+    an edge that died are killed here), apiservers, PostgreSQL, the namespaces, the bridge,
+    the run directory; with `purge`, `d` too."""
     state = ClusterState.load(d)
     _stop(state.edges, "edge")
+    for e in state.edges:
+        remove_edge_leftovers(e.name)
     _stop(state.apiservers, "apiserver")
     if state.postgres:
         pg = PostgresServer(Path(state.postgres["root"]), port=int(state.postgres["port"]))
