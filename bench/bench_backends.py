@@ -6,7 +6,9 @@
 Per backend: create -> first exec -> stop, exec round trip, fork x8 (where the backend
 forks), pause + resume, memory checkpoint and restore (where it has them), and host memory
 per idle sandbox (MemAvailable delta; microVMs: --idle-vm of them, each holds its guest's
-RAM); floors: `runsc do true` (a gVisor sandbox
+RAM; and the Pss of the processes in its host cgroups, steadier on a shared machine: what
+the kernel counts against each process, pages shared among n processes as 1/n each);
+floors: `runsc do true` (a gVisor sandbox
 with nothing of dsec), a bare QEMU microvm boot of the guest kernel to the agent's hello
 (under the accelerator the backend uses: TCG on hosts whose KVM does not boot a guest), and
 `unshare ... true` (namespaces only). Prints Markdown for docs/benchmarks.md: read the
@@ -30,7 +32,21 @@ from dsec.backends import qemu
 from dsec.backends.base import Capability
 from dsec.config import EdgeSettings
 from dsec.edge import Edge
+from dsec.isolation.cgroups import read_procs
 from dsec.models import ExecRequest, SandboxSpec
+
+
+def sandbox_pss(edge: Edge, sandbox_id: str) -> int:
+    """Bytes: the Pss of every process in the sandbox's host cgroups (smaps_rollup)."""
+    total = 0
+    for d in edge.cgroups.tracking_dir(sandbox_id).glob("**/"):
+        for pid in read_procs(d):
+            try:
+                text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+            except OSError:
+                continue
+            total += sum(int(line.split()[1]) * 1024 for line in text.splitlines() if line.startswith("Pss:"))
+    return total
 
 
 def mem_available() -> int:
@@ -76,10 +92,11 @@ async def measure(edge: Edge, backend: str, n: int, idle: int) -> dict[str, list
         await edge.exec(i, ExecRequest(cmd=["/bin/true"]))
     await asyncio.sleep(1)
     per = (before - mem_available()) / idle
+    pss = sum(sandbox_pss(edge, i) for i in ids) / idle
     await asyncio.gather(*(edge.stop(i) for i in ids))
     return {
         "cycle": cycle, "exec": execs, "fork8": forks, "pause": pauses, "checkpoint": ckpts,
-        "restore": restores, "idle_bytes": per, "idle": idle,
+        "restore": restores, "idle_bytes": per, "idle_pss": pss, "idle": idle,
     }  # fmt: skip
 
 
@@ -183,7 +200,8 @@ async def main(n: int, idle: int, idle_vm: int, backends: list[str]) -> None:
         per = float(res["idle_bytes"])  # type: ignore[arg-type]
         lines.append(
             f"- {b}: {per / 2**20:.1f} MiB of host memory per idle sandbox "
-            f"(MemAvailable delta over {int(res['idle'])}): {int(24 * 2**30 / max(per, 1))} fit in 24 GiB"  # type: ignore[arg-type]
+            f"(MemAvailable delta over {int(res['idle'])}): {int(24 * 2**30 / max(per, 1))} fit in 24 GiB; "  # type: ignore[arg-type]
+            f"Pss of its processes {float(res['idle_pss']) / 2**20:.1f} MiB"  # type: ignore[arg-type]
         )
     print("\n".join(lines))
 

@@ -22,7 +22,14 @@ mounted at setup), so one booted VM per shape (image and disk sizes, memory, vCP
 accelerator) is saved once per process (`Template`: its RAM and device state, sealed
 memfds) and every sandbox of that shape is restored from it, mapping its RAM copy-on-write:
 a restore instead of a boot (~0.15 s instead of ~1.5 s under TCG here), and the pages no
-clone writes are one copy in host memory.
+clone writes are one copy in host memory. A clone's QEMU is given only the kernel's header
+(qemu.kernel_header: it would hold the whole image, 13.5 MiB, for a boot that never comes)
+and runs without transparent huge pages (dsec-shim vm-launch). What an idle clone costs the
+host then (Pss, under TCG here, docs/benchmarks.md): ~60 MiB, of which TCG's translation
+cache ~27-32 MiB (filled by the restore, the setup and the first execs: tb-size is the
+cap, and a smaller one slows them), the guest pages it wrote since the restore ~9 MiB
+(more after real work: the guest's page cache and freed memory stay), QEMU's heap and
+arenas ~13 MiB, its binary and libraries the rest.
 
 Network: QEMU's namespace holds tap0 (192.168.127.1/30; the guest is .2 with its default
 route there) and forwards to eth0, which the edge's NetHost links to its gateway when a
@@ -55,6 +62,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -92,7 +100,8 @@ from dsec.native import ensure_tool
 log = logging.getLogger("dsec.backends.microvm")
 
 GUEST_KERNEL_MB = 64  # guest RAM on top of the sandbox's memory_mb: its kernel's own
-QEMU_OVERHEAD_MB = 160  # QEMU's own memory (TCG's translation cache is 32 MiB of it)
+QEMU_OVERHEAD_MB = 160  # QEMU's own memory, a ceiling: ~50 MiB private in an idle clone under TCG,
+# of which TCG's translation cache is up to 32 MiB (see the module), plus the page cache of its disks
 QEMU_PIDS = 64  # QEMU's threads
 MAX_LAYERS = 20  # virtio-mmio transports of the microvm machine, less our other devices
 GUEST_ADDR, GUEST_GW = "192.168.127.2/30", "192.168.127.1"
@@ -215,10 +224,11 @@ class MicrovmBackend(Backend):
             vmlinuz, modules = qemu.guest_kernel(root.parent)
             agent = ensure_tool("dsec-guest", root / "bin")  # host-wide: built once per source
             initrd = qemu.build_initramfs(self.cache, agent, modules)
+            header = qemu.kernel_header(self.cache, vmlinuz)
         except (qemu.QemuUnavailable, InternalError, OSError) as e:
             raise BackendUnavailable(str(e)) from e
         self.vms_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.base = qemu.GuestImage(binary, vmlinuz, initrd, ())
+        self.base = qemu.GuestImage(binary, vmlinuz, initrd, (), header)
         self.kvm, why = qemu.probe_kvm(self.base, root / "probe")
         if not self.kvm:
             log.warning("microvm: running guests under TCG emulation (slow): %s", why)
@@ -332,7 +342,7 @@ class MicrovmBackend(Backend):
                 img = await loop.run_in_executor(None, qemu.layer_image, self.cache, layer, idmap)
                 self._layer_images[layer] = img
             disks.append(img)
-        return qemu.GuestImage(self.base.qemu, self.base.vmlinuz, self.base.initrd, tuple(disks))
+        return dataclasses.replace(self.base, layers=tuple(disks))
 
     async def _blank_disk(self, plan: base.SandboxPlan, disk: Path | None) -> Path:
         """The blank disk of the plan's size (made once), and a sparse copy of it at `disk`."""

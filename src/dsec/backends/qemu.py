@@ -14,6 +14,10 @@ the image's layers as EROFS disks, and whether KVM really works here.
 * KVM: /dev/kvm can exist and still not boot a stock guest (PVM-backed here: this guest
   gives no sign of life under KVM within 20 s, Dec 2026). `vm_argv(kvm=...)` differs only
   in the accelerator; the probe that picks it belongs to the backend (not built yet).
+* A VM restored from a saved state (a template's clone) is given only the kernel's header
+  (`kernel_header`): QEMU keeps the -kernel image it read in its own memory for the VM's
+  life (fw_cfg's copy for the boot ROM, 13.5 MiB of anonymous memory per QEMU here), which
+  a guest whose RAM is restored never reads; the initramfs is mapped from its file, shared.
 * A VM: `vm_argv` (the same machine for a template and its clones), `Qmp` (save a booted
   template's state to a descriptor, restore it into a new VM), `setup_body` (the agent's
   per-sandbox setup: fresh entropy, clock, layers, limits, name).
@@ -140,6 +144,33 @@ def build_initramfs(dest: Path, agent: Path, modules_dir: Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     tmp = dest / f".{target.name}.{os.getpid()}"
     tmp.write_bytes(b"".join(parts))
+    os.replace(tmp, target)
+    return target
+
+
+def kernel_header(dest: Path, vmlinuz: Path) -> Path:
+    """The bzImage `vmlinuz` cut after its real-mode setup sectors, at `dest` (made once per
+    kernel): what a VM restored from a saved state is started with. QEMU parses the header
+    as for a boot (the same machine: the same option ROM, the same fw_cfg entries) but holds
+    a kernel of 0 bytes instead of the whole image; the restored guest never reads it (and a
+    reset ends QEMU: -no-reboot). A kernel that is not a bzImage is returned as it is."""
+    st = vmlinuz.stat()
+    target = dest / f"{vmlinuz.name}.header-{st.st_size}-{st.st_mtime_ns}"
+    if target.exists():
+        return target
+    with open(vmlinuz, "rb") as f:
+        head = f.read(0x1000)
+        if len(head) < 0x210 or head[0x202:0x206] != b"HdrS":
+            return vmlinuz
+        size = ((head[0x1F1] or 4) + 1) * 512
+        f.seek(0)
+        data = f.read(size)
+    if len(data) != size:
+        return vmlinuz
+    dest.mkdir(parents=True, exist_ok=True)
+    tmp = dest / f".{target.name}.{os.getpid()}"
+    tmp.write_bytes(data)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, target)
     return target
 
@@ -417,12 +448,15 @@ def resumed_body(hostname: str) -> bytes:
 
 @dataclass(frozen=True)
 class GuestImage:
-    """What every VM of one image boots: QEMU, the kernel, the initramfs, the layer disks."""
+    """What every VM of one image boots: QEMU, the kernel, the initramfs, the layer disks;
+    `restore_kernel`: what a VM restored from a saved state is given instead of the kernel
+    (`kernel_header`; None: the kernel)."""
 
     qemu: Path
     vmlinuz: Path
     initrd: Path
     layers: Sequence[Path]
+    restore_kernel: Path | None = None
 
 
 @dataclass
@@ -501,7 +535,8 @@ async def start_vm(
     try:
         disks = [Disk(fd_path(p), f"l{i}", True) for i, p in enumerate(image.layers)]
         disks.append(Disk(fd_path(disk, os.O_RDWR), "rw", False))
-        boot = fd_path(image.vmlinuz), fd_path(image.initrd), fd_path(console, os.O_WRONLY)
+        kernel = image.restore_kernel if incoming and image.restore_kernel is not None else image.vmlinuz
+        boot = fd_path(kernel), fd_path(image.initrd), fd_path(console, os.O_WRONLY)
         ram_file: tuple[Path | None, bool] | None = (None, False) if anonymous_ram else None
         if ram is not None:  # a copy of the descriptor: QEMU reopens it through /proc/self/fd
             held.append(os.dup(ram[0]))

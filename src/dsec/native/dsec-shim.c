@@ -668,8 +668,9 @@ static int run_idmap_run(int argc, char **argv) {
  * TAPFD (QEMU takes it as -netdev tap,fd=TAPFD: it never opens /dev/net/tun), bring it up,
  * then become host uid and gid UID (the sandbox's own range; no capabilities in any set, no
  * new privileges; its only supplementary group KVMGID, the group that may open /dev/kvm, or
- * none for "-") and exec QEMU. QEMU's own -runas is no help: it drops privileges after
- * installing its seccomp filter, which then kills it at setgid. */
+ * none for "-"), turn off transparent huge pages and exec QEMU. QEMU's own -runas is no
+ * help: it drops privileges after installing its seccomp filter, which then kills it at
+ * setgid. */
 static int run_vm_launch(int argc, char **argv) {
     long uid, tapfd, kvmgid = -1;
     char *end;
@@ -703,6 +704,11 @@ static int run_vm_launch(int argc, char **argv) {
         return 1;
     }
     if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) < 0 && errno != EINVAL) return 1;
+    /* No transparent huge pages for QEMU (kept across the exec): it asks for them on its own
+     * RAM blocks (the ROMs: one 2 MiB page for a few KB written) and TCG's code buffer, where
+     * a 4 KB write costs 2 MiB of the host's memory. Guest RAM is a memfd (shmem): not
+     * concerned. 3 MiB less per idle VM here, no slower. */
+    prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0);
     execv(argv[6], argv + 6);
     perror("dsec-shim: exec");
     return 127;
