@@ -154,6 +154,11 @@ class Unavailable(DsecError, code="unavailable", status=503, retryable=True): ..
 class InternalError(DsecError, code="internal", status=500): ...
 
 
+class LayerCorrupted(InternalError, code="layer_corrupted"):
+    """A layer from a registry or another edge whose bytes or tree do not match its digest
+    (nothing of it was committed)."""
+
+
 def _all_subclasses(cls: type[DsecError]) -> list[type[DsecError]]:
     out = [cls]
     for sub in cls.__subclasses__():

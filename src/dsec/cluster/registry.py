@@ -102,7 +102,6 @@ class RegistryServer:
             os.chown(self.storage, *ids)
         self._write_config()
         log = open(self.log_path, "ab")  # noqa: SIM115 - the server's, for its lifetime
-        user = {"user": ids[0], "group": ids[1], "extra_groups": []} if ids is not None else {}
         self.proc = subprocess.Popen(
             [str(self.bin), "serve", str(self.config)],
             stdout=log,
@@ -110,7 +109,9 @@ class RegistryServer:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
             umask=0o077,
-            **user,  # type: ignore[arg-type]
+            user=ids[0] if ids else None,
+            group=ids[1] if ids else None,
+            extra_groups=[] if ids else None,
         )
         log.close()
         self.pid = self.proc.pid
