@@ -5,6 +5,7 @@ sharing one download, LRU eviction under a budget, snapshots restored on another
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import shutil
@@ -24,7 +25,7 @@ from dsec.models import ExecRequest, SandboxSpec
 
 from ..conftest import LAYERS
 
-pytestmark = [pytest.mark.root, pytest.mark.asyncio]
+pytestmark = [pytest.mark.root]
 
 
 def _copy_layer(src: LayerStore, dst: LayerStore, ref: object) -> None:
@@ -251,3 +252,36 @@ async def test_a_snapshot_made_on_one_edge_restores_on_another(make_edge, world,
     assert registry_server.requests("PUT", f"/manifests/{snap.id}") == 1  # pushed when made
     await one.stop(sb.id)
     await two.stop(restored.id)
+
+
+def test_cli_image_push_uploads_each_layer_once(tmp_path, registry_server):
+    from typer.testing import CliRunner
+
+    from dsec.cli.main import app
+
+    data = tmp_path / "data"
+    store = LayerStore(data / "layers")
+    ref = _small_layer(store, "clilayer", 4096)
+    store.put_image(Image(name="cli:v1", layers=[ref]))
+    url = f"{registry_server.url}/t{secrets.token_hex(4)}"
+    runner = CliRunner()
+    args = ["image", "push", "cli:v1", "--registry", url, "--data-dir", str(data), "--json"]
+    first = runner.invoke(app, args)
+    assert first.exit_code == 0, first.output
+    out = json.loads(first.output)
+    assert out["layers"] == [str(ref)] and out["uploaded"] == 2  # the layer and the config
+    assert out["tag"] != "cli:v1" and out["manifest"].startswith("sha256:")
+    again = json.loads(runner.invoke(app, args).output)
+    assert again["uploaded"] == 0 and again["manifest"] == out["manifest"]
+    missing = runner.invoke(app, ["image", "push", "nope", "--registry", url, "--data-dir", str(data)])
+    assert missing.exit_code != 0 and "image_not_found" in missing.output
+
+    async def pulled() -> dist.Pulled | None:
+        client = dist.RegistryClient(url)
+        try:
+            return await client.pull_manifest("cli:v1")
+        finally:
+            await client.aclose()
+
+    got = asyncio.run(pulled())
+    assert got is not None and got.layers[0].tree_digest == store.get_layer(ref).digest
