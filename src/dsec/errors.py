@@ -30,6 +30,7 @@ from the code with :func:`error_from_wire`.
      ├── ExecTimeout (408, also TimeoutError)
      ├── Unavailable (503)                         transient: safe to retry
      └── InternalError (500)                       a platform bug or host failure
+          └── LayerCorrupted                       a pulled layer does not match its digest
 """
 
 from __future__ import annotations
