@@ -226,7 +226,9 @@ async def test_lru_eviction_under_a_budget_spares_what_is_in_use(make_edge, worl
     assert await sh(e, a.id, "cat /opt/rega/hello") == "rega\n"
     # an explicit pass with no budget left evicts nothing in use either
     assert e.cache.evict(1) == []
-    await e.stop(c.id)
+    await e.stop(c.id, wait=False)
+    assert e.cache.evict(1) == []  # still being torn down: its layers may be mounted
+    await asyncio.gather(*list(e.life._terminating.values()))
     assert e.cache.evict(1) == [str(small["regc"])]
     # an evicted image is pulled again when wanted
     b2 = await e.create(SandboxSpec(image="regb"))

@@ -73,6 +73,7 @@ class EdgeLifecycle(EdgePart):
         self._using = using or (lambda _image: contextlib.nullcontext())
         self._creating: dict[str, SandboxSpec] = {}
         self._terminating: dict[str, asyncio.Task[None]] = {}  # teardowns in flight, held
+        self._terminating_images: dict[str, str] = {}  # their images (not evicted meanwhile)
         # Sandboxes that died on their own (init killed, e.g. out of memory): their callers get
         # sandbox_failed with the reason instead of not_found (the most recent 10,000).
         self._failed: dict[str, Record] = {}
@@ -506,7 +507,13 @@ class EdgeLifecycle(EdgePart):
             self.store.delete(sandbox_id)
         task = asyncio.create_task(self._teardown(sb), name=f"dsec-stop-{sandbox_id}")
         self._terminating[sandbox_id] = task
-        task.add_done_callback(lambda _: self._terminating.pop(sandbox_id, None))
+        self._terminating_images[sandbox_id] = sb.record.spec.image  # its layers stay until torn down
+
+        def done(_: object) -> None:
+            self._terminating.pop(sandbox_id, None)
+            self._terminating_images.pop(sandbox_id, None)
+
+        task.add_done_callback(done)
         return task
 
     async def _teardown(self, sb: Sandbox) -> None:
