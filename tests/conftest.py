@@ -199,3 +199,33 @@ def pg_url(postgres_server: object) -> Iterator[str]:
         yield url
     finally:
         postgres_server.drop_database(name)  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="session")
+def registry_server() -> Iterator[object]:
+    """A real OCI registry (Debian's docker-registry, the CNCF distribution server) for the
+    session, in a directory of its own, on a free port of 127.0.0.1; stopped and removed
+    afterwards. Tests use repositories of their own (`registry_url`)."""
+    import tempfile
+
+    from dsec.cluster.registry import RegistryServer, find_registry_bin, free_port
+
+    try:
+        find_registry_bin()
+    except Exception as e:
+        pytest.skip(f"the registry is not installed: {e}")
+    root = Path(tempfile.mkdtemp(prefix="dsec-registry-", dir="/tmp"))
+    os.chmod(root, 0o755)  # the docker-registry user must reach its storage
+    server = RegistryServer(root / "registry", port=free_port())
+    server.start()
+    try:
+        yield server
+    finally:
+        server.remove()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def registry_url(registry_server: object) -> str:
+    """The session's registry with a fresh repository (URL path = repository name)."""
+    return f"{registry_server.url}/t{secrets.token_hex(4)}"  # type: ignore[attr-defined]

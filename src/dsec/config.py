@@ -62,6 +62,13 @@ class EdgeSettings(BaseSettings):
     # host names or URLs that no sandbox's network policy may ever reach. `dsec edge` adds its
     # own public URL and its apiservers' URLs.
     platform_addresses: list[str] = []
+    # An OCI registry images travel through (dsec.layers.distribution): http(s)://host:port[/repo]
+    # (repository `dsec` without a path). With one, an image this edge lacks is pulled from it
+    # at its first create, and snapshots are pushed to it when made. None: the apiserver relays.
+    registry: str | None = None
+    # Disk budget of the layers pulled from the registry (MiB of file content; 0: unbounded).
+    # Past it the least recently used ones no live sandbox and no local image uses are evicted.
+    registry_cache_mb: int = 0
 
     @field_validator("name")
     @classmethod

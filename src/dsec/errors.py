@@ -30,6 +30,7 @@ from the code with :func:`error_from_wire`.
      ├── ExecTimeout (408, also TimeoutError)
      ├── Unavailable (503)                         transient: safe to retry
      └── InternalError (500)                       a platform bug or host failure
+          └── LayerCorrupted                       a pulled layer does not match its digest
 """
 
 from __future__ import annotations
@@ -152,6 +153,11 @@ class Unavailable(DsecError, code="unavailable", status=503, retryable=True): ..
 
 
 class InternalError(DsecError, code="internal", status=500): ...
+
+
+class LayerCorrupted(InternalError, code="layer_corrupted"):
+    """A layer from a registry or another edge whose bytes or tree do not match its digest
+    (nothing of it was committed)."""
 
 
 def _all_subclasses(cls: type[DsecError]) -> list[type[DsecError]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import json
 import secrets
 import shutil
 import subprocess
@@ -102,9 +103,11 @@ def test_two_edges_share_load_and_survive_apiserver_restart(tmp_path, python_ima
         assert not [m for m in Path("/proc/mounts").read_text().splitlines() if f"dsec-{name}-" in m]
 
 
-def test_snapshot_restores_on_another_edge(tmp_path, python_image):
+@pytest.mark.parametrize("through", ["relay", "registry"])
+def test_snapshot_restores_on_another_edge(tmp_path, python_image, through, request):
     """The edge holding a snapshot is full: the apiserver moves the snapshot's layer to the
-    other edge (its own layer store) over HTTP and restores it there."""
+    other edge (its own layer store) over HTTP and restores it there; or, with a registry,
+    the snapshot was pushed when made and the other edge pulls it (no relay)."""
     from .conftest import LAYERS
 
     data = tmp_path / "data"
@@ -120,6 +123,13 @@ def test_snapshot_restores_on_another_edge(tmp_path, python_image):
     }
     store_b = tmp_path / "layers-b"  # a second host's store: the base image, no snapshots
     subprocess.run(["cp", "-al", str(LAYERS), str(store_b)], check=True)
+    store_a = LAYERS
+    registry = None
+    if through == "registry":
+        registry = request.getfixturevalue("registry_server")
+        env["DSEC_EDGE_REGISTRY"] = f"{registry.url}/t{secrets.token_hex(4)}"
+        store_a = tmp_path / "layers-a"  # pushes record blobs beside layers: not in the shared store
+        subprocess.run(["cp", "-al", str(LAYERS), str(store_a)], check=True)
 
     def edge(name: str, cap: int, layers: Path) -> subprocess.Popen[bytes]:
         return start(
@@ -151,7 +161,7 @@ def test_snapshot_restores_on_another_edge(tmp_path, python_image):
             assert time.monotonic() < deadline
             time.sleep(0.05)
         admin = (data / "admin-token").read_text().strip()
-        procs["sa"] = edge("sa", 1, LAYERS)
+        procs["sa"] = edge("sa", 1, store_a)
         wait_healthy(url, edges=1)
         with Client(url, admin) as c:
             src = c.create("python", memory_mb=128)
@@ -166,6 +176,11 @@ def test_snapshot_restores_on_another_edge(tmp_path, python_image):
             assert restored.files.read("/work/state") == "from-sa\n"
             layer_b = store_b / "layers" / snap.layer.split("@")[0]
             assert layer_b.is_dir()
+            source = json.loads(next(layer_b.glob("*/layer.json")).read_text())["source"]
+            assert source["type"] == ("registry" if registry else "pulled")
+            if registry is not None:  # pushed by sa when made, pulled once by sb
+                assert registry.requests("PUT", f"/manifests/{snap.id}") == 1
+                assert registry.requests("GET", f"/manifests/{snap.id}") == 1
             restored.stop()
             src.stop()
             c.delete_snapshot(snap.id)  # from both edges

@@ -192,10 +192,10 @@ async def test_snapshot_moves_to_an_edge_without_it(edge, edge_dirs, tmp_path):
         assert not b.layers.has_image(snap.id)
         manifest = edge.image_manifest(snap.id)
         assert b.missing_layers(manifest) == [snap.layer]
-        # a corrupted transfer is refused
+        # a corrupted transfer is refused, before anything is committed
         bad = tmp_path / "bad.tar"
         subprocess.run(["tar", "-cf", str(bad), "-C", str(tmp_path), "data-b"], check=True)
-        with pytest.raises(errors.InvalidRequest):
+        with pytest.raises(errors.LayerCorrupted, match="nothing was committed"):
             await b.import_layer(snap.layer, manifest["digests"][snap.layer], bad)
         assert not b.layers.has_layer(snap.layer)
         await _transfer_image(LocalEdge(edge), LocalEdge(b), snap.id)

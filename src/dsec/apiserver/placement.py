@@ -268,6 +268,8 @@ class EdgeDirectory:
                 "no healthy edge is registered; start `dsec edge` or wait for it to register"
             )
         able = [v for v in healthy if v.status is not None and spec.image in v.status.images]
+        if not able:  # edges with a registry pull what they lack at create (EdgeStatus.registry)
+            able = [v for v in healthy if v.status is not None and v.status.registry]
         if not able:
             raise errors.ImageNotFound(
                 f"no edge has image {spec.image!r}; build or import it first (dsec image build / import)"

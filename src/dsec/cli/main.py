@@ -231,6 +231,53 @@ def image_import(
         console.print(f"imported {name}: {len(image.layers)} layers")
 
 
+@image_app.command("push")
+def image_push(
+    name: str,
+    registry: Annotated[
+        str,
+        typer.Option(
+            "--registry",
+            envvar="DSEC_EDGE_REGISTRY",
+            help="http(s)://host:port[/repository] (repository `dsec` without a path)",
+        ),
+    ],
+    data_dir: DataDir = Path("/var/lib/dsec"),
+    as_json: JsonOut = False,
+) -> None:
+    """Push an image from the layer store to an OCI registry: each layer a blob (uploaded once),
+    the image a manifest tagged with its name. Edges with that registry pull it at first use."""
+    import asyncio
+
+    from dsec.layers import distribution
+
+    store = _store(data_dir)
+
+    async def push() -> tuple[str, dict[str, int]]:
+        client = distribution.RegistryClient(registry)
+        try:
+            digest = await distribution.push_image(store, client, name)
+            return digest, dict(client.counts)
+        finally:
+            await client.aclose()
+
+    try:
+        digest, counts = asyncio.run(push())
+    except errors.DsecError as e:
+        _fail(e)
+    image = store.get_image(name)
+    tag = distribution.image_tag(name)
+    if as_json:
+        out: dict[str, Any] = {"image": name, "registry": registry, "tag": tag, "manifest": digest}
+        out |= {"layers": [str(r) for r in image.layers], "uploaded": counts.get("PUT blob", 0)}
+        print(json.dumps(out))
+    else:
+        console.print(
+            f"pushed {name} to {registry} as {tag} ({digest}): {len(image.layers)} layers, "
+            f"{counts.get('PUT blob', 0)} blobs uploaded"
+        )
+
+
 @image_app.command("ls")
 def image_ls(data_dir: DataDir = Path("/var/lib/dsec"), as_json: JsonOut = False) -> None:
     """List images and their layers."""

@@ -9,7 +9,8 @@ one `EdgeCore` they share (core.py: settings, stores, host pieces, the live sand
 given, when it is made, the other parts it calls:
 `EdgeLifecycle` (admission, create, lookup, pause, network, stop), `EdgeExec` (execs,
 sessions, the trajectory log), `EdgeFiles` (the file API), `EdgeVault` (protect, verify),
-`EdgeState` (snapshots, forks, checkpoints, image transfer), `EdgeReaper` (idle TTL,
+`EdgeState` (snapshots, forks, checkpoints, image transfer), `LayerCache` (images through
+the registry: pulls, pushes, eviction), `EdgeReaper` (idle TTL,
 re-adoption, the reconciler) and `Telemetry` (misbehaviour counters). The backends run the
 sandboxes (`dsec.backends`); the warm pools and the fncall pool take callables.
 """
@@ -40,6 +41,7 @@ from dsec.edge.core import EdgeCore
 from dsec.edge.execs import EdgeExec
 from dsec.edge.fileops import EdgeFiles
 from dsec.edge.fncall import FnCallPool, WorkerHost
+from dsec.edge.layercache import LayerCache
 from dsec.edge.lifecycle import EdgeLifecycle
 from dsec.edge.reaper import EdgeReaper
 from dsec.edge.sessions import prepare_tools
@@ -117,14 +119,28 @@ class Edge:
             protect=lambda sid, paths: self.vault.protect(sid, paths),
             vault_dir=lambda sid: self.vault._vault(sid),
             release_fork_layers=lambda chain: self.state._release_fork_layers(chain),
+            using=lambda image: self.cache.using(image),
         )
         self.pools = self.life.pools
+        # Images through the registry (pulled at first use, snapshots pushed), when one is set.
+        self.cache = LayerCache(
+            core,
+            images_in_use=lambda: {sb.record.spec.image for sb in self.sandboxes.values()}
+            | {s.image for s in self.life._creating.values()}
+            | set(self.life._terminating_images.values()),
+        )
         self.execs = EdgeExec(core, life=self.life, monitor=self.monitor, epoch=self._epoch)
         self.files = EdgeFiles(get=self.life._get, active=self.execs._active, run=self.execs._run)
         self.vault = EdgeVault(
             settings=settings, get=self.life._get, execs=self.execs, misbehaviour=self.monitor.misbehaviour
         )
-        self.state = EdgeState(core, life=self.life, execs=self.execs, copy_tool=lambda: self._copy_tool)
+        self.state = EdgeState(
+            core,
+            life=self.life,
+            execs=self.execs,
+            copy_tool=lambda: self._copy_tool,
+            publish=self.cache.publish,
+        )
         self.reaper = EdgeReaper(core, life=self.life)
         self.fncall = FnCallPool(
             WorkerHost(
@@ -246,6 +262,7 @@ class Edge:
                 self.life._detach(sb)
             self.sandboxes.clear()
         await asyncio.gather(*list(self.life._terminating.values()), return_exceptions=True)
+        await self.cache.aclose()
         await self.net.close(keep=not stop_sandboxes)
         self.denials.close()
         if self.store is not None:
@@ -417,6 +434,7 @@ class Edge:
             layers=[str(layer.ref) for layer in self.layers.list_layers()],
             images=[i.name for i in self.layers.list_images()],
             fork_layers=self._fork_layer_ids(),
+            registry=bool(self.settings.registry),
         )
 
     def _fork_layer_ids(self) -> builtins.list[str]:

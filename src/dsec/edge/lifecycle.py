@@ -59,6 +59,7 @@ class EdgeLifecycle(EdgePart):
         protect: Callable[[str, list[str]], Awaitable[object]],
         vault_dir: Callable[[str], Path],
         release_fork_layers: Callable[[str | None], None],
+        using: Callable[[str], contextlib.AbstractAsyncContextManager[None]] | None = None,
     ) -> None:
         super().__init__(core)
         self.telemetry = telemetry.counters
@@ -68,8 +69,11 @@ class EdgeLifecycle(EdgePart):
         self.protect = protect  # EdgeVault.protect
         self._vault = vault_dir  # EdgeVault._vault
         self._release_fork_layers = release_fork_layers  # EdgeState._release_fork_layers
+        # LayerCache.using: the image held (pulled first when missing) for a create
+        self._using = using or (lambda _image: contextlib.nullcontext())
         self._creating: dict[str, SandboxSpec] = {}
         self._terminating: dict[str, asyncio.Task[None]] = {}  # teardowns in flight, held
+        self._terminating_images: dict[str, str] = {}  # their images (not evicted meanwhile)
         # Sandboxes that died on their own (init killed, e.g. out of memory): their callers get
         # sandbox_failed with the reason instead of not_found (the most recent 10,000).
         self._failed: dict[str, Record] = {}
@@ -127,7 +131,8 @@ class EdgeLifecycle(EdgePart):
     async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None) -> SandboxInfo:
         if spec.network is not None:  # a rule to the platform's addresses: 400 before any work
             await self.net.check(spec.network)
-        info = await self._create_plain(spec, sandbox_id)
+        async with self._using(spec.image):
+            info = await self._create_plain(spec, sandbox_id)
         if spec.protected_paths:
             try:
                 await self.protect(info.id, spec.protected_paths)
@@ -502,7 +507,13 @@ class EdgeLifecycle(EdgePart):
             self.store.delete(sandbox_id)
         task = asyncio.create_task(self._teardown(sb), name=f"dsec-stop-{sandbox_id}")
         self._terminating[sandbox_id] = task
-        task.add_done_callback(lambda _: self._terminating.pop(sandbox_id, None))
+        self._terminating_images[sandbox_id] = sb.record.spec.image  # its layers stay until torn down
+
+        def done(_: object) -> None:
+            self._terminating.pop(sandbox_id, None)
+            self._terminating_images.pop(sandbox_id, None)
+
+        task.add_done_callback(done)
         return task
 
     async def _teardown(self, sb: Sandbox) -> None:

@@ -16,7 +16,7 @@ import secrets
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +60,16 @@ class EdgeState(EdgePart):
     """Snapshot, fork, checkpoint and restore, image transfer (see the module)."""
 
     def __init__(
-        self, core: EdgeCore, *, life: EdgeLifecycle, execs: EdgeExec, copy_tool: Callable[[], Path]
+        self,
+        core: EdgeCore,
+        *,
+        life: EdgeLifecycle,
+        execs: EdgeExec,
+        copy_tool: Callable[[], Path],
+        publish: Callable[[str], Awaitable[str | None]] | None = None,
     ) -> None:
         super().__init__(core)
+        self._publish = publish  # LayerCache.publish: a snapshot to the registry, when one is set
         self.life = life  # access, admission, create and stop of the sandboxes made from state
         self.execs = execs  # exec cgroup names and the trajectory's events
         self._copy_tool_of = copy_tool  # dsec-copy, built when the edge starts
@@ -313,6 +320,11 @@ class EdgeState(EdgePart):
             },
         )
         self.layers.put_image(image)
+        if self._publish is not None:
+            try:
+                await self._publish(name)  # any edge can restore it
+            except errors.DsecError as e:
+                log.warning("snapshot %s stays on edge %s only: pushing it failed: %s", name, self.name, e)
         await self.execs.log_event(
             sandbox_id, "snapshot", {"op": "snapshot", "scrub": scrubbed}, {"id": name}
         )
@@ -380,16 +392,11 @@ class EdgeState(EdgePart):
             pid, pidfd = spawn_quick(argv, devnull.fileno(), devnull.fileno(), stdin_fd=src.fileno())
             if await wait_quick(pid, pidfd) != 0:
                 raise errors.InvalidRequest(f"the archive of layer {ref} does not unpack")
-            layer = await asyncio.get_running_loop().run_in_executor(
+            await asyncio.get_running_loop().run_in_executor(
                 None,
                 lambda: self.layers.commit_layer(
-                    stage, name, version, {"type": "pulled", "ref": ref}, shift=False
+                    stage, name, version, {"type": "pulled", "ref": ref}, shift=False, expect_digest=digest
                 ),
-            )
-        if layer.digest != digest:
-            self.layers.delete_layer(ref)
-            raise errors.InvalidRequest(
-                f"layer {ref} arrived corrupted (digest {layer.digest}, expected {digest})"
             )
 
     def put_image(self, manifest: dict[str, Any]) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -287,6 +288,11 @@ def shift_tree(root: Path, offset: int) -> None:
                 os.setxattr(full, _CAPS_XATTR, caps, follow_symlinks=False)
 
 
+def remove_tree(path: Path) -> None:
+    """Remove a tree (a layer moved out by `LayerStore.delete_layer(trash=)`)."""
+    _rmtree(path)
+
+
 def _rmtree(path: Path) -> None:
     if path.is_symlink() or not path.exists():
         with contextlib.suppress(FileNotFoundError):
@@ -380,8 +386,10 @@ class LayerStore:
                     out.append(layer)
         return out
 
-    def delete_layer(self, ref: LayerRef | str) -> None:
-        """Delete a layer; refused (:class:`errors.Conflict`) while an image references it."""
+    def delete_layer(self, ref: LayerRef | str, *, trash: list[Path] | None = None) -> None:
+        """Delete a layer; refused (:class:`errors.Conflict`) while an image references it.
+        ``trash``: the layer is only moved out of the store (at once) and its directory
+        appended there, for the caller to remove (off an event loop)."""
         ref = _as_ref(ref)
         if not self.has_layer(ref):
             raise self._layer_not_found(ref)
@@ -392,9 +400,12 @@ class LayerStore:
                 images=users,
             )
         layer_dir = self._layer_dir(ref)
-        trash = Path(tempfile.mkdtemp(prefix="delete-", dir=self.root / "staging"))
-        os.rename(layer_dir, trash / "layer")
-        _rmtree(trash)
+        bin_ = Path(tempfile.mkdtemp(prefix="delete-", dir=self.root / "staging"))
+        os.rename(layer_dir, bin_ / "layer")
+        if trash is not None:
+            trash.append(bin_)
+        else:
+            _rmtree(bin_)
         with contextlib.suppress(OSError):
             layer_dir.parent.rmdir()  # only succeeds when no other version is left
 
@@ -410,7 +421,14 @@ class LayerStore:
                 _rmtree(path)
 
     def commit_layer(
-        self, staging_dir: Path, name: str, version: str, source: dict[str, Any], *, shift: bool
+        self,
+        staging_dir: Path,
+        name: str,
+        version: str,
+        source: dict[str, Any],
+        *,
+        shift: bool,
+        expect_digest: str | None = None,
     ) -> Layer:
         """Move ``staging_dir`` (the layer's tree) into the store as ``name@version``.
 
@@ -418,12 +436,20 @@ class LayerStore:
         tarball) and the uid/gid offset is applied to every entry; ``shift=False`` means it is
         already shifted. Layers are immutable: committing an existing ``name@version`` returns
         it when the digest matches and raises :class:`errors.Conflict` otherwise.
+        ``expect_digest``: the digest the tree must have (a layer pulled from elsewhere); any
+        other is :class:`errors.LayerCorrupted` and nothing is committed.
         """
         ref = _make_ref(name, version)
         staging_dir = Path(staging_dir).absolute()
         if staging_dir.is_symlink() or not staging_dir.is_dir():
             raise errors.InvalidRequest(f"cannot commit {staging_dir}: not a directory")
         digest, size, files = tree_digest(staging_dir, 0 if shift else self.uid_offset)
+        if expect_digest is not None and digest != expect_digest:
+            raise errors.LayerCorrupted(
+                f"layer {ref} is corrupted: its tree hashes to {digest}, expected {expect_digest}; "
+                "nothing was committed",
+                layer=str(ref),
+            )
         existing = self._read_layer(ref)
         if existing is not None:
             return self._same_or_conflict(existing, digest)
@@ -467,6 +493,19 @@ class LayerStore:
             if os.path.lexists(wrapper):
                 _rmtree(wrapper)
         return layer
+
+    def blob_of(self, ref: LayerRef | str) -> tuple[str, int] | None:
+        """The registry blob (digest, size) that holds this layer, once pushed or pulled."""
+        try:
+            data = json.loads((self._layer_dir(_as_ref(ref)) / "blob.json").read_bytes())
+            return str(data["digest"]), int(data["size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def record_blob(self, ref: LayerRef | str, digest: str, size: int) -> None:
+        d = self._layer_dir(_as_ref(ref))
+        if d.is_dir():
+            _atomic_write(d / "blob.json", json.dumps({"digest": digest, "size": size}).encode())
 
     @staticmethod
     def _same_or_conflict(existing: Layer, digest: str) -> Layer:

@@ -294,6 +294,9 @@ class EdgeStatus(_Model):
     fork_layers: list[str] = Field(
         default_factory=list, description="ids of the fork layers alive (stacked by some sandbox)"
     )
+    registry: bool = Field(
+        default=False, description="pulls an image it lacks from an OCI registry at its first create"
+    )
 
 
 class SnapshotInfo(_Model):

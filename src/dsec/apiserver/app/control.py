@@ -59,15 +59,20 @@ async def _place(st: ApiServerState, spec: SandboxSpec) -> SandboxInfo:
             return await view.api.create(spec)
         except (errors.CapacityExhausted, errors.Unavailable) as e:
             last = e  # the edge has the final say: try the next candidate
-    # Every edge holding the image is full: move it to one that is not (a snapshot made on
-    # one edge restores on any), least loaded first.
+    # Every edge holding the image is full: another one, least loaded first, pulls it from the
+    # registry at create (an edge with one) or gets it relayed through this process (a snapshot
+    # made on one edge restores on any).
     others = sorted(
         (v for v in st.directory.views.values() if v.healthy and v not in holders and v.status is not None),
         key=lambda v: v.load(spec),
     )
     for view in others:
         try:
-            await _transfer_image(holders[0].api, view.api, spec.image)
+            if not (view.status is not None and view.status.registry):  # it pulls what it lacks itself
+                source = next((h for h in holders if h.status and spec.image in h.status.images), None)
+                if source is None:
+                    continue
+                await _transfer_image(source.api, view.api, spec.image)
             st.directory.note_placed(view)
             return await view.api.create(spec)
         except (errors.CapacityExhausted, errors.Unavailable) as e:
