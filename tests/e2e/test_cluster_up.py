@@ -49,10 +49,12 @@ def test_cluster_up_runs_edges_as_hosts_and_down_removes_everything():
     )  # fmt: skip
     assert up.returncode == 0, up.stderr[-3000:]
     state = json.loads(up.stdout)
+    bridge = json.loads((d / "cluster.json").read_text())["bridge"]
     try:
         assert set(state) == {"apiservers", "edges", "token", "database", "registry"}
         urls = [a["url"] for a in state["apiservers"]]
         assert len(urls) == 2 and state["database"].startswith("postgresql://")
+        assert state["registry"] and httpx.get(state["registry"] + "/v2/", timeout=10).status_code == 200
         own_net = os.readlink("/proc/self/ns/net")
         for e in state["edges"]:
             # the process itself, in a network namespace of its own, with its own address there
@@ -94,7 +96,12 @@ def test_cluster_up_runs_edges_as_hosts_and_down_removes_everything():
                     s.exec("true")
             fresh = c.create("python", memory_mb=64)
             assert fresh.id.startswith(e1["name"] + "-")
+            # a snapshot goes to the cluster's registry when made
+            fresh.exec("echo kept > /work/k")
+            snap = fresh.snapshot()
             fresh.stop()
+            tags = httpx.get(f"{state['registry']}/v2/dsec/tags/list", timeout=10).json()["tags"]
+            assert snap.id in tags, tags
     finally:
         down = subprocess.run(
             [*DSEC, "cluster", "down", "--dir", str(d), "--purge"], capture_output=True, text=True
@@ -108,13 +115,15 @@ def test_cluster_up_runs_edges_as_hosts_and_down_removes_everything():
         )
     netns = subprocess.run(["ip", "netns"], capture_output=True, text=True).stdout
     assert not any(e["netns"] in netns for e in state["edges"])
-    assert "dsecc" not in subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
+    assert bridge not in links
     from dsec.cluster.local import remove_edge_leftovers
 
     assert all(remove_edge_leftovers(e["name"]) == [] for e in state["edges"])  # e0's were killed by down
     mounts = Path("/proc/mounts").read_text()
     assert not any(e["name"] in mounts for e in state["edges"])
-    with pytest.raises(httpx.HTTPError):
-        httpx.get(urls[0] + "/v1/health", timeout=2)
+    for gone in (urls[0] + "/v1/health", state["registry"] + "/v2/"):
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(gone, timeout=2)
     assert not d.exists()
     d.parent.rmdir()

@@ -115,14 +115,19 @@ def cluster_up(
     seed_layers: Annotated[
         Path, typer.Option(help="the layer store every edge's own starts as (hard links)")
     ] = Path("/var/lib/dsec/layers"),
+    registry: Annotated[
+        bool, typer.Option(help="run an OCI registry the edges pull images and push snapshots through")
+    ] = True,
     json_out: JsonOut = False,
 ) -> None:
-    """Start PostgreSQL, N apiservers and M edges (each a host of its own: network namespace,
-    address, data directory); `dsec cluster down` removes them."""
+    """Start PostgreSQL, an OCI registry, N apiservers and M edges (each a host of its own:
+    network namespace, address, data directory); `dsec cluster down` removes them."""
     from dsec.cluster import local
 
     try:
-        state = local.up(directory, apiservers=apiservers, edges=edges, seed_layers=seed_layers)
+        state = local.up(
+            directory, apiservers=apiservers, edges=edges, seed_layers=seed_layers, registry=registry
+        )
     except errors.DsecError as e:
         _fail(e)
         return

@@ -4,6 +4,7 @@ is to Kubernetes), for users trying the cluster and for tests.
     host network namespace                         one namespace per edge ("a host")
     ---------------------------------------------  --------------------------------------
     PostgreSQL (127.0.0.1:P, postgres user)         dsec edge (nsenter --net only: the
+    registry (bridge address :R)                      (images and snapshots between edges)
     apiserver x N  (bridge address :Pi)  <-------->   host's mounts and cgroups, its own
     bridge dsecc<id> 10.231.K.1/24  --- veth --->     network: eth0 10.231.K.(10+j)/24,
                                                       its own data dir and layer store)
@@ -35,6 +36,7 @@ from typing import Any
 import httpx
 
 from dsec.cluster.postgres import PostgresServer
+from dsec.cluster.registry import RegistryServer
 from dsec.errors import Conflict, InvalidRequest, Unavailable
 
 EDGE_PORT = 8421
@@ -63,6 +65,7 @@ class ClusterState:
     postgres: dict[str, Any]
     run_dir: str
     registry: str | None = None
+    registry_pid: int = 0
     apiservers: list[Member] = field(default_factory=list)
     edges: list[Member] = field(default_factory=list)
 
@@ -150,6 +153,7 @@ def up(
     edges: int = 1,
     seed_layers: Path = Path("/var/lib/dsec/layers"),
     env: dict[str, str] | None = None,
+    registry: bool = True,
     timeout: float = 180.0,
 ) -> ClusterState:
     """Start a cluster in `d` (see the module); its state, also in <d>/cluster.json."""
@@ -179,6 +183,12 @@ def up(
         state.postgres = {"root": str(pg.root), "port": pg.port, "pid": pg.pid}
         state.database = pg.create_database("dsec")
         state.save()
+        if registry:  # images and snapshots travel between the edges through it
+            reg = RegistryServer(d / "registry", host=bridge_ip, port=_free_port(bridge_ip))
+            reg.start()
+            state.registry = reg.url
+            state.registry_pid = reg.pid
+            state.save()
         base = {
             **os.environ,
             **(env or {}),
@@ -207,6 +217,8 @@ def up(
             if seed_layers.is_dir() and not (home / "layers").exists():
                 subprocess.run(["cp", "-al", str(seed_layers), str(home / "layers")], check=True)
             edge_env = {**base, "DSEC_EDGE_LAYERS_DIR": str(home / "layers")}
+            if state.registry:
+                edge_env["DSEC_EDGE_REGISTRY"] = state.registry
             edge_env.pop("DSEC_DATABASE")
             args = ["edge", *[a for api in state.apiservers for a in ("--apiserver", api.url)],
                     "--name", name, "--host", addr, "--port", str(EDGE_PORT),
@@ -307,6 +319,15 @@ def down(d: Path, *, purge: bool = False) -> None:
             pg_ctl = [str(pg.bin / "pg_ctl"), "-D", str(pg.data), "stop", "-m", "fast"]
             runuser = ["runuser", "-u", "postgres", "--"]
             subprocess.run([*runuser, *pg_ctl], capture_output=True, check=False, timeout=60)
+    if state.registry_pid and _ours(state.registry_pid, "registry"):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(state.registry_pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while _ours(state.registry_pid, "registry") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with contextlib.suppress(ProcessLookupError):
+            if _ours(state.registry_pid, "registry"):
+                os.kill(state.registry_pid, signal.SIGKILL)
     for e in state.edges:
         _ip("netns", "del", e.netns, check=False)
         _ip("link", "del", e.veth, check=False)
