@@ -129,7 +129,8 @@ def test_images_are_the_documented_placeholders() -> None:
 
 
 def test_the_edge_image_installs_what_install_sh_does() -> None:
-    """install.sh's apt packages, but PostgreSQL (the edge never uses it), in the edge image."""
+    """install.sh's apt packages, but the cluster's own services (PostgreSQL, the registry: an
+    edge uses neither itself), in the edge image."""
     script = (ROOT / "install.sh").read_text()
     block = re.search(r"APT_PACKAGES=\((.*?)\)\s*#", script, re.S)
     assert block is not None
@@ -138,7 +139,7 @@ def test_the_edge_image_installs_what_install_sh_does() -> None:
     install = re.search(r"--no-install-recommends \\\n(.*?)\n &&", stage, re.S)
     assert install is not None
     have = set(install.group(1).replace("\\", " ").split())
-    assert have == wanted - {"postgresql"}
+    assert have == wanted - {"postgresql", "docker-registry"}
 
 
 # --- probes: the real apps answer them ---------------------------------------------------

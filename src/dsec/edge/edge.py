@@ -125,9 +125,11 @@ class Edge:
         # Images through the registry (pulled at first use, snapshots pushed), when one is set.
         self.cache = LayerCache(
             core,
-            images_in_use=lambda: {sb.record.spec.image for sb in self.sandboxes.values()}
-            | {s.image for s in self.life._creating.values()}
-            | set(self.life._terminating_images.values()),
+            images_in_use=lambda: (
+                {sb.record.spec.image for sb in self.sandboxes.values()}
+                | {s.image for s in self.life._creating.values()}
+                | set(self.life._terminating_images.values())
+            ),
         )
         self.execs = EdgeExec(core, life=self.life, monitor=self.monitor, epoch=self._epoch)
         self.files = EdgeFiles(get=self.life._get, active=self.execs._active, run=self.execs._run)

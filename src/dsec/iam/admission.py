@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from dsec.errors import Conflict, InvalidRequest, NotFound, QuotaExceeded
+from dsec.errors import Conflict, InvalidRequest, NotFound, QuotaExceeded, Unavailable
 from dsec.iam.db import Database, Row
 from dsec.iam.schema import _ANCESTORS_SQL, _MILLI, _fmt, _milli, _usage_of
 from dsec.models.iam import Usage
@@ -24,6 +24,8 @@ class Admission:
 
     # What this part uses of the rest of IAM.
     _owner_id: str | None
+    _abandoned: set[str]
+    _unended: dict[tuple[str, str], str | None]
     _lock: threading.Lock
     _db: Database
 
@@ -193,9 +195,18 @@ class Admission:
             )
             return "taken_over", None
 
-    def end_idempotent(self, principal: str, key: str, result: str | None) -> None:
+    def end_idempotent(self, principal: str, key: str, result: str | None, *, defer: bool = False) -> None:
         """The create of `key` made `result` (its answer, kept for retries), or failed (None:
-        the key is free again)."""
+        the key is free again). `defer`: if the database is away, do it once it is back
+        (`release_orphaned`), so a retry never waits on a key nobody is making any more."""
+        try:
+            self._end_idempotent(principal, key, result)
+        except Unavailable:
+            if not defer:
+                raise
+            self._unended[(principal, key)] = result
+
+    def _end_idempotent(self, principal: str, key: str, result: str | None) -> None:
         with self._write() as db:
             if result is None:
                 db.execute("DELETE FROM idempotency WHERE principal = ? AND key = ?", (principal, key))
@@ -268,12 +279,27 @@ class Admission:
         with self._lock:
             return self._db.owner_alive(owner)
 
+    def abandon(self, key: str) -> None:
+        """A pending reservation of this process whose create ended without its rekey or
+        release (the database was away then): `release_orphaned` releases it later."""
+        self._abandoned.add(key)
+
     def release_orphaned(self) -> list[str]:
-        """Release the pending reservations of processes that are gone (a crash mid-create);
-        return their keys. Those of live processes stay, however old."""
+        """Release the pending reservations of processes that are gone (a crash mid-create),
+        and this process's own abandoned ones; return their keys. Those of creates still in
+        flight stay, however old."""
+        for (principal, key), result in list(self._unended.items()):
+            self._end_idempotent(principal, key, result)
+            del self._unended[(principal, key)]
+        released: list[str] = []
+        if self._abandoned:
+            with self._write() as db:
+                for key in sorted(self._abandoned):
+                    if self._release(db, key):
+                        released.append(key)
+            self._abandoned.clear()
         owners = [r[0] for r in self._read("SELECT DISTINCT owner FROM reservations WHERE owner IS NOT NULL")]
         dead = [o for o in owners if not self._owner_alive(o)]
-        released: list[str] = []
         if not dead:
             return released
         with self._write() as db:

@@ -371,6 +371,9 @@ class PostgresDatabase(Database):
                 " (id TEXT PRIMARY KEY, expires_at DOUBLE PRECISION NOT NULL)"
             )
             self.execute(
+                "ALTER TABLE owners ADD COLUMN IF NOT EXISTS renewed_at DOUBLE PRECISION NOT NULL DEFAULT 0"
+            )
+            self.execute(
                 "INSERT INTO meta (key, value) VALUES ('schema_version', ?)"
                 " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
                 (version,),
@@ -383,9 +386,12 @@ class PostgresDatabase(Database):
     # pending creates' owners: leases, and a session lock (see the module)
 
     def _lease(self, conn: Any, owner: str) -> None:
+        """Renew `owner`'s lease, through the connection that holds its lock (taken first)."""
+        now = "EXTRACT(EPOCH FROM clock_timestamp())"
         conn.execute(
-            "INSERT INTO owners (id, expires_at) VALUES (%s, EXTRACT(EPOCH FROM clock_timestamp()) + %s)"
-            " ON CONFLICT (id) DO UPDATE SET expires_at = excluded.expires_at",
+            f"INSERT INTO owners (id, expires_at, renewed_at) VALUES (%s, {now} + %s, {now})"
+            " ON CONFLICT (id) DO UPDATE SET expires_at = excluded.expires_at,"
+            " renewed_at = excluded.renewed_at",
             (owner, self.lease_s),
         )
 
@@ -432,11 +438,18 @@ class PostgresDatabase(Database):
         if owner in self._owners:
             return True
         row = self.execute(
-            "SELECT expires_at > EXTRACT(EPOCH FROM clock_timestamp()) FROM owners WHERE id = ?", (owner,)
+            "SELECT expires_at > EXTRACT(EPOCH FROM clock_timestamp()),"
+            " renewed_at > EXTRACT(EPOCH FROM pg_postmaster_start_time()) FROM owners WHERE id = ?",
+            (owner,),
         ).fetchone()
         if row is None or not row[0] or not OWNER_RE.fullmatch(owner):
             return False
-        # Its lease runs; does its process still hold its lock? (taken: it is gone; give it back)
+        if not row[1]:
+            # The server restarted since the owner last renewed: its lock went with its old
+            # session and it may not have taken it again yet. Only its lease tells.
+            return True
+        # Its lease runs and it locked since the server started: does it still hold the lock?
+        # (free: its session ended, it is gone; give the lock back)
         (free,) = self.execute("SELECT pg_try_advisory_lock(?, ?)", _owner_key(owner)).fetchone()
         if free:
             self.execute("SELECT pg_advisory_unlock(?, ?)", _owner_key(owner))

@@ -86,10 +86,46 @@ async def _create_once(
         if info is None:
             info = await make(spec.model_copy(update={"labels": {**spec.labels, IDEMPOTENCY_LABEL: label}}))
     except BaseException:
-        iam.end_idempotent(p.id, key, None)
+        iam.end_idempotent(p.id, key, None, defer=True)
         raise
-    iam.end_idempotent(p.id, key, info.model_dump_json())
+    iam.end_idempotent(p.id, key, info.model_dump_json(), defer=True)
     return info
+
+
+def _reserve_pending(st: ApiServerState, spec: SandboxSpec) -> str:
+    """Reserve a create's quota under a pending key of this process; the key."""
+    key = f"pending-{secrets.token_hex(8)}"
+    try:
+        st.iam.reserve(key, spec.project, spec.cpu, spec.memory_mb, pending=True)
+    except errors.QuotaExceeded:
+        st.metrics.failures.labels("create", "quota").inc()
+        raise
+    except errors.Unavailable:
+        st.iam.abandon(key)  # (its commit may have landed before the database went away)
+        raise
+    return key
+
+
+def _release_or_abandon(iam: IAM, key: str) -> None:
+    """Give a failed create's pending reservation back, or (the database is away) leave it to
+    the reconciler (`IAM.abandon`)."""
+    try:
+        iam.release(key)
+    except errors.DsecError:
+        iam.abandon(key)
+
+
+async def _account_create(st: ApiServerState, key: str, info: SandboxInfo) -> None:
+    """Move a create's pending reservation to the sandbox it made. When that cannot be done
+    (the IAM's database is away) the sandbox goes again, so nothing runs unaccounted, and
+    its reservation is released once the database is back."""
+    try:
+        st.iam.rekey(key, info.id)
+    except BaseException:
+        st.iam.abandon(key)
+        with contextlib.suppress(Exception):
+            await st.directory.edge_for(info.id).stop(info.id, None)
+        raise
 
 
 def _install_sandbox_routes(
@@ -103,21 +139,16 @@ def _install_sandbox_routes(
     async def create_one(p: Principal, spec: SandboxSpec, t_auth: float) -> SandboxInfo:
         iam.authorize(p, spec.project)
         iam.check_backend(spec.project, spec.backend)  # the project's tier policy (admins too)
-        key = f"pending-{secrets.token_hex(8)}"
-        try:
-            iam.reserve(key, spec.project, spec.cpu, spec.memory_mb, pending=True)
-        except errors.QuotaExceeded:
-            st.metrics.failures.labels("create", "quota").inc()
-            raise
+        key = _reserve_pending(st, spec)
         t_place = time.perf_counter()
         try:
             info = await _place(st, spec)
         except BaseException as e:
-            iam.release(key)
+            _release_or_abandon(iam, key)
             reason = e.code if isinstance(e, errors.DsecError) else "internal"
             st.metrics.failures.labels("create", reason).inc()
             raise
-        iam.rekey(key, info.id)
+        await _account_create(st, key, info)
         m = st.metrics.create_phase
         m.labels("auth").observe(t_auth)
         m.labels("placement").observe(time.perf_counter() - t_place - info.timings_ms.get("total", 0) / 1000)
@@ -203,10 +234,10 @@ def _install_state_routes(app: FastAPI, st: ApiServerState, principal: _Principa
         except BaseException:
             iam.release_snapshot(layer_key)
             for key in reserved:
-                iam.release(key)
+                _release_or_abandon(iam, key)
             raise
         for key, info in zip(keys, infos, strict=True):
-            iam.rekey(key, info.id)
+            await _account_create(st, key, info)
         await _charge_fork_layer(iam, edge, scope, layer_key, infos)
         for info in infos:
             st.events.publish(
@@ -371,9 +402,9 @@ def _install_checkpoint_routes(app: FastAPI, st: ApiServerState, principal: _Pri
         try:
             info = await edge.restore(cid, body, scope)
         except BaseException:
-            iam.release(key)
+            _release_or_abandon(iam, key)
             raise
-        iam.rekey(key, info.id)
+        await _account_create(st, key, info)
         st.events.publish(
             "created",
             id=info.id,
@@ -403,7 +434,11 @@ def _install_sandbox_stop_routes(
         await edge.stop(sid, iam.visible_projects(p))
 
         def account() -> None:
-            project = iam.release(sid)
+            try:
+                project = iam.release(sid)
+            except errors.DsecError:  # the database is away: released once it is back
+                iam.abandon(sid)
+                project = None
             st.events.publish("stopped", id=sid, edge=edge.name, project=project)
 
         if after is None:
