@@ -95,3 +95,19 @@ async def test_everything_full() -> None:
     d = await _directory(FakeEdge("a", 1, 1, lies=True), FakeEdge("b", 1, 1, lies=True))
     with pytest.raises(errors.CapacityExhausted):
         await _place(State(d), SandboxSpec())  # type: ignore[arg-type]
+
+
+async def test_candidates_drawn_lazily_still_cover_every_able_edge_once() -> None:
+    edges = [FakeEdge(f"e{i}", 100, used=i) for i in range(20)]
+    d = await _directory(*edges, FakeEdge("other", 100))
+    d.views["other"].status.images = ["rust"]  # type: ignore[union-attr]
+    c = d.candidates(SandboxSpec())
+    first = c[0]
+    assert first.api.name != "e19"  # the least loaded of two is never the most loaded of all
+    order = list(c)
+    assert order[0] is first and c[-1] is order[-1] and len(order) == len(c) == 20
+    assert sorted(v.api.name for v in order) == sorted(e.name for e in edges)
+    assert d.views["e3"] in c and d.views["other"] not in c
+    assert c[1:3] == order[1:3]
+    with pytest.raises(IndexError):
+        c[20]

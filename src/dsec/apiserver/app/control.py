@@ -8,6 +8,7 @@ import contextlib
 import logging
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ async def _visibility(st: ApiServerState, scope: set[str] | None) -> Visibility:
     return Visibility(scope, images, snapshots)
 
 
-async def _candidates(st: ApiServerState, spec: SandboxSpec) -> list[EdgeView]:
+async def _candidates(st: ApiServerState, spec: SandboxSpec) -> Sequence[EdgeView]:
     try:
         return st.directory.candidates(spec)
     except errors.ImageNotFound:
