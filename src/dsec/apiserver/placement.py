@@ -319,14 +319,14 @@ class EdgeDirectory:
 
     def candidates(self, spec: SandboxSpec) -> Candidates:
         """Edges to try, best first: filter, prefer warm ones, then power of k choices."""
-        tier = [
+        runs = [
             v
             for v in self.views.values()
-            if v.healthy
-            and v.status is not None
-            and spec.image in v.status.images
-            and spec.backend in v.status.backends
+            if v.healthy and v.status is not None and spec.backend in v.status.backends
         ]
+        tier = [v for v in runs if spec.image in v.status.images]  # type: ignore[union-attr]
+        if not tier:  # no edge holds it: those with a registry pull it at create (EdgeStatus.registry)
+            tier = [v for v in runs if v.status.registry]  # type: ignore[union-attr]
         if not tier:
             self._refuse(spec)
         return Candidates(tier, spec, self.k)
