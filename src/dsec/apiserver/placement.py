@@ -50,6 +50,7 @@ class EdgeView:
     lost: bool = False  # given up (see the module); until it answers again
     gone: asyncio.Event = field(default_factory=asyncio.Event)  # set while lost: in-flight calls end
     lost_after_s: float = LOST_AFTER_S
+    draining: bool = False  # takes no new placements (dsec.apiserver.capacity)
 
     @property
     def healthy(self) -> bool:
@@ -262,7 +263,7 @@ class EdgeDirectory:
 
     def candidates(self, spec: SandboxSpec) -> list[EdgeView]:
         """Edges to try, best first: filter, prefer warm ones, then power of k choices."""
-        healthy = [v for v in self.views.values() if v.healthy]
+        healthy = [v for v in self.views.values() if v.healthy and not v.draining]
         if not healthy:
             raise errors.Unavailable(
                 "no healthy edge is registered; start `dsec edge` or wait for it to register"

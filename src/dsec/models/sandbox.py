@@ -294,6 +294,9 @@ class EdgeStatus(_Model):
     fork_layers: list[str] = Field(
         default_factory=list, description="ids of the fork layers alive (stacked by some sandbox)"
     )
+    draining: bool = Field(
+        False, description="takes no new placements (set by the apiserver: drain, idle release)"
+    )
 
 
 class SnapshotInfo(_Model):

@@ -62,7 +62,11 @@ async def _place(st: ApiServerState, spec: SandboxSpec) -> SandboxInfo:
     # Every edge holding the image is full: move it to one that is not (a snapshot made on
     # one edge restores on any), least loaded first.
     others = sorted(
-        (v for v in st.directory.views.values() if v.healthy and v not in holders and v.status is not None),
+        (
+            v
+            for v in st.directory.views.values()
+            if v.healthy and not v.draining and v not in holders and v.status is not None
+        ),
         key=lambda v: v.load(spec),
     )
     for view in others:
