@@ -263,9 +263,12 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}  # what this process started, until _stop reaps it
+
+
 def _spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     with open(log, "ab") as f:
-        return subprocess.Popen(
+        p = subprocess.Popen(
             argv,
             env=env,
             stdout=f,
@@ -273,6 +276,8 @@ def _spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
+    _CHILDREN[p.pid] = p  # (a Popen dropped while its process runs warns)
+    return p
 
 
 def _ours(pid: int, needle: str) -> bool:
@@ -401,6 +406,10 @@ def _stop(members: list[Member], needle: str, timeout: float = 60.0) -> None:
                 os.kill(m.pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(m.pid, 0)
+    for m in members:
+        child = _CHILDREN.pop(m.pid, None)
+        if child is not None:
+            child.poll()  # (reaped above: it records the exit, so nothing warns)
 
 
 def down(d: Path, *, purge: bool = False) -> None:
