@@ -11,9 +11,12 @@ them to register, and pre-warms the rest there. What was done is kept on the bur
 Draining: a draining edge takes no new placements (`EdgeView.draining`, filtered by
 `EdgeDirectory.candidates`); its sandboxes keep working. An admin drains one for maintenance
 (`POST /v1/edges/{name}/drain`, `undrain`). With a node provider and `idle_drain_after_s`, an
-edge the provider holds with no sandbox (warm pools included) for that long is drained, and
-released through the provider once a later status poll still finds it empty (a placement
-that raced the drain makes it busy again: it is undrained instead); down to `min_edges`.
+edge the provider holds with no sandbox (pool sandboxes included: stock someone asked for) for
+that long is drained, newest edges first (none while a burst is being provisioned), and
+released through the provider once a later status poll still finds it empty (a placement that
+raced the drain makes it busy again: it is undrained instead); never below `min_edges` taking
+placements. The edges a burst pre-warmed on are kept `capacity_hold_s` past its time (or past
+the pre-warm, if later).
 
 What this process knows is its own: bursts and drains live in this apiserver's memory (with
 several apiservers, announce and drain through the same one). The edges' own state (pools,
@@ -266,7 +269,6 @@ class Capacity:
                 b.actions.append(f"pre-warming {n} on {name} failed: {e.message}")
                 continue
             self.promised.setdefault(key, []).append((time.monotonic() + POOL_HOLD_S, n))
-            self.protected[name] = max(self.protected.get(name, 0.0), b.when + POOL_HOLD_S)
             b.prewarmed[name] = n
             b.actions.append(f"pre-warmed {n} on {name}")
             done += n
@@ -279,6 +281,9 @@ class Capacity:
             remaining -= await self._prewarm_round(b, spec, pool, remaining)
             if remaining <= 0 or not await self._grow(b, spec, remaining):
                 break
+        hold = max(b.when, time.time()) + self.settings.capacity_hold_s  # one hold for all its edges
+        for name in b.prewarmed:
+            self.protected[name] = max(self.protected.get(name, 0.0), hold)
         b.shortfall = max(remaining, 0)
         b.state = "ready" if b.shortfall == 0 else "partial"
         if b.shortfall:
@@ -348,6 +353,9 @@ class Capacity:
         after = self.settings.idle_drain_after_s
         if self.provider is None or after is None:
             return
+        if any(b.state == "provisioning" for b in self.bursts.values()):
+            self.idle_since.clear()  # nothing idles while a burst is being placed
+            return
         managed = await self._managed_edges()
         # how many more may drain: idle release never goes below min_edges taking placements
         room = -self.settings.min_edges + len(
@@ -357,7 +365,8 @@ class Capacity:
                 if n in self.directory.views and n not in self._releasing and n not in self.drains
             ]
         )
-        for name, view in list(self.directory.views.items()):
+        newest_first = sorted(self.directory.views.items(), key=lambda kv: kv[1].added_at, reverse=True)
+        for name, view in newest_first:
             if name in self._releasing or name not in managed:
                 continue
             mark = self.drains.get(name)
@@ -383,6 +392,7 @@ class Capacity:
             return False
         if self.protected.get(view.api.name, 0.0) > time.time():
             return False
+        # warm pool sandboxes count: stock someone asked for (they go when their pool shrinks)
         return s.sandboxes == 0 and s.used.get("sandboxes", 0) == 0
 
     async def _release(self, name: str) -> None:

@@ -64,7 +64,7 @@ class ApiServerSettings(BaseSettings):
     node_provider: Literal["none", "local", "kubernetes"] = "none"
     #: The local provider's cluster (set by `dsec cluster up` for its apiservers).
     cluster_dir: Path | None = None
-    #: An edge the node provider holds that has had no sandbox (warm pools included) this long
+    #: An edge the node provider holds that has had no sandbox (pooled ones too) this long
     #: drains (no new placements) and is then released through the provider. None: never.
     idle_drain_after_s: float | None = Field(None, gt=0)
     #: Idle release never goes below this many edges (0: down to zero).
@@ -78,6 +78,8 @@ class ApiServerSettings(BaseSettings):
     #: A burst's pools are pre-warmed this long before its time (at most 240 s: an edge keeps a
     #: prewarm's boost 300 s).
     capacity_lead_s: float = Field(120.0, ge=0, le=240)
+    #: The edges a burst pre-warmed on are never idle-released before this long past its time.
+    capacity_hold_s: float = Field(300.0, ge=0)
     #: How long a burst waits for the edges it asked the provider for.
     capacity_edge_wait_s: float = Field(180.0, ge=1)
     #: How often idle edges are looked for.
