@@ -13,6 +13,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from dsec.apiserver.app import create_api_app
+from dsec.apiserver.tenancy import ApiServerSettings
+from dsec.cluster.providers import make_provider
 from dsec.config import EdgeSettings
 from dsec.edge import Edge
 from dsec.edge.local import LocalEdge
@@ -138,11 +140,14 @@ def apiserver_app(data_dir: Path, edges: dict[str, str], database: str | None = 
             _secret_file(data_dir / "admin-token", created)
             log.warning("issued the admin token: %s", data_dir / "admin-token")
     cluster = os.environ.get("DSEC_CLUSTER_TOKEN") or _secret_file(data_dir / "cluster-token")
+    settings = ApiServerSettings()
     return create_api_app(
         iam=iam,
         cluster_token=cluster,
         remote_edges=edges,
         compat_auth=os.environ.get("DSEC_COMPAT_AUTH", "1") != "0",
+        settings=settings,
+        provider=make_provider(settings.node_provider, settings.cluster_dir),
     )
 
 

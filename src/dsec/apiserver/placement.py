@@ -50,6 +50,7 @@ class EdgeView:
     lost: bool = False  # given up (see the module); until it answers again
     gone: asyncio.Event = field(default_factory=asyncio.Event)  # set while lost: in-flight calls end
     lost_after_s: float = LOST_AFTER_S
+    draining: bool = False  # takes no new placements (dsec.apiserver.capacity)
 
     @property
     def healthy(self) -> bool:
@@ -322,7 +323,7 @@ class EdgeDirectory:
         runs = [
             v
             for v in self.views.values()
-            if v.healthy and v.status is not None and spec.backend in v.status.backends
+            if v.healthy and not v.draining and v.status is not None and spec.backend in v.status.backends
         ]
         tier = [v for v in runs if spec.image in v.status.images]  # type: ignore[union-attr]
         if not tier:  # no edge holds it: those with a registry pull it at create (EdgeStatus.registry)
@@ -333,7 +334,7 @@ class EdgeDirectory:
 
     def _refuse(self, spec: SandboxSpec) -> None:
         """Why no edge can take `spec` (candidates found none): the first filter that failed."""
-        healthy = [v for v in self.views.values() if v.healthy]
+        healthy = [v for v in self.views.values() if v.healthy and not v.draining]
         if not healthy:
             raise errors.Unavailable(
                 "no healthy edge is registered; start `dsec edge` or wait for it to register"

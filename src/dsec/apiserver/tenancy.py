@@ -18,7 +18,7 @@ import re
 import secrets
 from collections.abc import Iterable, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import parse_qs
 
 from prometheus_client import CollectorRegistry
@@ -36,7 +36,7 @@ Scope = set[str] | None  # a principal's visible projects; None: all (an admin)
 OPEN_PATHS = frozenset({"/v1/health", "/v1/version", "/v1/ping"})
 _ADMIN_ONLY = re.compile(
     r"^(?:POST /v1/(?:projects|principals|pools|pools/prewarm|images/build|images/import"
-    r"|principals/[^/]+/(?:rotate|revoke))"
+    r"|principals/[^/]+/(?:rotate|revoke)|edges/[^/]+/(?:drain|undrain))"
     r"|GET /v1/principals)$"
 )
 _SANDBOXFUSION_TOKEN = re.compile(r"^/sandboxfusion/([^/]+)/run_(?:code|jupyter)$")
@@ -58,6 +58,32 @@ class ApiServerSettings(BaseSettings):
     edge_lost_after_s: float = Field(5.0, ge=1.0, le=3600.0)
     #: How long a lost sandbox's id keeps answering sandbox_lost (then: not found).
     lost_memory_s: float = 86400.0
+    #: Where more edges come from when announced bursts do not fit, and where idle ones go:
+    #: "local" (the `dsec cluster up` cluster in cluster_dir), "kubernetes" (placeholder pods a
+    #: cluster autoscaler turns into nodes; DSEC_K8S_*), or none.
+    node_provider: Literal["none", "local", "kubernetes"] = "none"
+    #: The local provider's cluster (set by `dsec cluster up` for its apiservers).
+    cluster_dir: Path | None = None
+    #: An edge the node provider holds that has had no sandbox (pooled ones too) this long
+    #: drains (no new placements) and is then released through the provider. None: never.
+    idle_drain_after_s: float | None = Field(None, gt=0)
+    #: Idle release never goes below this many edges (0: down to zero).
+    min_edges: int = Field(0, ge=0)
+    #: The provider is never asked to go above this many edges.
+    max_edges: int = Field(64, ge=1, le=10000)
+    #: The largest burst one announcement may ask for (POST /v1/capacity).
+    capacity_max_count: int = Field(10000, ge=1, le=100000)
+    #: Bursts pending at once (scheduled or being provisioned).
+    capacity_max_bursts: int = Field(100, ge=1)
+    #: A burst's pools are pre-warmed this long before its time (at most 240 s: an edge keeps a
+    #: prewarm's boost 300 s).
+    capacity_lead_s: float = Field(120.0, ge=0, le=240)
+    #: The edges a burst pre-warmed on are never idle-released before this long past its time.
+    capacity_hold_s: float = Field(300.0, ge=0)
+    #: How long a burst waits for the edges it asked the provider for.
+    capacity_edge_wait_s: float = Field(180.0, ge=1)
+    #: How often idle edges are looked for.
+    capacity_interval_s: float = Field(1.0, gt=0)
     #: A token that may read /metrics (for Prometheus) without being an IAM principal.
     metrics_token: str | None = None
     #: ...or a file holding it (read at start).

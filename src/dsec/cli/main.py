@@ -118,15 +118,24 @@ def cluster_up(
     registry: Annotated[
         bool, typer.Option(help="run an OCI registry the edges pull images and push snapshots through")
     ] = True,
+    elastic: Annotated[
+        bool, typer.Option(help="the apiservers add edges for announced bursts (node provider: local)")
+    ] = False,
+    idle_drain_after: Annotated[
+        float | None, typer.Option(help="with --elastic: release edges idle this many seconds")
+    ] = None,
     json_out: JsonOut = False,
 ) -> None:
     """Start PostgreSQL, an OCI registry, N apiservers and M edges (each a host of its own:
     network namespace, address, data directory); `dsec cluster down` removes them."""
     from dsec.cluster import local
 
+    env = {"DSEC_APISERVER_NODE_PROVIDER": "local"} if elastic else {}
+    if elastic and idle_drain_after is not None:
+        env["DSEC_APISERVER_IDLE_DRAIN_AFTER_S"] = str(idle_drain_after)
     try:
         state = local.up(
-            directory, apiservers=apiservers, edges=edges, seed_layers=seed_layers, registry=registry
+            directory, apiservers=apiservers, edges=edges, seed_layers=seed_layers, env=env, registry=registry
         )
     except errors.DsecError as e:
         _fail(e)
@@ -158,9 +167,57 @@ def cluster_down(
         _fail(e)
 
 
-@app.command("edge")
+@cluster_app.command("add-edge")
+def cluster_add_edge(
+    count: Annotated[int, typer.Option("--count", "-n", help="edges to add")] = 1,
+    directory: ClusterDir = Path("/var/lib/dsec/cluster"),
+    json_out: JsonOut = False,
+) -> None:
+    """Add edges to a running `dsec cluster up` cluster (each in a namespace of its own)."""
+    from dsec.cluster import local
+
+    try:
+        added = local.add_edge(directory, count, wait_s=120)
+    except errors.DsecError as e:
+        _fail(e)
+        return
+    out = [{"name": m.name, "pid": m.pid, "netns": m.netns, "address": m.address} for m in added]
+    if json_out:
+        print(json.dumps({"edges": out}))
+        return
+    for m in out:
+        console.print(f"{m['name']} ({m['netns']}, {m['address']}), pid {m['pid']}")
+
+
+@cluster_app.command("remove-edge")
+def cluster_remove_edge(
+    edge: Annotated[str, typer.Argument(help="the edge's name")],
+    directory: ClusterDir = Path("/var/lib/dsec/cluster"),
+) -> None:
+    """Stop an edge of the cluster (its sandboxes stop too) and remove its namespace and data;
+    drain it first (`dsec edge drain`) and wait for its sandboxes to end, for a gentle removal."""
+    from dsec.cluster import local
+
+    try:
+        if not local.remove_edge(directory, edge):
+            raise errors.NotFound(f"the cluster in {directory} has no edge {edge!r}")
+    except errors.DsecError as e:
+        _fail(e)
+
+
+edge_app = typer.Typer(
+    help="Run a node agent (`dsec edge --apiserver URL ...`), or drain and undrain edges.",
+    invoke_without_command=True,
+)
+app.add_typer(edge_app, name="edge")
+
+
+@edge_app.callback()
 def edge_cmd(
-    apiserver: Annotated[list[str], typer.Option(help="apiserver URL to register with (repeatable)")],
+    ctx: typer.Context,
+    apiserver: Annotated[
+        list[str] | None, typer.Option(help="apiserver URL to register with (repeatable)")
+    ] = None,
     name: str = "n1",
     host: str = "127.0.0.1",
     port: int = 8421,
@@ -168,18 +225,49 @@ def edge_cmd(
     data_dir: DataDir = Path("/var/lib/dsec"),
     run_dir: Path = Path("/run/dsec"),
     token: Annotated[str | None, typer.Option(envvar="DSEC_CLUSTER_TOKEN", help="cluster token")] = None,
-    max_sandboxes: int = 4000,
+    max_sandboxes: Annotated[int, typer.Option(envvar="DSEC_EDGE_MAX_SANDBOXES")] = 4000,
     keep_sandboxes: Annotated[bool, typer.Option(help="leave sandboxes running at shutdown")] = True,
     verbose: bool = False,
 ) -> None:
-    """Run a node agent that registers with apiservers."""
+    """Run a node agent that registers with apiservers (with no subcommand)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if not apiserver:
+        raise typer.BadParameter("give the apiservers to register with", param_hint="--apiserver")
     from dsec.config import EdgeSettings
-    from dsec.service import edge_app, serve
+    from dsec.service import edge_app as make_edge_app
+    from dsec.service import serve
 
     _logging(verbose)
     cluster = token or (data_dir / "cluster-token").read_text().strip()
     settings = EdgeSettings(name=name, data_dir=data_dir, run_dir=run_dir, max_sandboxes=max_sandboxes)
-    serve(edge_app(settings, url or f"http://{host}:{port}", apiserver, cluster, keep_sandboxes), host, port)
+    serve(
+        make_edge_app(settings, url or f"http://{host}:{port}", apiserver, cluster, keep_sandboxes),
+        host,
+        port,
+    )
+
+
+@edge_app.command("drain")
+def edge_drain(edge: Annotated[str, typer.Argument(help="the edge's name (dsec status)")]) -> None:
+    """No new placements on EDGE (maintenance); its sandboxes keep working. Admins only."""
+    try:
+        with _client() as c:
+            c.drain_edge(edge)
+    except errors.DsecError as e:
+        _fail(e)
+    err_console.print(f"edge {edge} is draining: no new placements; its sandboxes keep working")
+
+
+@edge_app.command("undrain")
+def edge_undrain(edge: Annotated[str, typer.Argument(help="the edge's name")]) -> None:
+    """EDGE takes placements again. Admins only."""
+    try:
+        with _client() as c:
+            c.undrain_edge(edge)
+    except errors.DsecError as e:
+        _fail(e)
+    err_console.print(f"edge {edge} takes placements again")
 
 
 # --- images ----------------------------------------------------------------------------
@@ -492,7 +580,7 @@ def status(as_json: JsonOut = False) -> None:
     t = Table("edge", "sandboxes", "pooled", "cpu used", "memory used (MB)", "images")
     for ed in edges:
         t.add_row(
-            ed.name,
+            ed.name + (" (draining)" if ed.draining else ""),
             str(ed.sandboxes),
             str(int(ed.used.get("pooled", 0))),
             f"{ed.used.get('cpu', 0):g}",

@@ -6,6 +6,7 @@ import asyncio
 import builtins
 import contextlib
 from collections.abc import AsyncIterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Unpack
 
@@ -17,6 +18,8 @@ from dsec.client._base import Call, Request, SpecOptions, StepArg, T
 from dsec.client._wire import AsyncWire, usable
 from dsec.models import (
     BackendInfo,
+    Burst,
+    CapacityRequest,
     Checkpoint,
     EdgeStatus,
     ExecResult,
@@ -263,6 +266,43 @@ class AsyncClient(_base.AsyncEndsOnExit):
 
     async def delete_checkpoint(self, checkpoint_id: str) -> None:
         await self._call(_base.delete_checkpoint(checkpoint_id))
+
+    async def announce_capacity(
+        self,
+        project: str,
+        count: int,
+        image: str = "python",
+        *,
+        when: float | datetime = 0.0,
+        backend: str = "container",
+        cpu: float = 1.0,
+        memory_mb: int = 1024,
+    ) -> Burst:
+        """Announce a burst: ``count`` sandboxes of this shape will be created in ``project`` at
+        ``when`` (seconds from now, or a time with its timezone). dsec pre-warms pools for them
+        across the edges, adding edges through its node provider when they are short."""
+        req = CapacityRequest(
+            project=project,
+            count=count,
+            image=image,
+            when=when,
+            backend=backend,
+            cpu=cpu,
+            memory_mb=memory_mb,
+        )
+        return await self._call(_base.announce_capacity(req))
+
+    async def capacity(self) -> builtins.list[Burst]:
+        """Announced bursts (of the caller's projects; admins: all) and what was done for each."""
+        return await self._call(_base.capacity())
+
+    async def drain_edge(self, name: str) -> dict[str, Any]:
+        """Admins: edge ``name`` takes no new placements; its sandboxes keep working."""
+        return await self._call(_base.drain_edge(name))
+
+    async def undrain_edge(self, name: str) -> dict[str, Any]:
+        """Admins: edge ``name`` takes placements again."""
+        return await self._call(_base.undrain_edge(name))
 
     async def prewarm(self, count: int, image: str = "python", **spec: Unpack[SpecOptions]) -> dict[str, Any]:
         """Keep ``count`` sandboxes of this spec warm in a pool; returns the PoolInfo."""

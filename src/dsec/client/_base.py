@@ -746,6 +746,28 @@ def prewarm(count: int, spec: wire.SandboxSpec) -> Call[dict[str, Any]]:
     return Call(Request("POST", "/v1/pools/prewarm", json={"spec": _dump(spec), "count": count}), _json)
 
 
+def _edge(name: str) -> str:
+    if not name or "/" in name or "\0" in name:
+        raise errors.InvalidRequest(f"edge {name!r} must be an edge's name")
+    return quote(name, safe="")
+
+
+def drain_edge(name: str) -> Call[dict[str, Any]]:
+    return Call(Request("POST", f"/v1/edges/{_edge(name)}/drain", idempotent=True), _json)
+
+
+def undrain_edge(name: str) -> Call[dict[str, Any]]:
+    return Call(Request("POST", f"/v1/edges/{_edge(name)}/undrain", idempotent=True), _json)
+
+
+def announce_capacity(request: wire.CapacityRequest) -> Call[wire.Burst]:
+    return Call(Request("POST", "/v1/capacity", json=request.model_dump(mode="json")), _model(wire.Burst))
+
+
+def capacity() -> Call[list[wire.Burst]]:
+    return Call(Request("GET", "/v1/capacity", idempotent=True), _models(wire.Burst, "bursts"))
+
+
 def _principal_path(principal: str | None, action: str) -> str:
     if principal is None:
         return f"/v1/token/{action}"  # the caller's own token

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Unpack
 
@@ -19,6 +20,8 @@ from dsec.client._base import Call, Request, SpecOptions, StepArg, T
 from dsec.client._wire import Wire, usable
 from dsec.models import (
     BackendInfo,
+    Burst,
+    CapacityRequest,
     Checkpoint,
     EdgeStatus,
     ExecResult,
@@ -253,6 +256,43 @@ class Client(_base.EndsOnExit):
 
     def delete_checkpoint(self, checkpoint_id: str) -> None:
         self._call(_base.delete_checkpoint(checkpoint_id))
+
+    def announce_capacity(
+        self,
+        project: str,
+        count: int,
+        image: str = "python",
+        *,
+        when: float | datetime = 0.0,
+        backend: str = "container",
+        cpu: float = 1.0,
+        memory_mb: int = 1024,
+    ) -> Burst:
+        """Announce a burst: ``count`` sandboxes of this shape will be created in ``project`` at
+        ``when`` (seconds from now, or a time with its timezone). dsec pre-warms pools for them
+        across the edges, adding edges through its node provider when they are short."""
+        req = CapacityRequest(
+            project=project,
+            count=count,
+            image=image,
+            when=when,
+            backend=backend,
+            cpu=cpu,
+            memory_mb=memory_mb,
+        )
+        return self._call(_base.announce_capacity(req))
+
+    def capacity(self) -> builtins.list[Burst]:
+        """Announced bursts (of the caller's projects; admins: all) and what was done for each."""
+        return self._call(_base.capacity())
+
+    def drain_edge(self, name: str) -> dict[str, Any]:
+        """Admins: edge ``name`` takes no new placements; its sandboxes keep working."""
+        return self._call(_base.drain_edge(name))
+
+    def undrain_edge(self, name: str) -> dict[str, Any]:
+        """Admins: edge ``name`` takes placements again."""
+        return self._call(_base.undrain_edge(name))
 
     def prewarm(self, count: int, image: str = "python", **spec: Unpack[SpecOptions]) -> dict[str, Any]:
         """Keep ``count`` sandboxes of this spec warm in a pool; returns the PoolInfo."""

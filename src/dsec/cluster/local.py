@@ -20,6 +20,7 @@ images); each edge keeps its own from then on.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import ipaddress
 import json
 import os
@@ -29,6 +30,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +70,9 @@ class ClusterState:
     registry_pid: int = 0
     apiservers: list[Member] = field(default_factory=list)
     edges: list[Member] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # given to up; edges added later get it too
+    next_edge: int = 0  # the index of the next edge's name (never reused: add_edge, remove_edge)
+    seed_layers: str = "/var/lib/dsec/layers"  # what every edge's layer store starts as
 
     def save(self) -> None:
         path = Path(self.dir) / STATE
@@ -102,6 +107,144 @@ class ClusterState:
         }
 
 
+PYTHON = [sys.executable, "-m", "dsec.cli"]
+
+
+def _base_env(state: ClusterState) -> dict[str, str]:
+    """Every process's environment: ours, what `up` was given, the cluster's token, database
+    and directory (an apiserver whose node provider is `local` adds edges to it)."""
+    return {
+        **os.environ,
+        **state.env,
+        "DSEC_CLUSTER_TOKEN": state.cluster_token,
+        "DSEC_DATABASE": state.database,
+        "DSEC_APISERVER_CLUSTER_DIR": state.dir,
+    }
+
+
+def _start_edge(state: ClusterState) -> Member:
+    """Start one more edge: a namespace joined to the bridge, its own data dir and layer store,
+    the process (recorded in cluster.json at once, so `down` finds it whatever happens next)."""
+    d = Path(state.dir)
+    subnet = ipaddress.IPv4Network(state.subnet)
+    hosts = list(subnet.hosts())
+    bridge_ip = str(hosts[0])
+    taken = {e.address for e in state.edges}
+    free = [str(h) for h in hosts[9:] if str(h) not in taken]
+    if not free:
+        raise Unavailable(f"no free address left in {subnet} for another edge")
+    j = state.next_edge
+    state.next_edge += 1
+    name = f"c{state.id}e{j}"
+    ns, veth, addr = f"dsec-{name}", f"dsv{state.id}{j}", free[0]
+    _ip("netns", "add", ns)
+    member = Member(name, 0, url=f"http://{addr}:{EDGE_PORT}", netns=ns, address=addr, veth=veth)
+    state.edges.append(member)
+    state.save()  # (the namespace is ours from here: down removes it)
+    _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+    _ip("link", "set", veth, "master", state.bridge, "up")
+    _ip("-n", ns, "addr", "add", f"{addr}/{subnet.prefixlen}", "dev", "eth0")
+    _ip("-n", ns, "link", "set", "eth0", "up")
+    _ip("-n", ns, "link", "set", "lo", "up")
+    _ip("-n", ns, "route", "add", "default", "via", bridge_ip)
+    home = d / "edges" / name
+    home.mkdir(parents=True, exist_ok=True)
+    seed = Path(state.seed_layers)
+    if seed.is_dir() and not (home / "layers").exists():
+        subprocess.run(["cp", "-al", str(seed), str(home / "layers")], check=True)
+    edge_env = {**_base_env(state), "DSEC_EDGE_LAYERS_DIR": str(home / "layers")}
+    edge_env.pop("DSEC_DATABASE")
+    if state.registry:
+        edge_env["DSEC_EDGE_REGISTRY"] = state.registry
+    args = ["edge", *[a for api in state.apiservers for a in ("--apiserver", api.url)],
+            "--name", name, "--host", addr, "--port", str(EDGE_PORT),
+            "--url", member.url, "--data-dir", str(home),
+            "--run-dir", state.run_dir, "--no-keep-sandboxes"]  # fmt: skip
+    # only the network namespace: the host's mounts and cgroups, as a node's own
+    argv = ["nsenter", f"--net=/run/netns/{ns}", "--", *PYTHON, *args]
+    member.pid = _spawn(argv, edge_env, d / "logs" / f"{name}.log").pid
+    state.save()
+    return member
+
+
+@contextlib.contextmanager
+def _locked(d: Path, timeout: float = 120.0, *, new: bool = False) -> Iterator[None]:
+    """One change of a cluster's state at a time (up, add_edge, remove_edge, down)."""
+    if not new and not (d / STATE).exists():
+        raise InvalidRequest(f"no cluster in {d}: start one with `dsec cluster up --dir {d}`")
+    with open(d / "cluster.lock", "a") as f:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise Unavailable(f"the cluster in {d} is busy (another add, remove or down)") from None
+                time.sleep(0.05)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def add_edge(d: Path, n: int = 1, *, wait_s: float = 0.0) -> list[Member]:
+    """Add `n` edges to the running cluster in `d` (each as `up` makes them); with `wait_s`,
+    wait that long for every apiserver to see them healthy."""
+    if not 1 <= n <= 64:
+        raise InvalidRequest(f"add 1-64 edges at a time, not {n}")
+    with _locked(d):
+        state = ClusterState.load(d)
+        if len(state.edges) + n > 64:
+            raise InvalidRequest(f"a local cluster has at most 64 edges ({len(state.edges)} run)")
+        added = [_start_edge(state) for _ in range(n)]
+    if wait_s > 0:
+        _wait_registered(state, [m.name for m in added], wait_s)
+    return added
+
+
+def remove_edge(d: Path, name: str) -> bool:
+    """Stop edge `name` of the cluster in `d` (it stops its sandboxes), remove its namespace,
+    its link, its mounts and its data; False if the cluster has no such edge."""
+    with _locked(d):
+        state = ClusterState.load(d)
+        member = next((e for e in state.edges if e.name == name), None)
+        if member is None:
+            return False
+        _stop([member], "edge")
+        remove_edge_leftovers(name)  # (an edge that had died could not stop its own)
+        _ip("netns", "del", member.netns, check=False)
+        _ip("link", "del", member.veth, check=False)
+        _unmount_under(Path(state.run_dir) / name)
+        shutil.rmtree(Path(state.run_dir) / name, ignore_errors=True)
+        shutil.rmtree(d / "edges" / name, ignore_errors=True)
+        state.edges = [e for e in state.edges if e.name != name]
+        state.save()
+    return True
+
+
+def _wait_registered(state: ClusterState, names: list[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    headers = {"Authorization": f"Bearer {state.token}"}
+    for api in state.apiservers:
+        while True:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                r = httpx.get(api.url + "/v1/edges", headers=headers, timeout=2)
+                seen = {e["name"] for e in r.json().get("edges", []) if e.get("healthy")}
+                if r.status_code == 200 and set(names) <= seen:
+                    break
+            if time.monotonic() > deadline:
+                raise Unavailable(f"{api.url} did not see edges {names} within {timeout:.0f} s")
+            time.sleep(0.2)
+
+
+def _unmount_under(path: Path) -> None:
+    from dsec.isolation.procs import mounts_under, unmount_all
+
+    for m in sorted(mounts_under(path), key=len, reverse=True):
+        unmount_all(Path(m))
+
+
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     r = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
     if check and r.returncode != 0:
@@ -126,9 +269,12 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
+_CHILDREN: dict[int, subprocess.Popen[bytes]] = {}  # what this process started, until _stop reaps it
+
+
 def _spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     with open(log, "ab") as f:
-        return subprocess.Popen(
+        p = subprocess.Popen(
             argv,
             env=env,
             stdout=f,
@@ -136,6 +282,8 @@ def _spawn(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
+    _CHILDREN[p.pid] = p  # (a Popen dropped while its process runs warns)
+    return p
 
 
 def _ours(pid: int, needle: str) -> bool:
@@ -167,11 +315,27 @@ def up(
     (d / "logs").mkdir(exist_ok=True)
     cid = secrets.token_hex(2)
     subnet = _free_subnet()
+    with _locked(d, new=True):
+        return _up(d, cid, subnet, apiservers, edges, seed_layers, env, timeout, registry)
+
+
+def _up(
+    d: Path,
+    cid: str,
+    subnet: ipaddress.IPv4Network,
+    apiservers: int,
+    edges: int,
+    seed_layers: Path,
+    env: dict[str, str] | None,
+    timeout: float,
+    registry: bool,
+) -> ClusterState:
     hosts = list(subnet.hosts())
     bridge_ip = str(hosts[0])
     state = ClusterState(
         id=cid, dir=str(d), bridge=f"dsecc{cid}", subnet=str(subnet), database="", token="",
         cluster_token="dsec_" + secrets.token_urlsafe(32), postgres={}, run_dir=f"/run/dsec-c{cid}",
+        env=dict(env or {}), seed_layers=str(seed_layers),
     )  # fmt: skip
     try:
         _ip("link", "add", state.bridge, "type", "bridge")
@@ -189,48 +353,15 @@ def up(
             state.registry = reg.url
             state.registry_pid = reg.pid
             state.save()
-        base = {
-            **os.environ,
-            **(env or {}),
-            "DSEC_CLUSTER_TOKEN": state.cluster_token,
-            "DSEC_DATABASE": state.database,
-        }
-        python = [sys.executable, "-m", "dsec.cli"]
+        base = _base_env(state)
         for i in range(apiservers):
             port = _free_port(bridge_ip)
             args = ["apiserver", "--host", bridge_ip, "--port", str(port), "--data-dir", str(d / f"api{i}")]
-            p = _spawn([*python, *args], base, d / "logs" / f"api{i}.log")
+            p = _spawn([*PYTHON, *args], base, d / "logs" / f"api{i}.log")
             state.apiservers.append(Member(f"api{i}", p.pid, url=f"http://{bridge_ip}:{port}"))
             state.save()
-        for j in range(edges):
-            name = f"c{cid}e{j}"
-            ns, veth, addr = f"dsec-{name}", f"dsv{cid}{j}", str(hosts[9 + j])
-            _ip("netns", "add", ns)
-            _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _ip("link", "set", veth, "master", state.bridge, "up")
-            _ip("-n", ns, "addr", "add", f"{addr}/{subnet.prefixlen}", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "route", "add", "default", "via", bridge_ip)
-            home = d / "edges" / name
-            home.mkdir(parents=True, exist_ok=True)
-            if seed_layers.is_dir() and not (home / "layers").exists():
-                subprocess.run(["cp", "-al", str(seed_layers), str(home / "layers")], check=True)
-            edge_env = {**base, "DSEC_EDGE_LAYERS_DIR": str(home / "layers")}
-            if state.registry:
-                edge_env["DSEC_EDGE_REGISTRY"] = state.registry
-            edge_env.pop("DSEC_DATABASE")
-            args = ["edge", *[a for api in state.apiservers for a in ("--apiserver", api.url)],
-                    "--name", name, "--host", addr, "--port", str(EDGE_PORT),
-                    "--url", f"http://{addr}:{EDGE_PORT}", "--data-dir", str(home),
-                    "--run-dir", state.run_dir, "--no-keep-sandboxes"]  # fmt: skip
-            # only the network namespace: the host's mounts and cgroups, as a node's own
-            argv = ["nsenter", f"--net=/run/netns/{ns}", "--", *python, *args]
-            p = _spawn(argv, edge_env, d / "logs" / f"{name}.log")
-            state.edges.append(
-                Member(name, p.pid, url=f"http://{addr}:{EDGE_PORT}", netns=ns, address=addr, veth=veth)
-            )
-            state.save()
+        for _ in range(edges):
+            _start_edge(state)
         _wait_healthy(state, edges, timeout)
         admin = None
         deadline = time.monotonic() + 30
@@ -246,7 +377,7 @@ def up(
         state.save()
     except BaseException:
         with contextlib.suppress(Exception):
-            down(d, purge=False)
+            _down(d, purge=False)
         raise
     return state
 
@@ -289,6 +420,10 @@ def _stop(members: list[Member], needle: str, timeout: float = 60.0) -> None:
                 os.kill(m.pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(m.pid, 0)
+    for m in members:
+        child = _CHILDREN.pop(m.pid, None)
+        if child is not None:
+            child.poll()  # (reaped above: it records the exit, so nothing warns)
 
 
 def remove_edge_leftovers(edge: str) -> list[str]:
@@ -306,8 +441,13 @@ def remove_edge_leftovers(edge: str) -> list[str]:
 
 def down(d: Path, *, purge: bool = False) -> None:
     """Remove everything `up` made in `d`: edges (they stop their sandboxes; the sandboxes of
-    an edge that died are killed here), apiservers, PostgreSQL, the namespaces, the bridge,
-    the run directory; with `purge`, `d` too."""
+    an edge that died are killed here), apiservers, PostgreSQL, the registry, the namespaces,
+    the bridge, the run directory; with `purge`, `d` too."""
+    with _locked(d):
+        _down(d, purge)
+
+
+def _down(d: Path, purge: bool) -> None:
     state = ClusterState.load(d)
     _stop(state.edges, "edge")
     for e in state.edges:
@@ -334,11 +474,9 @@ def down(d: Path, *, purge: bool = False) -> None:
     _ip("link", "del", state.bridge, check=False)
     run = Path(state.run_dir)
     if run.exists():
-        from dsec.isolation.procs import mounts_under, unmount_all
-
-        for m in sorted(mounts_under(run), key=len, reverse=True):
-            unmount_all(Path(m))
+        _unmount_under(run)
         shutil.rmtree(run, ignore_errors=True)
     (d / STATE).unlink(missing_ok=True)
+    (d / "cluster.lock").unlink(missing_ok=True)
     if purge:
         shutil.rmtree(d, ignore_errors=True)

@@ -4,6 +4,10 @@ each declared once, in modules by subject. This package imports nothing of the s
 
 from __future__ import annotations
 
+from dsec.models.capacity import (
+    Burst,
+    CapacityRequest,
+)
 from dsec.models.fncall import (
     PROJECT_DOC,
     WORKER_BACKEND,
@@ -95,6 +99,8 @@ __all__ = [
     "BatchCreate",
     "BatchStop",
     "BuildRequest",
+    "Burst",
+    "CapacityRequest",
     "Cell",
     "Checkpoint",
     "CheckpointRequest",

@@ -297,6 +297,9 @@ class EdgeStatus(_Model):
     registry: bool = Field(
         default=False, description="pulls an image it lacks from an OCI registry at its first create"
     )
+    draining: bool = Field(
+        False, description="takes no new placements (set by the apiserver: drain, idle release)"
+    )
 
 
 class SnapshotInfo(_Model):

@@ -139,7 +139,9 @@ def _install_edge_routes(app: FastAPI, st: ApiServerState, principal: _Principal
         """Admins: every edge's status. Tenants: without other projects, their snapshots and
         sandbox ids, or the edges' internal addresses."""
         scope = st.iam.visible_projects(principal(request))
-        statuses = [v.status for v in directory.views.values() if v.status]
+        statuses = [
+            v.status.model_copy(update={"draining": v.draining}) for v in directory.views.values() if v.status
+        ]
         if scope is None:
             return {"edges": [s.model_dump(mode="json") for s in statuses]}
         vis = await _visibility(st, scope)

@@ -64,7 +64,11 @@ async def _place(st: ApiServerState, spec: SandboxSpec) -> SandboxInfo:
     # registry at create (an edge with one) or gets it relayed through this process (a snapshot
     # made on one edge restores on any).
     others = sorted(
-        (v for v in st.directory.views.values() if v.healthy and v not in holders and v.status is not None),
+        (
+            v
+            for v in st.directory.views.values()
+            if v.healthy and not v.draining and v not in holders and v.status is not None
+        ),
         key=lambda v: v.load(spec),
     )
     for view in others:

@@ -20,6 +20,7 @@ from dsec.apiserver.app.admin_routes import (
     _install_image_pool_routes,
     _install_pool_routes,
 )
+from dsec.apiserver.app.capacity_routes import _install_capacity_routes
 from dsec.apiserver.app.control import (
     _candidates,
     _reconcile_quota,
@@ -36,6 +37,7 @@ from dsec.apiserver.app.sandbox_routes import (
     _install_trajectory_routes,
 )
 from dsec.apiserver.app.state import ApiServerState, EventBus, Metrics, _PrincipalFn
+from dsec.apiserver.capacity import Capacity
 from dsec.apiserver.edges import HttpEdge
 from dsec.apiserver.placement import EdgeDirectory
 from dsec.apiserver.tenancy import (
@@ -44,6 +46,7 @@ from dsec.apiserver.tenancy import (
     make_guard,
     metrics_scope,
 )
+from dsec.cluster.provider import NodeProvider
 from dsec.compat.sandboxfusion import sandboxfusion_router
 from dsec.compat.swerex import swerex_router
 from dsec.edgeapi import EdgeAPI
@@ -81,6 +84,7 @@ def create_api_app(
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
     compat_auth: bool = True,
     settings: ApiServerSettings | None = None,
+    provider: NodeProvider | None = None,
 ) -> FastAPI:
     settings = settings or ApiServerSettings()
     directory = EdgeDirectory(poll_interval_s=poll_interval_s, lost_after_s=settings.edge_lost_after_s)
@@ -90,6 +94,7 @@ def create_api_app(
         directory.add(HttpEdge(name, url, cluster_token))
     st = ApiServerState(iam, directory, cluster_token, Metrics(), EventBus())
     watch_node_loss(st)
+    capacity = Capacity(directory, iam, settings, provider, st.events.publish)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -97,6 +102,7 @@ def create_api_app(
             await extra_lifespan()
         await directory.poll_once()
         directory.start()
+        capacity.start()
         reconcile = asyncio.create_task(
             _reconcile_quota(
                 st, settings.reconcile_interval_s, settings.reservation_grace_s, settings.lost_memory_s
@@ -108,6 +114,7 @@ def create_api_app(
             reconcile.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reconcile
+            await capacity.close()
             if on_shutdown is not None:
                 await on_shutdown()
             await directory.close()
@@ -119,6 +126,7 @@ def create_api_app(
         description="Elastic sandboxes for agentic RL. See docs/API.md.",
     )
     app.state.dsec = st
+    app.state.capacity = capacity
     install_error_handlers(app)
     express = Express()
     guard = make_guard(iam, cluster_token, compat_auth=compat_auth, metrics_token=settings.metrics_secret())
@@ -161,6 +169,7 @@ def create_api_app(
     _install_pool_routes(app, st, principal, require_admin)
     _install_edge_routes(app, st, principal)
     _install_iam_routes(app, st, principal, require_admin)
+    _install_capacity_routes(app, st, capacity, principal, require_admin)
 
     @app.exception_handler(errors.AuthError)
     async def _auth_error(_: Request, exc: errors.AuthError) -> JSONResponse:
