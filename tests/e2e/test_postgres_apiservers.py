@@ -272,3 +272,34 @@ def test_a_postgres_crash_under_load_neither_over_admits_nor_leaks(
             with pytest.raises(errors.QuotaExceeded):
                 cl.create("python", memory_mb=32, project="pgl")
             cl.stop_many([s.id for s in made])
+
+
+def test_a_drain_through_one_apiserver_holds_on_all(tmp_path, python_image, pg_url):
+    """An admin's drain is kept in the database: every apiserver stops placing on the edge
+    (its sandboxes keep working), and an undrain through another apiserver ends it."""
+    with _cluster(tmp_path, pg_url) as (urls, _procs, admin):
+        hdr = {"Authorization": f"Bearer {admin}"}
+        with Client(urls[2], admin) as c:
+            kept = c.create("python", memory_mb=32)
+        assert httpx.post(f"{urls[0]}/v1/edges/pf1/drain", headers=hdr, timeout=10).status_code == 200
+
+        def draining(url: str) -> bool:
+            edges = httpx.get(f"{url}/v1/edges", headers=hdr, timeout=10).json()["edges"]
+            return any(e["name"] == "pf1" and e["draining"] for e in edges)
+
+        deadline = time.monotonic() + 10
+        while not all(draining(u) for u in urls):
+            assert time.monotonic() < deadline, "the drain did not reach every apiserver"
+            time.sleep(0.2)
+        with Client(urls[2], admin, retries=0) as c:
+            with pytest.raises((errors.Unavailable, errors.CapacityExhausted, errors.InvalidRequest)):
+                c.create("python", memory_mb=32)
+            assert c.sandbox(kept.id).exec("echo still").stdout == "still\n"
+        assert httpx.post(f"{urls[1]}/v1/edges/pf1/undrain", headers=hdr, timeout=10).status_code == 200
+        deadline = time.monotonic() + 10
+        while any(draining(u) for u in urls):
+            assert time.monotonic() < deadline, "the undrain did not reach every apiserver"
+            time.sleep(0.2)
+        with Client(urls[2], admin) as c:
+            c.create("python", memory_mb=32).stop()
+            c.sandbox(kept.id).stop()

@@ -141,6 +141,8 @@ class Capacity:
         mark = self.drains.get(name)
         if mark is None or reason == "admin":  # an admin's drain is never released by idleness
             self.drains[name] = Drain(reason, time.monotonic())
+        if reason == "admin":
+            self.iam.set_drained(name, True)  # every apiserver takes it up at its next tick
         view.draining = True
         self.publish("edge_draining", edge=name, reason=reason)
         log.warning("edge %s drains (%s): no new placements", name, reason)
@@ -148,6 +150,7 @@ class Capacity:
 
     def undrain(self, name: str) -> EdgeView:
         view = self._view(name)
+        self.iam.set_drained(name, False)
         self.drains.pop(name, None)
         self.released.pop(name, None)
         view.draining = False
@@ -339,6 +342,16 @@ class Capacity:
             self._managed = (time.monotonic(), names)
         return names
 
+    def _sync_admin_drains(self, now: float) -> None:
+        """An admin's drains are in the IAM's database, so every apiserver keeps them."""
+        with contextlib.suppress(errors.DsecError):  # (the database away: next tick)
+            shared = self.iam.drained_edges()
+            for name in shared - set(self.drains):
+                self.drains[name] = Drain("admin", now)
+            for name, held in list(self.drains.items()):
+                if held.reason == "admin" and name not in shared:
+                    del self.drains[name]
+
     async def tick(self) -> None:
         """One round: keep drains on (re-registered views), undrain idle-drained edges that got
         busy, drain idle ones, release drained ones that stayed empty."""
@@ -346,6 +359,7 @@ class Capacity:
         for name, at in list(self.released.items()):
             if now - at > RELEASED_MEMORY_S:
                 del self.released[name]
+        self._sync_admin_drains(now)
         for name, view in list(self.directory.views.items()):
             if name in self.released and name not in self.drains:
                 self.drains[name] = Drain("released", now)

@@ -222,6 +222,22 @@ class Admission:
             cutoff = time.time() - older_than_s
             db.execute("DELETE FROM idempotency WHERE state = 'done' AND created_at < ?", (cutoff,))
 
+    # ------------------------------------------------------------------ drained edges
+
+    def set_drained(self, edge: str, drained: bool) -> None:
+        """An admin's drain of `edge` (or its end), for every apiserver to see."""
+        with self._write() as db:
+            if drained:
+                db.execute(
+                    "INSERT INTO edge_drains (edge, drained_at) VALUES (?, ?) ON CONFLICT DO NOTHING",
+                    (edge, time.time()),
+                )
+            else:
+                db.execute("DELETE FROM edge_drains WHERE edge = ?", (edge,))
+
+    def drained_edges(self) -> set[str]:
+        return {r[0] for r in self._read("SELECT edge FROM edge_drains")}
+
     # ------------------------------------------------------------------ lost edges
 
     def mark_edge_lost(self, edge: str) -> list[tuple[str, str]]:

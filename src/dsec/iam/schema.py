@@ -26,7 +26,8 @@ _MILLI = 1000
 # 5: lost_sandboxes (sandboxes of an edge that stopped answering, given up)
 # 6: idempotency (creates by idempotency key)
 # 7: trajectory_entries, trajectory_shipped (trajectory logs shipped by edges)
-_SCHEMA_VERSION = 7
+# 8: edge_drains (an admin's drains, seen by every apiserver)
+_SCHEMA_VERSION = 8
 _REVOKED = "revoked:"  # prefix of a revoked principal's token_hash: no SHA-256 hex matches it
 
 _SCHEMA = (
@@ -109,6 +110,7 @@ _SCHEMA = (
         scope TEXT,
         PRIMARY KEY (sandbox_id, seq)
     )""",
+    "CREATE TABLE IF NOT EXISTS edge_drains (edge TEXT PRIMARY KEY, drained_at REAL NOT NULL)",
     """CREATE TABLE IF NOT EXISTS trajectory_shipped (
         sandbox_id TEXT PRIMARY KEY,
         edge TEXT NOT NULL,
