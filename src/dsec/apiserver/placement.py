@@ -226,6 +226,8 @@ class EdgeDirectory:
         self.lost_after_s = lost_after_s
         self.k = k
         self._task: asyncio.Task[None] | None = None
+        self._lag: asyncio.Task[None] | None = None
+        self.stalled_until = 0.0  # no edge is given up before this (see _watch_lag)
         self.on_lost: LostHook | None = None  # an edge was given up (see the module)
         self.on_back: LostHook | None = None  # a given-up edge answers again
         self.is_lost: Callable[[str], bool] = lambda _sid: False  # a sandbox given up earlier
@@ -280,6 +282,8 @@ class EdgeDirectory:
         if not view.can_be_lost:
             return
         answered = view.failures == 0 and view.last_ok > 0
+        if time.monotonic() < self.stalled_until:
+            return  # this process could not listen (see _watch_lag): silence proves nothing
         if not view.lost and not answered and view.silent_for() >= self.lost_after_s:
             view.lost = True
             view.gone.set()
@@ -304,12 +308,29 @@ class EdgeDirectory:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="dsec-watcher")
+        self._lag = asyncio.create_task(self._watch_lag(), name="dsec-watcher-lag")
+
+    async def _watch_lag(self, tick: float = 0.1) -> None:
+        """An edge is judged by the answers this process heard. When this process's own event
+        loop stalls (a blocked call, CPU starvation, the IAM's database away), answers wait
+        unread and polls time out here, not there: no edge is given up until a full
+        `lost_after_s` has passed with the loop running freely again."""
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            if now - t > tick + 0.5:
+                self.stalled_until = now + self.lost_after_s
+                for v in self.views.values():  # what they answered before the stall counts from now
+                    v.last_ok = max(v.last_ok, now - self.lost_after_s / 2) if v.last_ok else v.last_ok
+                    v.failures = 0
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._lag):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for v in self.views.values():
             await v.api.aclose()
 
