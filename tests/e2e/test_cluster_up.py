@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -39,9 +41,19 @@ def _wait(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-d
         time.sleep(0.1)
 
 
-def test_cluster_up_runs_edges_as_hosts_and_down_removes_everything():
-    d = Path(tempfile.mkdtemp(prefix="dsec-cluster-", dir="/tmp")) / "cluster"  # (postgres must reach it)
-    os.chmod(d.parent, 0o755)
+@pytest.fixture
+def cluster_dir() -> Iterator[Path]:
+    """Where the cluster lives: a directory PostgreSQL's user may reach; removed afterwards."""
+    root = Path(tempfile.mkdtemp(prefix="dsec-cluster-", dir="/tmp"))
+    os.chmod(root, 0o755)
+    try:
+        yield root / "cluster"
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_cluster_up_runs_edges_as_hosts_and_down_removes_everything(cluster_dir):
+    d = cluster_dir
     env = {**os.environ, "DSEC_EDGE_FNCALL_IMAGE": ""}
     up = subprocess.run(
         [*DSEC, "cluster", "up", "--apiservers", "2", "--edges", "2", "--dir", str(d), "--json"],
@@ -126,4 +138,3 @@ def test_cluster_up_runs_edges_as_hosts_and_down_removes_everything():
         with pytest.raises(httpx.HTTPError):
             httpx.get(gone, timeout=2)
     assert not d.exists()
-    d.parent.rmdir()
