@@ -10,7 +10,19 @@ import httpx
 
 from dsec import errors
 from dsec import models as wire
+from dsec.client._wire import AsyncWire, usable
 from dsec.edgeapi import EdgeAPI, Projects
+
+
+def _query(params: dict[str, Any] | None) -> list[tuple[str, str]] | None:
+    """Query parameters as httpx reads a dict: a list is the key repeated."""
+    if not params:
+        return None
+    out: list[tuple[str, str]] = []
+    for k, v in params.items():
+        for item in v if isinstance(v, list) else [v]:
+            out.append((k, str(item).lower() if isinstance(item, bool) else str(item)))
+    return out
 
 
 class HttpEdge(EdgeAPI):
@@ -19,12 +31,19 @@ class HttpEdge(EdgeAPI):
     def __init__(self, name: str, url: str, token: str, *, timeout: float = 600.0) -> None:
         self.name = name
         self.url = url.rstrip("/")
+        self.timeout = timeout
+        auth = {"Authorization": f"Bearer {token}"}
         limits = httpx.Limits(max_connections=512, max_keepalive_connections=128)
-        self.http = httpx.AsyncClient(
-            base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout, limits=limits
+        self.http = httpx.AsyncClient(base_url=self.url, headers=auth, timeout=timeout, limits=limits)
+        # Plain calls (all but streams) take the SDK's fast path: keep-alive sockets, one write
+        # per request, responses parsed by httptools (dsec.client._wire); httpx otherwise.
+        self.wire = (
+            AsyncWire(self.url, auth, max_keepalive=128, max_connections=512) if usable(self.url) else None
         )
 
     async def aclose(self) -> None:
+        if self.wire is not None:
+            await self.wire.aclose()
         await self.http.aclose()
 
     @staticmethod
@@ -42,9 +61,16 @@ class HttpEdge(EdgeAPI):
         content: bytes | None = None,
     ) -> httpx.Response:
         try:
-            r = await self.http.request(
-                method, path, headers=self._hdr(projects), json=json_body, params=params, content=content
-            )
+            if self.wire is not None:
+                payload = self.wire.payload(
+                    method, path, params=_query(params), json_body=json_body,
+                    content=content, headers=self._hdr(projects),
+                )  # fmt: skip
+                r = await self.wire.request(payload, 10.0, self.timeout)
+            else:
+                r = await self.http.request(
+                    method, path, headers=self._hdr(projects), json=json_body, params=params, content=content
+                )
         except httpx.TransportError as e:
             raise errors.Unavailable(f"edge {self.name} at {self.url} is unreachable: {e}") from e
         if r.status_code >= 400:

@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 import urllib.request
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlencode, urlsplit
 
 import httptools
@@ -248,8 +248,8 @@ class _Protocol(asyncio.Protocol):
         self.idle_since = 0.0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # (uvloop's transports are not asyncio.Transport subclasses, though they are ones)
+        self.transport = cast(asyncio.Transport, transport)
         transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
