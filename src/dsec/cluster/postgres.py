@@ -15,6 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from dsec.cluster.process import stop_server
 from dsec.errors import InvalidRequest, Unavailable
 
 PG_USER = "postgres"
@@ -147,14 +148,7 @@ class PostgresServer:
         """A fast shutdown (SIGINT: open transactions are rolled back), SIGKILL if it lingers."""
         if self.proc is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, signal.SIGINT)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        stop_server(self.proc, signal.SIGINT, timeout)
         self.proc = None
 
     def kill(self) -> None:

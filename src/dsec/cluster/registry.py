@@ -9,7 +9,6 @@ is optional (a bcrypt file made with `htpasswd -B`, which apache2-utils provides
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pwd
@@ -20,6 +19,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from dsec.cluster.process import stop_server
 from dsec.errors import InvalidRequest, Unavailable
 
 REGISTRY_BIN = Path("/usr/bin/docker-registry")
@@ -152,14 +152,7 @@ class RegistryServer:
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        stop_server(self.proc, signal.SIGTERM, timeout)
         self.proc = None
 
     def remove(self) -> None:
