@@ -436,6 +436,7 @@ def remove_edge_leftovers(edge: str) -> list[str]:
     for sid in sorted(ids):
         with contextlib.suppress(OSError):
             host.remove_sandbox(sid)
+    host.remove_parent_if_empty()  # (as an edge does when it stops: no other sandbox left)
     return sorted(ids)
 
 
