@@ -74,6 +74,20 @@ def start(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[b
         return subprocess.Popen([*DSEC, *args], env=env, stdout=f, stderr=subprocess.STDOUT)
 
 
+def stop_all(procs: dict[str, subprocess.Popen[bytes]]) -> None:
+    """SIGTERM every process (a stopped one is continued first), wait, SIGKILL what lingers."""
+    for p in procs.values():
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGCONT)
+            p.terminate()
+    for p in procs.values():
+        try:
+            p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 def remove_run_dir(run_dir: str | Path) -> None:
     """An edge's run directory and what is mounted under it (its tmpfs: an edge killed with
     SIGKILL, or one that keeps its sandboxes, leaves it mounted)."""

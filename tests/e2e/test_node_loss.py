@@ -20,7 +20,7 @@ from dsec.client import Client
 from dsec.cluster.local import remove_edge_leftovers
 from dsec.service import free_port
 
-from .conftest import _env, remove_run_dir, start, wait_healthy
+from .conftest import _env, remove_run_dir, start, stop_all, wait_healthy
 
 pytestmark = [pytest.mark.root, pytest.mark.e2e]
 
@@ -143,15 +143,7 @@ def test_an_edge_that_stops_answering_is_given_up_and_reconciled(tmp_path, pytho
         c.stop_many([s.id for s in room])
         c.close()
     finally:
-        for p in procs.values():
-            with_cont(p)
-            p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(60)
-            except Exception:
-                p.kill()
-                p.wait()
+        stop_all(procs)
         for name in ports:
             remove_edge_leftovers(name)  # (the sandboxes of an edge killed and not restarted)
             remove_run_dir(f"/run/dsec-e2e-{run_id}-{name}")
@@ -162,9 +154,3 @@ def _on_edge(port: int, env: dict[str, str]) -> list[object]:
     auth = {"Authorization": f"Bearer {env['DSEC_CLUSTER_TOKEN']}"}
     r = httpx.get(f"http://127.0.0.1:{port}/v1/sandboxes", headers=auth, timeout=10)
     return list(r.json()["sandboxes"])
-
-
-def with_cont(p) -> None:  # type: ignore[no-untyped-def]
-    """A stopped process cannot handle SIGTERM: let it run first."""
-    if p.poll() is None:
-        os.kill(p.pid, signal.SIGCONT)

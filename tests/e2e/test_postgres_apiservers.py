@@ -19,7 +19,7 @@ from dsec import errors
 from dsec.client import AsyncClient, Client
 from dsec.service import free_port
 
-from .conftest import _env, remove_run_dir, start, wait_healthy
+from .conftest import _env, remove_run_dir, start, stop_all, wait_healthy
 
 pytestmark = [pytest.mark.root, pytest.mark.e2e]
 
@@ -108,14 +108,7 @@ def test_three_apiservers_on_postgres_admit_exactly_the_quota(
             assert c.list(project="pgq") == []
             c.create("python", memory_mb=64, project="pgq").stop()  # released: room again
     finally:
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(60)
-            except Exception:
-                p.kill()
-                p.wait()
+        stop_all(procs)
         remove_run_dir(f"/run/dsec-e2e-{run_id}-pg1")
 
 
@@ -144,14 +137,7 @@ def _cluster(tmp_path: Path, pg_url: str, n: int = 3) -> Iterator[tuple[list[str
             wait_healthy(u)
         yield urls, procs, _admin_token(dirs)
     finally:
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(60)
-            except Exception:
-                p.kill()
-                p.wait()
+        stop_all(procs)
         remove_run_dir(f"/run/dsec-e2e-{run_id}-pf1")
 
 

@@ -15,7 +15,7 @@ from dsec.client import Client
 from dsec.cluster.local import remove_edge_leftovers
 from dsec.service import free_port
 
-from .conftest import _env, remove_run_dir, start, wait_healthy
+from .conftest import _env, remove_run_dir, start, stop_all, wait_healthy
 
 pytestmark = [pytest.mark.root, pytest.mark.e2e]
 
@@ -105,14 +105,7 @@ def test_a_lost_edges_trajectory_is_read_from_the_control_plane_and_replays(tmp_
         c.stop_many([s.id for s in made if not s.id.startswith("sa-")] + [new.id])
         c.close()
     finally:
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(60)
-            except Exception:
-                p.kill()
-                p.wait()
+        stop_all(procs)
         for name in ("sa", "sb"):
             remove_edge_leftovers(name)  # (the sandboxes of an edge killed and not restarted)
             remove_run_dir(f"/run/dsec-e2e-{run_id}-{name}")
