@@ -74,7 +74,12 @@ def test_an_edge_that_stops_answering_is_given_up_and_reconciled(tmp_path, pytho
                 == 200
             )
             tok = http.post("/v1/principals", json={"name": "nl-user", "projects": ["nl"]}).json()["token"]
+            assert http.post("/v1/projects", json={"name": "nl-other"}).status_code == 200
+            other_tok = http.post(
+                "/v1/principals", json={"name": "nl-other-user", "projects": ["nl-other"]}
+            ).json()["token"]
         c = Client(url, tok)
+        other = Client(url, other_tok)
         sbs = [c.create("python", memory_mb=64, project="nl") for _ in range(6)]
         on_b = [s for s in sbs if s.id.startswith("lb-")]
         on_a = [s for s in sbs if s.id.startswith("la-")]
@@ -107,6 +112,11 @@ def test_an_edge_that_stops_answering_is_given_up_and_reconciled(tmp_path, pytho
             with pytest.raises(errors.SandboxLost) as ei:
                 s.exec("true")
             assert time.monotonic() - t < 2 and ei.value.code == "sandbox_lost"
+            # to another tenant a lost sandbox is not found, as any id it may not see: no oracle
+            with pytest.raises(errors.SandboxNotFound):
+                other.get(s.id)
+            with pytest.raises(errors.SandboxNotFound):
+                other.sandbox(s.id).exec("true")
         fresh = [c.create("python", memory_mb=64, project="nl") for _ in range(len(on_b))]
         assert all(s.id.startswith("la-") for s in fresh)
         with pytest.raises(errors.QuotaExceeded):  # 8 = the survivors on la + the fresh ones... and no more
@@ -139,9 +149,12 @@ def test_an_edge_that_stops_answering_is_given_up_and_reconciled(tmp_path, pytho
         _wait(lambda: _healthy_edges(url) == 2, 60, "la back")
         _wait(lambda: not _on_edge(ports["la"], env), 15, "the survivors stopped on la")
         assert c.list(project="nl") == []
+        with pytest.raises(errors.SandboxNotFound):  # lost now by the edge's record too (not its view)
+            other.get(on_a[0].id)
         room = [c.create("python", memory_mb=64, project="nl") for _ in range(8)]  # the whole quota again
         c.stop_many([s.id for s in room])
         c.close()
+        other.close()
     finally:
         stop_all(procs)
         for name in ports:

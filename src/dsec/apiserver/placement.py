@@ -81,14 +81,25 @@ class EdgeView:
 class GuardedEdge:
     """An edge's API whose calls end with sandbox_lost as soon as the watcher gives the edge
     up (a call to a host that was cut off would otherwise wait for its timeouts), and whose
-    "no such sandbox" for a sandbox given up earlier is sandbox_lost too."""
+    "no such sandbox" for a sandbox given up earlier is sandbox_lost too.
 
-    def __init__(self, view: EdgeView, is_lost: Callable[[str], bool]) -> None:
+    sandbox_lost names a sandbox, so it is said only to a caller who may see it (`scope`: the
+    caller's projects, None for an admin): to anyone else a sandbox given up is not found, with
+    the edge's own words, so lost ids are no oracle of another tenant's sandboxes."""
+
+    def __init__(
+        self, view: EdgeView, lost_project: Callable[[str], str | None], scope: set[str] | None
+    ) -> None:
         self._view = view
-        self._is_lost = is_lost
+        self._lost_project = lost_project
+        self._scope = scope
         self.name = view.api.name
 
-    def _lost(self, sid: object = None) -> errors.SandboxLost:
+    def _lost(self, sid: object = None) -> errors.DsecError:
+        if isinstance(sid, str):
+            project = self._lost_project(sid)
+            if project is None or (self._scope is not None and project not in self._scope):
+                return errors.SandboxNotFound(f"sandbox {sid} does not exist or is not in your projects")
         what = f"sandbox {sid}" if isinstance(sid, str) else "the call"
         return errors.SandboxLost(
             f"edge {self.name} stopped answering and was given up: {what} is lost (its quota "
@@ -117,7 +128,7 @@ class GuardedEdge:
         try:
             return call.result()
         except errors.SandboxNotFound:
-            if args and isinstance(args[0], str) and self._is_lost(args[0]):
+            if args and isinstance(args[0], str) and self._lost_project(args[0]) is not None:
                 raise self._lost(args[0]) from None
             raise
         except errors.Unavailable:
@@ -230,7 +241,8 @@ class EdgeDirectory:
         self.stalled_until = 0.0  # no edge is given up before this (see _watch_lag)
         self.on_lost: LostHook | None = None  # an edge was given up (see the module)
         self.on_back: LostHook | None = None  # a given-up edge answers again
-        self.is_lost: Callable[[str], bool] = lambda _sid: False  # a sandbox given up earlier
+        # the project of a sandbox given up earlier (None: it was not)
+        self.lost_project: Callable[[str], str | None] = lambda _sid: None
 
     def add(self, api: EdgeAPI) -> EdgeView:
         view = self.views.get(api.name)
@@ -239,23 +251,26 @@ class EdgeDirectory:
         self.views[api.name] = view = EdgeView(api, lost_after_s=self.lost_after_s)
         return view
 
-    def _api(self, view: EdgeView) -> EdgeAPI:
+    def _api(self, view: EdgeView, scope: set[str] | None = None) -> EdgeAPI:
         if not view.can_be_lost:
             return view.api
-        return cast(EdgeAPI, GuardedEdge(view, self.is_lost))
+        return cast(EdgeAPI, GuardedEdge(view, self.lost_project, scope))
 
-    def edge_for(self, sandbox_id: str) -> EdgeAPI:
+    def edge_for(self, sandbox_id: str, scope: set[str] | None) -> EdgeAPI:
+        """The edge that holds `sandbox_id`, for a caller who sees `scope` (its projects; None:
+        an admin): sandbox_lost is said only about sandboxes in it (see GuardedEdge)."""
         name = edge_of(sandbox_id)
         view = self.views.get(name)
         if view is None:
-            if self.is_lost(sandbox_id):
+            project = self.lost_project(sandbox_id)
+            if project is not None and (scope is None or project in scope):
                 raise errors.SandboxLost(
                     f"sandbox {sandbox_id} was lost with its edge {name!r}; create a new sandbox", edge=name
                 )
             raise errors.SandboxNotFound(
                 f"sandbox {sandbox_id} belongs to edge {name!r}, which is not registered"
             )
-        return self._api(view)
+        return self._api(view, scope)
 
     def all(self) -> Iterable[EdgeAPI]:
         """The edges to ask (fan-out calls): not those given up."""
@@ -285,16 +300,15 @@ class EdgeDirectory:
         if time.monotonic() < self.stalled_until:
             return  # this process could not listen (see _watch_lag): silence proves nothing
         if not view.lost and not answered and view.silent_for() >= self.lost_after_s:
-            view.lost = True
-            view.gone.set()
             log.warning("edge %s has not answered for %.1f s: given up", view.api.name, view.silent_for())
-            if self.on_lost is not None:
+            if self.on_lost is not None:  # its sandboxes are recorded lost before any call hears so
                 try:
                     await self.on_lost(view.api)
                 except Exception:
                     log.exception("giving up edge %s failed; retried at the next poll", view.api.name)
-                    view.lost = False
-                    view.gone = asyncio.Event()
+                    return
+            view.lost = True
+            view.gone.set()
         elif view.lost and answered:
             if self.on_back is not None:
                 try:

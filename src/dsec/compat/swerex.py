@@ -456,7 +456,8 @@ def swerex_router() -> APIRouter:  # noqa: C901 - one closure per endpoint
         principal: Principal = st.iam.authenticate(request.headers.get("x-api-key"))
         request.state.swerex_principal = principal
         sid = request.path_params["sid"]
-        return _Ctx(sid, st.directory.edge_for(sid), st.iam.visible_projects(principal))
+        scope = st.iam.visible_projects(principal)
+        return _Ctx(sid, st.directory.edge_for(sid, scope), scope)
 
     router = APIRouter(prefix="/swerex/{sid}", route_class=_make_route_class(state, resolve))
 

@@ -261,9 +261,6 @@ class Admission:
                 lost.append((key, project))
         return lost
 
-    def is_lost(self, sandbox_id: str) -> bool:
-        return bool(self._read("SELECT 1 FROM lost_sandboxes WHERE id = ?", (sandbox_id,)))
-
     def lost_project(self, sandbox_id: str) -> str | None:
         """The project of a sandbox given up (None: it was not)."""
         rows = self._read("SELECT project FROM lost_sandboxes WHERE id = ?", (sandbox_id,))

@@ -141,7 +141,7 @@ def watch_node_loss(st: ApiServerState) -> None:
 
     directory.on_lost = lost
     directory.on_back = back
-    directory.is_lost = iam.is_lost
+    directory.lost_project = iam.lost_project
 
 
 async def _reconcile_quota(

@@ -124,7 +124,7 @@ async def _account_create(st: ApiServerState, key: str, info: SandboxInfo) -> No
     except BaseException:
         st.iam.abandon(key)
         with contextlib.suppress(Exception):
-            await st.directory.edge_for(info.id).stop(info.id, None)
+            await st.directory.edge_for(info.id, None).stop(info.id, None)
         raise
 
 
@@ -216,8 +216,8 @@ def _install_state_routes(app: FastAPI, st: ApiServerState, principal: _Principa
     @app.post("/v1/sandboxes/{sid}/fork", status_code=201)
     async def fork(sid: str, body: ForkRequest, request: Request) -> dict[str, Any]:
         p = principal(request)
-        edge = directory.edge_for(sid)
         scope = iam.visible_projects(p)
+        edge = directory.edge_for(sid, scope)
         source = await edge.get(sid, scope)
         iam.check_backend(source.spec.project, source.spec.backend)  # the policy may have narrowed since
         keys = [f"pending-{secrets.token_hex(8)}" for _ in range(body.n)]
@@ -320,7 +320,7 @@ def _install_snapshot_route(app: FastAPI, st: ApiServerState, principal: _Princi
     async def snapshot(sid: str, body: SnapshotRequest, request: Request) -> Response:
         p = principal(request)
         scope = iam.visible_projects(p)
-        edge = directory.edge_for(sid)
+        edge = directory.edge_for(sid, scope)
         project = (await edge.get(sid, scope)).spec.project
         pending = f"pending-{secrets.token_hex(8)}"
         iam.reserve_snapshot(pending, project, 0)  # the count, before paying for the copy
@@ -341,7 +341,7 @@ def _install_snapshot_route(app: FastAPI, st: ApiServerState, principal: _Princi
         """A memory checkpoint (its images and its copy of the files) counts like a snapshot:
         a slot (and at least 1 MiB) before the dump, its size once known."""
         scope = iam.visible_projects(principal(request))
-        edge = directory.edge_for(sid)
+        edge = directory.edge_for(sid, scope)
         project = (await edge.get(sid, scope)).spec.project
         pending = f"pending-{secrets.token_hex(8)}"
         iam.reserve_snapshot(pending, project, 1)  # refused here, before anything is written
@@ -363,9 +363,9 @@ def _install_checkpoint_routes(app: FastAPI, st: ApiServerState, principal: _Pri
     Taking one is a per-sandbox route (routes.py); checkpoint ids name their edge like sandbox ids."""
     iam, directory = st.iam, st.directory
 
-    def edge_for(cid: str) -> EdgeAPI:
+    def edge_for(cid: str, scope: set[str] | None) -> EdgeAPI:
         try:
-            return directory.edge_for(cid)
+            return directory.edge_for(cid, scope)
         except errors.SandboxNotFound:
             raise errors.CheckpointNotFound(
                 f"there is no checkpoint {cid} (ids look like <edge>-ckpt-<12 hex digits>; "
@@ -385,7 +385,7 @@ def _install_checkpoint_routes(app: FastAPI, st: ApiServerState, principal: _Pri
         """Restore into a new sandbox (admitted like a create) or into a running one."""
         p = principal(request)
         scope = iam.visible_projects(p)
-        edge = edge_for(cid)
+        edge = edge_for(cid, scope)
         if body.sandbox_id is not None:
             if edge_of(body.sandbox_id) != edge.name:
                 raise errors.InvalidRequest(
@@ -418,7 +418,7 @@ def _install_checkpoint_routes(app: FastAPI, st: ApiServerState, principal: _Pri
     @app.delete("/v1/checkpoints/{cid}", status_code=204)
     async def delete_checkpoint(cid: str, request: Request) -> Response:
         scope = iam.visible_projects(principal(request))
-        await edge_for(cid).delete_checkpoint(cid, scope)
+        await edge_for(cid, scope).delete_checkpoint(cid, scope)
         iam.release_snapshot(cid)  # its share of the project's snapshot quota
         return Response(status_code=204)
 
@@ -430,8 +430,9 @@ def _install_sandbox_stop_routes(
     iam, directory = st.iam, st.directory
 
     async def stop_one(p: Principal, sid: str, after: list[Callable[[], None]] | None = None) -> None:
-        edge = directory.edge_for(sid)
-        await edge.stop(sid, iam.visible_projects(p))
+        scope = iam.visible_projects(p)
+        edge = directory.edge_for(sid, scope)
+        await edge.stop(sid, scope)
 
         def account() -> None:
             try:
@@ -497,7 +498,7 @@ def _install_trajectory_routes(app: FastAPI, st: ApiServerState, principal: _Pri
     ) -> Any:
         scope = iam.visible_projects(principal(request))
         try:
-            return await directory.edge_for(sid).trajectory(sid, after_seq, limit, scope)
+            return await directory.edge_for(sid, scope).trajectory(sid, after_seq, limit, scope)
         except (errors.SandboxLost, errors.SandboxNotFound):
             project = iam.lost_project(sid)
             got = None if project is None else iam.shipped_trajectory(sid, after_seq=after_seq, limit=limit)

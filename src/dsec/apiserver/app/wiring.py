@@ -149,8 +149,8 @@ def create_api_app(
         return p
 
     async def resolve(request: Request, sid: str) -> Target:
-        p = principal(request)
-        return Target(directory.edge_for(sid), iam.visible_projects(p))
+        scope = iam.visible_projects(principal(request))
+        return Target(directory.edge_for(sid, scope), scope)
 
     app.state.resolve = resolve
     _install_snapshot_route(app, st, principal)  # before the shared router: snapshot/checkpoint quotas
