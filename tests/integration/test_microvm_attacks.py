@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -481,6 +482,15 @@ async def test_fork_while_the_guest_fills_its_disk(edge):
 
 
 # --- 7. template sharing ----------------------------------------------------------------------
+
+
+async def test_qemu_holds_nothing_of_the_edges_environment(edge, monkeypatch):
+    """A guest that escaped into its QEMU would read /proc/self/environ: the edge's tokens,
+    database URL and paths are not there."""
+    monkeypatch.setenv("DSEC_TEST_SECRET", "must-not-reach-qemu")
+    sb = await edge.create(VM)
+    environ = Path(f"/proc/{edge.sandboxes[sb.id].handle.pid}/environ").read_bytes()
+    assert sorted(environ.split(b"\0")[:-1]) == [b"LC_ALL=C", b"PATH=/usr/bin:/bin"], environ
 
 
 async def test_clones_cannot_touch_the_template_or_each_other(edge):

@@ -668,7 +668,8 @@ static int run_idmap_run(int argc, char **argv) {
  * TAPFD (QEMU takes it as -netdev tap,fd=TAPFD: it never opens /dev/net/tun), bring it up,
  * then become host uid and gid UID (the sandbox's own range; no capabilities in any set, no
  * new privileges; its only supplementary group KVMGID, the group that may open /dev/kvm, or
- * none for "-"), turn off transparent huge pages and exec QEMU. QEMU's own -runas is no
+ * none for "-"), turn off transparent huge pages and exec QEMU with an environment of its own
+ * (PATH and LC_ALL only). QEMU's own -runas is no
  * help: it drops privileges after installing its seccomp filter, which then kills it at
  * setgid. */
 static int run_vm_launch(int argc, char **argv) {
@@ -709,7 +710,10 @@ static int run_vm_launch(int argc, char **argv) {
      * a 4 KB write costs 2 MiB of the host's memory. Guest RAM is a memfd (shmem): not
      * concerned. 3 MiB less per idle VM here, no slower. */
     prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0);
-    execv(argv[6], argv + 6);
+    /* Nothing of the edge's environment (tokens, database URLs, paths): QEMU needs none of it,
+     * and a guest that escaped into QEMU would read it from /proc/self/environ. */
+    char *const env[] = {"PATH=/usr/bin:/bin", "LC_ALL=C", NULL};
+    execve(argv[6], argv + 6, env);
     perror("dsec-shim: exec");
     return 127;
 usage:
