@@ -20,7 +20,7 @@ from dsec.apiserver.capacity import Capacity, split
 from dsec.apiserver.tenancy import ApiServerSettings
 from dsec.cluster.provider import NodeInfo, NodeProvider
 from dsec.iam import IAM
-from dsec.models import EdgeStatus, PoolInfo, PoolSpec, Quota, SandboxSpec
+from dsec.models import Burst, EdgeStatus, PoolInfo, PoolSpec, Quota, SandboxSpec
 
 
 class FakeEdge:
@@ -106,10 +106,14 @@ class Env:
 
     async def settle(self) -> None:
         for _ in range(200):
-            if not any(b.state in ("scheduled", "provisioning") for b in self.capacity.bursts.values()):
+            if not self.iam.active_bursts():
                 return
             await asyncio.sleep(0.01)
         raise AssertionError("bursts still pending")
+
+    def burst(self, burst_id: str) -> Burst:
+        (b,) = [b for b in self.iam.list_bursts(None) if b.id == burst_id]
+        return b
 
 
 async def _env(
@@ -131,6 +135,7 @@ async def _env(
         provider=provider,
     )
     await app.state.dsec.directory.poll_once()
+    await app.state.capacity.tick()  # (the only apiserver: it acts on bursts)
     if isinstance(provider, FakeProvider):
         provider.capacity = app.state.capacity
     return Env(app, iam, admin, alice, bob, edges)
@@ -199,7 +204,7 @@ async def test_announce_refuses_bad_input_with_stable_codes(
     assert err["code"] == code
     if reason is not None:
         assert err["details"]["reason"] == reason
-    assert env.capacity.bursts == {}
+    assert env.iam.list_bursts(None) == []
 
 
 async def test_tenants_announce_only_for_their_own_projects(env: Env) -> None:
@@ -207,7 +212,7 @@ async def test_tenants_announce_only_for_their_own_projects(env: Env) -> None:
     assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
     r = await env.call("POST", "/v1/capacity", "not-a-token", {"project": "team-a", "count": 5})
     assert r.status_code == 401
-    assert env.capacity.bursts == {}
+    assert env.iam.list_bursts(None) == []
 
     r = await env.call("POST", "/v1/capacity", env.alice, {"project": "team-a", "count": 5})
     assert r.status_code == 200, r.text
@@ -261,7 +266,7 @@ async def test_burst_prewarms_in_proportion_to_free_room(env: Env) -> None:
         "POST", "/v1/capacity", env.admin, {"project": "team-a", "count": 10, "memory_mb": 256, "cpu": 0.5}
     )
     await env.settle()
-    b2 = env.capacity.bursts[r.json()["id"]]
+    b2 = env.burst(r.json()["id"])
     assert b2.prewarmed == {"e0": 8, "e1": 2}  # free now 15 and 5
     assert e0.prewarms[-1][1] == 15 + 8 and e1.prewarms[-1][1] == 5 + 2
 
@@ -269,7 +274,7 @@ async def test_burst_prewarms_in_proportion_to_free_room(env: Env) -> None:
 async def test_burst_without_provider_is_partial(env: Env) -> None:
     r = await env.call("POST", "/v1/capacity", env.admin, {"project": "team-b", "count": 55})
     await env.settle()
-    b = env.capacity.bursts[r.json()["id"]]
+    b = env.burst(r.json()["id"])
     assert b.state == "partial" and b.shortfall == 15 and b.prewarmed == {"e0": 30, "e1": 10}
     assert any("no node provider" in a for a in b.actions)
 
@@ -280,7 +285,7 @@ async def test_burst_grows_the_cluster_through_the_provider(tmp_path: Path) -> N
     try:
         r = await env.call("POST", "/v1/capacity", env.alice, {"project": "team-a", "count": 31})
         await env.settle()
-        b = env.capacity.bursts[r.json()["id"]]
+        b = env.burst(r.json()["id"])
         # 6 fit on e0; 25 more need ceil(25 / 10) = 3 edges of e0's size
         assert provider.asked == [3]
         assert b.state == "ready", b.actions
@@ -291,7 +296,7 @@ async def test_burst_grows_the_cluster_through_the_provider(tmp_path: Path) -> N
         env.capacity.settings.max_edges = 4
         r = await env.call("POST", "/v1/capacity", env.alice, {"project": "team-a", "count": 10})
         await env.settle()
-        b = env.capacity.bursts[r.json()["id"]]  # the 5 slots the new edges have left, no more
+        b = env.burst(r.json()["id"])  # the 5 slots the new edges have left, no more
         assert b.state == "partial" and b.shortfall == 5 and provider.asked == [3]
         assert any("max_edges" in a for a in b.actions)
     finally:
@@ -303,11 +308,12 @@ async def test_burst_grows_the_cluster_through_the_provider(tmp_path: Path) -> N
 async def test_burst_in_the_future_waits_for_its_lead_time(env: Env) -> None:
     env.capacity.settings.capacity_lead_s = 0
     r = await env.call("POST", "/v1/capacity", env.admin, {"project": "team-a", "count": 4, "when": 0.3})
-    b = env.capacity.bursts[r.json()["id"]]
     await asyncio.sleep(0.1)
+    b = env.burst(r.json()["id"])
     assert b.state == "scheduled" and b.prewarmed == {}
     await asyncio.sleep(0.4)
     await env.settle()
+    b = env.burst(r.json()["id"])
     assert b.state == "ready" and sum(b.prewarmed.values()) == 4
 
 
@@ -328,7 +334,7 @@ async def test_drain_excludes_an_edge_from_placement_and_shows_in_edges(env: Env
     # a burst leaves it out too
     r = await env.call("POST", "/v1/capacity", env.admin, {"project": "team-a", "count": 4})
     await env.settle()
-    assert env.capacity.bursts[r.json()["id"]].prewarmed == {"e1": 4}
+    assert env.burst(r.json()["id"]).prewarmed == {"e1": 4}
     # the watcher's views are re-made when an edge registers again: the drain holds
     directory.views["e0"].draining = False
     await env.capacity.tick()
@@ -343,7 +349,8 @@ async def test_idle_edges_drain_then_release_down_to_min_edges(tmp_path: Path) -
     provider = FakeProvider()
     busy, idle1, idle2 = FakeEdge("busy", 10, used=2), FakeEdge("idle1", 10), FakeEdge("idle2", 10)
     provider.nodes = {e.name: e for e in (busy, idle1, idle2)}
-    env = await _env(tmp_path, [busy, idle1, idle2], provider, idle_drain_after_s=0.2, min_edges=1)
+    env = await _env(tmp_path, [busy, idle1, idle2], provider, idle_drain_after_s=0.2, min_edges=1,
+                     capacity_interval_s=0.01)  # fmt: skip
     cap, directory = env.capacity, env.capacity.directory
     try:
         await cap.tick()
@@ -354,6 +361,7 @@ async def test_idle_edges_drain_then_release_down_to_min_edges(tmp_path: Path) -
         assert [v.api.name for v in directory.candidates(SandboxSpec())] == ["busy"]
 
         # idle2 gets a sandbox that raced the drain: it is busy, so it takes placements again
+        await asyncio.sleep(0.03)  # (every apiserver has taken up the drain: 2 capacity rounds)
         idle2.used = 1
         await directory.poll_once()
         await cap.tick()
@@ -368,7 +376,7 @@ async def test_idle_edges_drain_then_release_down_to_min_edges(tmp_path: Path) -
         await asyncio.sleep(0.25)
         await cap.tick()  # drained now
         assert len([v for v in directory.views.values() if v.draining]) == 1
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.03)
         await directory.poll_once()  # a poll after the drain still finds it empty
         await cap.tick()
         await asyncio.sleep(0.05)
