@@ -117,16 +117,27 @@ class Env:
 
 
 async def _env(
-    tmp: Path, edges: list[FakeEdge], provider: NodeProvider | None = None, **settings: Any
+    db: Path | str,
+    edges: list[FakeEdge],
+    provider: NodeProvider | None = None,
+    *,
+    tokens: tuple[str, str, str] | None = None,
+    lead: bool = True,
+    **settings: Any,
 ) -> Env:
-    iam = IAM(tmp / "iam.db")
-    admin = iam.bootstrap()
-    assert admin is not None
-    iam.create_project("team-a", quota=Quota(max_sandboxes=500))
-    iam.create_project("team-b")
-    _, alice = iam.create_principal("alice", ["team-a"])
-    _, bob = iam.create_principal("bob", ["team-b"])
-    s = ApiServerSettings(capacity_max_count=1000, capacity_edge_wait_s=2, **settings)
+    """An apiserver on the IAM database `db` (a new one, or one an earlier _env made: pass its
+    `tokens`); `lead`: take the lead at once (a tick)."""
+    iam = IAM(db)
+    if tokens is None:
+        admin = iam.bootstrap()
+        assert admin is not None
+        iam.create_project("team-a", quota=Quota(max_sandboxes=500))
+        iam.create_project("team-b")
+        _, alice = iam.create_principal("alice", ["team-a"])
+        _, bob = iam.create_principal("bob", ["team-b"])
+    else:
+        admin, alice, bob = tokens
+    s = ApiServerSettings(**{"capacity_max_count": 1000, "capacity_edge_wait_s": 2, **settings})
     app = create_api_app(
         iam=iam,
         cluster_token="c",
@@ -135,7 +146,8 @@ async def _env(
         provider=provider,
     )
     await app.state.dsec.directory.poll_once()
-    await app.state.capacity.tick()  # (the only apiserver: it acts on bursts)
+    if lead:
+        await app.state.capacity.tick()  # (the first apiserver: it acts on bursts)
     if isinstance(provider, FakeProvider):
         provider.capacity = app.state.capacity
     return Env(app, iam, admin, alice, bob, edges)
@@ -143,7 +155,7 @@ async def _env(
 
 @pytest_asyncio.fixture
 async def env(tmp_path: Path) -> AsyncIterator[Env]:
-    e = await _env(tmp_path, [FakeEdge("e0", 30), FakeEdge("e1", 20, used=10)])
+    e = await _env(tmp_path / "iam.db", [FakeEdge("e0", 30), FakeEdge("e1", 20, used=10)])
     yield e
     await e.http.aclose()
     await e.capacity.close()
@@ -281,7 +293,7 @@ async def test_burst_without_provider_is_partial(env: Env) -> None:
 
 async def test_burst_grows_the_cluster_through_the_provider(tmp_path: Path) -> None:
     provider = FakeProvider(slots=10)
-    env = await _env(tmp_path, [FakeEdge("e0", 10, used=4)], provider)
+    env = await _env(tmp_path / "iam.db", [FakeEdge("e0", 10, used=4)], provider)
     try:
         r = await env.call("POST", "/v1/capacity", env.alice, {"project": "team-a", "count": 31})
         await env.settle()
@@ -349,7 +361,7 @@ async def test_idle_edges_drain_then_release_down_to_min_edges(tmp_path: Path) -
     provider = FakeProvider()
     busy, idle1, idle2 = FakeEdge("busy", 10, used=2), FakeEdge("idle1", 10), FakeEdge("idle2", 10)
     provider.nodes = {e.name: e for e in (busy, idle1, idle2)}
-    env = await _env(tmp_path, [busy, idle1, idle2], provider, idle_drain_after_s=0.2, min_edges=1,
+    env = await _env(tmp_path / "iam.db", [busy, idle1, idle2], provider, idle_drain_after_s=0.2, min_edges=1,
                      capacity_interval_s=0.01)  # fmt: skip
     cap, directory = env.capacity, env.capacity.directory
     try:
@@ -396,3 +408,209 @@ async def test_idle_edges_drain_then_release_down_to_min_edges(tmp_path: Path) -
         await env.http.aclose()
         await cap.close()
         env.iam.close()
+
+
+# --- shared by apiservers (the IAM's database: SQLite and a real PostgreSQL) -------------------
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Path | str:
+    if request.param == "sqlite":
+        return tmp_path / "iam.db"
+    return str(request.getfixturevalue("pg_url"))
+
+
+async def _close(*envs: Env) -> None:
+    for e in envs:
+        await e.http.aclose()
+        await e.capacity.close()
+        e.iam.close()
+
+
+def _tokens(env: Env) -> tuple[str, str, str]:
+    return env.admin, env.alice, env.bob
+
+
+async def test_apiservers_share_bursts_and_one_acts_on_them(db: Path | str) -> None:
+    edges = [FakeEdge("e0", 30), FakeEdge("e1", 20, used=10)]
+    a = await _env(db, edges)
+    b = await _env(db, edges, tokens=_tokens(a))
+    try:
+        await b.capacity.tick()
+        assert a.capacity.leading and not b.capacity.leading
+
+        # announced on B (which does not act): A shows it, then takes it up at its next round
+        r = await b.call(
+            "POST", "/v1/capacity", b.alice, {"project": "team-a", "count": 20, "memory_mb": 256}
+        )
+        assert r.status_code == 200, r.text
+        (seen,) = (await a.call("GET", "/v1/capacity", a.alice)).json()["bursts"]
+        assert seen["id"] == r.json()["id"] and seen["state"] == "scheduled"
+        await a.capacity.tick()
+        await a.settle()
+        got = {
+            n: (await e.call("GET", "/v1/capacity", e.alice)).json()["bursts"]
+            for n, e in (("a", a), ("b", b))
+        }
+        assert got["a"] == got["b"] and got["a"][0]["state"] == "ready"
+        assert got["a"][0]["prewarmed"] == {"e0": 15, "e1": 5}
+        assert [n for _, n in edges[0].prewarms] == [15] and [n for _, n in edges[1].prewarms] == [5]
+
+        # another tenant sees none of it, on either apiserver; an admin sees it on both
+        for e in (a, b):
+            assert (await e.call("GET", "/v1/capacity", e.bob)).json()["bursts"] == []
+            assert len((await e.call("GET", "/v1/capacity", e.admin)).json()["bursts"]) == 1
+
+        # the bound on pending bursts holds across apiservers
+        a.capacity.settings.capacity_max_bursts = b.capacity.settings.capacity_max_bursts = 1
+        body = {"project": "team-a", "count": 1, "when": 3600}
+        assert (await a.call("POST", "/v1/capacity", a.alice, body)).status_code == 200
+        r = await b.call("POST", "/v1/capacity", b.alice, body)
+        assert r.status_code == 429 and r.json()["error"]["details"]["reason"] == "too_many_bursts", r.text
+    finally:
+        await _close(a, b)
+
+
+class StuckProvider(FakeProvider):
+    """A fake node provider whose edges never come: the acting apiserver waits on it."""
+
+    async def add(self, n: int) -> list[str]:
+        self.asked.append(n)
+        await asyncio.Event().wait()
+        return []
+
+
+async def test_another_apiserver_finishes_a_burst_whose_apiserver_stopped(db: Path | str) -> None:
+    edges = [FakeEdge("e0", 6)]
+    stuck, spare = StuckProvider(slots=10), FakeProvider(slots=10)
+    a = await _env(db, edges, stuck, capacity_edge_wait_s=30)
+    b = await _env(db, edges, spare, tokens=_tokens(a), capacity_edge_wait_s=30)
+    try:
+        r = await a.call("POST", "/v1/capacity", a.alice, {"project": "team-a", "count": 10})
+        burst_id = r.json()["id"]
+        for _ in range(100):  # A pre-warmed 6 on e0 and asked its provider for an edge
+            if stuck.asked:
+                break
+            await asyncio.sleep(0.01)
+        assert stuck.asked == [1] and a.burst(burst_id).prewarmed == {"e0": 6}
+        assert a.burst(burst_id).state == "provisioning"
+
+        await a.capacity.close()  # A stops (its process's owner dies with its IAM)
+        a.iam.close()
+        await b.capacity.tick()
+        assert b.capacity.leading
+        await asyncio.sleep(0.1)
+        assert spare.asked == [], "B asked for edges again"
+        assert b.burst(burst_id).state == "provisioning"
+
+        # the edge A asked for registers: B pre-warms the rest there and finishes
+        late = FakeEdge("late", 10)
+        b.capacity.directory.add(late)  # type: ignore[arg-type]
+        await b.capacity.directory.poll_once()
+        await b.settle()
+        done = b.burst(burst_id)
+        assert done.state == "ready", done.actions
+        assert done.prewarmed == {"e0": 6, "late": 4} and done.edges_added == ["late"]
+        assert done.edges_requested == 1 and spare.asked == []
+        assert any("taken up by another apiserver" in x for x in done.actions)
+        # e0 got its prewarm again (a target: the same 6), never another share
+        assert [n for _, n in edges[0].prewarms] == [6, 6] and [n for _, n in late.prewarms] == [4]
+    finally:
+        await b.http.aclose()
+        await b.capacity.close()
+        b.iam.close()
+        await a.http.aclose()
+
+
+async def test_one_apiserver_drains_and_releases_an_idle_edge_once(db: Path | str) -> None:
+    provider = FakeProvider()
+    busy, idle1, idle2 = FakeEdge("busy", 10, used=2), FakeEdge("idle1", 10), FakeEdge("idle2", 10)
+    provider.nodes = {e.name: e for e in (busy, idle1, idle2)}
+    opts: dict[str, Any] = {"idle_drain_after_s": 0.1, "min_edges": 1, "capacity_interval_s": 0.01}
+    a = await _env(db, [busy, idle1, idle2], provider, **opts)
+    b = await _env(db, [busy, idle1, idle2], provider, tokens=_tokens(a), **opts)
+    events: list[tuple[str, str]] = []
+    b.capacity.publish = lambda kind, **data: events.append((kind, data.get("edge", "")))
+    try:
+        for _ in range(60):
+            for e in (a, b):
+                await e.capacity.directory.poll_once()
+                await e.capacity.tick()
+            await asyncio.sleep(0.02)
+            if "idle2" in provider.removed:
+                break
+        # both idle edges (newest first, down to min_edges=1) released once, by A alone
+        assert sorted(provider.removed) == ["idle1", "idle2"], provider.removed
+        assert not b.capacity.leading and events == []
+        for e in (a, b):  # gone from both apiservers' views
+            assert set(e.capacity.directory.views) == {"busy"}
+            assert {n: m.reason for n, m in e.capacity.drains.items()} == {
+                "idle1": "released",
+                "idle2": "released",
+            }
+
+        # a release A began and did not finish: B takes over and finishes it, once
+        extra = FakeEdge("extra", 10)
+        provider.nodes["extra"] = extra
+        for e in (a, b):
+            e.capacity.directory.add(extra)  # type: ignore[arg-type]
+            await e.capacity.directory.poll_once()
+        busy.used = 2
+        assert a.iam.mark_edge("extra", "idle", expect=None)
+        assert not b.iam.mark_edge("extra", "releasing", expect="idle")  # (B does not act)
+        assert a.iam.mark_edge("extra", "releasing", expect="idle")
+        await a.capacity.close()
+        a.iam.close()
+        await b.capacity.tick()
+        await asyncio.sleep(0.05)
+        assert b.capacity.leading and provider.removed.count("extra") == 1
+        assert events == [("edge_released", "extra")]
+        assert b.iam.capacity_marks()["extra"].state == "released"
+        # an admin's undrain takes a released edge back (it registered again)
+        b.capacity.directory.add(extra)  # type: ignore[arg-type]
+        await b.capacity.tick()
+        assert b.capacity.directory.views["extra"].draining
+        r = await b.call("POST", "/v1/edges/extra/undrain", b.admin)
+        assert r.json() == {"edge": "extra", "draining": False}
+        assert "extra" not in b.iam.capacity_marks()
+    finally:
+        await b.http.aclose()
+        await b.capacity.close()
+        b.iam.close()
+        await a.http.aclose()
+
+
+def test_writes_of_an_apiserver_that_lost_the_lead_change_nothing(db: Path | str) -> None:
+    with IAM(db) as a, IAM(db) as b:
+        a.bootstrap()
+        assert a.capacity_lead() and not b.capacity_lead()
+        burst = Burst(
+            id="burst-1", project="default", image="python", backend="container", cpu=1, memory_mb=64,
+            count=3, when=0, announced_at=1, announced_by="admin", state="scheduled",
+        )  # fmt: skip
+        a.add_burst(burst, max_active=10, keep=10)
+        burst.state, burst.prewarmed = "provisioning", {"e0": 3}
+        assert not b.save_burst(burst, {}, "s")
+        assert not b.mark_edge("e0", "idle", expect=None)
+        assert a.save_burst(burst, {"hold": 2e9}, "s")
+        assert (
+            a.prewarm_held("e0", 0) == 3 == a.prewarm_held("e0", 0, "s") and a.prewarm_held("e0", 0, "t") == 0
+        )
+        assert b.held_edges(1.0) == {"e0": 2e9}
+        # B is judged to have the lead (as when A's owner died): A's writes are refused
+        b_owner = b._owner()
+        with b._write() as db_:
+            db_.execute("UPDATE capacity_leader SET owner = ?", (b_owner,))
+        assert b.capacity_lead() and not a.capacity_lead()
+        burst.state = "ready"
+        assert not a.save_burst(burst, {}, "s")
+        assert b.list_bursts(None)[0].state == "provisioning"
+        assert b.mark_edge("e0", "idle", expect=None) and not b.mark_edge("e0", "idle", expect=None)
+        assert not a.mark_edge("e0", "releasing", expect="idle")
+        # finished bursts beyond `keep` are forgotten, oldest first
+        assert b.save_burst(burst, {}, "s")
+        for i in range(3):
+            nxt = burst.model_copy(update={"id": f"burst-n{i}", "announced_at": 10 + i, "state": "ready"})
+            b.add_burst(nxt, max_active=10, keep=2)
+        assert [x.id for x in b.list_bursts(None)] == ["burst-n1", "burst-n2"]
+        assert b.list_bursts({"other"}) == []
