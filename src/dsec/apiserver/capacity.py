@@ -18,9 +18,22 @@ raced the drain makes it busy again: it is undrained instead); never below `min_
 placements. The edges a burst pre-warmed on are kept `capacity_hold_s` past its time (or past
 the pre-warm, if later).
 
-What this process knows is its own: bursts and drains live in this apiserver's memory (with
-several apiservers, announce and drain through the same one). The edges' own state (pools,
-sandboxes) is what the watcher reports.
+Shared by apiservers: everything above is kept in the IAM's database (dsec.iam.capacity), so
+with stateless apiservers on one PostgreSQL any of them takes an announcement or a drain and
+every one lists the same bursts and keeps the same drains on its views (each re-reads them every
+`capacity_interval_s`). Exactly one apiserver acts (pre-warms, asks the node provider, drains
+idle edges, releases them): the holder of the `capacity_leader` row, an IAM owner alive while
+its process lives (PostgreSQL: a session advisory lock and a lease, as pending creates' owners);
+when it dies the next apiserver's round takes the row over, and every write the actor makes is
+fenced by it, so one that lost the lead changes nothing. A burst is resumable from what is
+stored: its prewarms are recorded before they are sent (a successor sends them again, as a
+prewarm sets a pool's target, instead of a second share), a node-provider request is recorded
+before it is made (a successor waits for those edges instead of asking again), and an edge moves
+idle -> releasing -> released by conditional writes (a successor finishes a release under way,
+the provider's removal being a no-op the second time; an edge is released once). An idle edge is
+released only after a status poll `2 x capacity_interval_s` after its drain, once every
+apiserver has taken the drain up. The edges' own state (pools, sandboxes) is what each
+apiserver's watcher reports.
 """
 
 from __future__ import annotations
