@@ -86,6 +86,8 @@ class CapacityStore:
                 " ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, since = excluded.since",
                 (me, time.time()),
             )
+            if holder is not None:
+                self._db.forget_owner(holder)  # (dead: what is left of it, as release_orphaned does)
         return True
 
     def capacity_leader(self) -> str | None:
