@@ -185,7 +185,12 @@ class Capacity:
         except errors.DsecError:
             admin, marks = None, None  # (the database away: what we had, next tick again)
         if admin is not None and marks is not None:
-            wanted = {n: m.state for n, m in marks.items()} | dict.fromkeys(admin, "admin")
+            # an admin's drain outranks an idle one; a release under way or done outranks both
+            wanted = (
+                {n: m.state for n, m in marks.items() if m.state == "idle"}
+                | dict.fromkeys(admin, "admin")
+                | {n: m.state for n, m in marks.items() if m.state != "idle"}
+            )
             before, self.drains = self.drains, {}
             for name, reason in wanted.items():
                 had = before.get(name)
