@@ -209,6 +209,10 @@ def test_bursts_grow_drain_and_release_edges_of_a_local_cluster() -> None:
                 spare["netns"] not in subprocess.run(["ip", "netns"], capture_output=True, text=True).stdout
             )
             assert not (d / "edges" / spare["name"]).exists()
+            # released once, by one apiserver (both logs: the survivor's and the killed one's)
+            logs = "".join(p.read_text(errors="replace") for p in (d / "logs").glob("api*.log"))
+            assert logs.count(f"edge {spare['name']} released through") == 1
+            assert logs.count(f"edge {spare['name']} drains (idle)") == 1
             assert {e.name: e.draining for e in root.edges()} == {e0: False, e1: False, e2: False}
             assert httpx.get(url + "/v1/health").json()["edges"] == 3
     finally:
