@@ -146,15 +146,21 @@ class CapacityStore:
                 "UPDATE bursts SET state = ?, body = ?, progress = ? WHERE id = ?",
                 (burst.state, burst.model_dump_json(), json.dumps(progress), burst.id),
             )
-            had = {r[0] for r in db.execute("SELECT edge FROM burst_prewarms WHERE burst = ?", (burst.id,))}
-            for edge in had - set(burst.prewarmed):
+            had = {
+                r[0]: (r[1], r[2])
+                for r in db.execute(
+                    "SELECT edge, count, hold_until FROM burst_prewarms WHERE burst = ?", (burst.id,)
+                )
+            }
+            for edge in set(had) - set(burst.prewarmed):
                 db.execute("DELETE FROM burst_prewarms WHERE burst = ? AND edge = ?", (burst.id, edge))
-            if burst.prewarmed:
+            changed = [(e, n) for e, n in burst.prewarmed.items() if had.get(e) != (n, hold)]
+            if changed:  # (a save per step of a burst: only what changed, not every edge again)
                 db.executemany(
                     "INSERT INTO burst_prewarms (burst, edge, shape, count, at, hold_until)"
                     " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (burst, edge) DO UPDATE SET"
                     " count = excluded.count, hold_until = excluded.hold_until",
-                    [(burst.id, e, shape, n, now, hold) for e, n in burst.prewarmed.items()],
+                    [(burst.id, e, shape, n, now, hold) for e, n in changed],
                 )
         return True
 
