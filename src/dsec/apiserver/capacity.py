@@ -32,8 +32,11 @@ before it is made (a successor waits for those edges instead of asking again), a
 idle -> releasing -> released by conditional writes (a successor finishes a release under way,
 the provider's removal being a no-op the second time; an edge is released once). An idle edge is
 released only after a status poll `2 x capacity_interval_s` after its drain, once every
-apiserver has taken the drain up. The edges' own state (pools, sandboxes) is what each
-apiserver's watcher reports.
+apiserver has taken the drain up. Since each step is written before it is taken, an actor cut
+off from the database (replaced once its lease ends) can finish at most the call it was in, not
+start another. What this leaves: a successor of an actor that died between recording a node
+request and making it waits `capacity_edge_wait_s` for edges that never come before it goes on.
+The edges' own state (pools, sandboxes) is what each apiserver's watcher reports.
 """
 
 from __future__ import annotations
