@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -48,6 +49,17 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _acting(urls: list[str], admin: str) -> str:
+    """The apiserver that acts on bursts (the first to start its capacity loop)."""
+    for _ in range(100):
+        for u in urls:
+            r = httpx.get(u + "/v1/capacity", headers={"authorization": f"Bearer {admin}"})
+            if r.status_code == 200 and r.json()["acting"]:
+                return u
+        time.sleep(0.1)
+    raise AssertionError("no apiserver acts on bursts")
+
+
 def test_bursts_grow_drain_and_release_edges_of_a_local_cluster() -> None:
     base = Path(tempfile.mkdtemp(prefix="dsec-capacity-", dir="/tmp"))
     os.chmod(base, 0o755)  # (PostgreSQL, as its own user, must reach the cluster dir)
@@ -59,33 +71,58 @@ def test_bursts_grow_drain_and_release_edges_of_a_local_cluster() -> None:
         "DSEC_APISERVER_MIN_EDGES": "2",
         "DSEC_APISERVER_CAPACITY_LEAD_S": "0",
     }
-    up = _cli(["cluster", "up", "--apiservers", "1", "--edges", "2", "--dir", str(d), "--elastic",
+    up = _cli(["cluster", "up", "--apiservers", "2", "--edges", "2", "--dir", str(d), "--elastic",
                "--idle-drain-after", "3", "--json"], env, timeout=300)  # fmt: skip
     assert up.returncode == 0, up.stderr[-3000:]
     state = local.ClusterState.load(d)
     pids = [m.pid for m in [*state.apiservers, *state.edges]]
     netns: list[str] = [e.netns for e in state.edges]
-    url, admin = state.apiservers[0].url, state.token
+    admin = state.token
     try:
         e0, e1 = (e.name for e in state.edges)
+        # two apiservers on one PostgreSQL: one acts on bursts, the other takes announcements
+        acting = _acting([a.url for a in state.apiservers], admin)
+        (url,) = [a.url for a in state.apiservers if a.url != acting]
+        (acting_pid,) = [a.pid for a in state.apiservers if a.url == acting]
         with Client(url, admin) as root:
-            httpx.post(
-                url + "/v1/projects", json={"name": "rl"}, headers={"authorization": f"Bearer {admin}"}
-            ).raise_for_status()
-            r = httpx.post(
-                url + "/v1/principals",
-                json={"name": "trainer", "projects": ["rl"]},
-                headers={"authorization": f"Bearer {admin}"},
-            )
-            r.raise_for_status()
-            tenant = r.json()["token"]
+            for name in ("rl", "other"):
+                httpx.post(
+                    url + "/v1/projects", json={"name": name}, headers={"authorization": f"Bearer {admin}"}
+                ).raise_for_status()
+            tokens = {}
+            for who, project in (("trainer", "rl"), ("stranger", "other")):
+                r = httpx.post(
+                    url + "/v1/principals",
+                    json={"name": who, "projects": [project]},
+                    headers={"authorization": f"Bearer {admin}"},
+                )
+                r.raise_for_status()
+                tokens[who] = r.json()["token"]
+            tenant = tokens["trainer"]
 
-            with Client(url, tenant) as c:
+            with Client(url, tenant) as c, Client(acting, tenant) as on_acting:
                 # a tenant announces only for its own projects
                 with pytest.raises(errors.Forbidden):
                     c.announce_capacity("default", 4)
                 burst = c.announce_capacity("rl", 10, **SHAPE)  # type: ignore[arg-type]
                 assert burst.project == "rl" and burst.count == 10
+                # taken by one apiserver, acted on by the other: both list it; no other tenant does
+                assert [b.id for b in on_acting.capacity()] == [burst.id]
+                for u in (url, acting):
+                    with Client(u, tokens["stranger"]) as stranger:
+                        assert stranger.capacity() == []
+
+                # the acting apiserver pre-warms both edges (4 each) and, short by 2, asks the
+                # provider for an edge; once that edge is started it is SIGKILLed: the other
+                # apiserver takes the burst up, waits for that edge (asking for none) and
+                # pre-warms the last 2 there
+                def edge_started() -> bool:
+                    return len([e for e in local.ClusterState.load(d).edges if e.pid]) == 3
+
+                _wait(edge_started, 120, "the provider started an edge")
+                os.kill(acting_pid, signal.SIGKILL)
+                (b,) = c.capacity()
+                assert b.state == "provisioning" and b.edges_requested == 1, b.actions
 
                 def done() -> bool:
                     (b,) = c.capacity()
@@ -94,10 +131,12 @@ def test_bursts_grow_drain_and_release_edges_of_a_local_cluster() -> None:
                 _wait(done, 120, "the burst provisioned")
                 (b,) = c.capacity()
                 assert b.state == "ready", b.actions
+                assert any("taken up by another apiserver" in a for a in b.actions), b.actions
                 assert len(b.edges_added) == 1, b.actions
                 e2 = b.edges_added[0]
                 assert b.prewarmed == {e0: 4, e1: 4, e2: 2}, b.actions
                 assert b.edges_requested == 1
+                assert len(local.ClusterState.load(d).edges) == 3  # no edge asked for twice
 
             # the new edge is real: in cluster.json, its own process in its own namespace
             added = next(e for e in local.ClusterState.load(d).edges if e.name == e2)
@@ -170,6 +209,10 @@ def test_bursts_grow_drain_and_release_edges_of_a_local_cluster() -> None:
                 spare["netns"] not in subprocess.run(["ip", "netns"], capture_output=True, text=True).stdout
             )
             assert not (d / "edges" / spare["name"]).exists()
+            # released once, by one apiserver (both logs: the survivor's and the killed one's)
+            logs = "".join(p.read_text(errors="replace") for p in (d / "logs").glob("api*.log"))
+            assert logs.count(f"edge {spare['name']} released through") == 1
+            assert logs.count(f"edge {spare['name']} drains (idle)") == 1
             assert {e.name: e.draining for e in root.edges()} == {e0: False, e1: False, e2: False}
             assert httpx.get(url + "/v1/health").json()["edges"] == 3
     finally:

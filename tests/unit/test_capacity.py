@@ -20,7 +20,7 @@ from dsec.apiserver.capacity import Capacity, split
 from dsec.apiserver.tenancy import ApiServerSettings
 from dsec.cluster.provider import NodeInfo, NodeProvider
 from dsec.iam import IAM
-from dsec.models import EdgeStatus, PoolInfo, PoolSpec, Quota, SandboxSpec
+from dsec.models import Burst, EdgeStatus, PoolInfo, PoolSpec, Quota, SandboxSpec
 
 
 class FakeEdge:
@@ -106,23 +106,38 @@ class Env:
 
     async def settle(self) -> None:
         for _ in range(200):
-            if not any(b.state in ("scheduled", "provisioning") for b in self.capacity.bursts.values()):
+            if not self.iam.active_bursts():
                 return
             await asyncio.sleep(0.01)
         raise AssertionError("bursts still pending")
 
+    def burst(self, burst_id: str) -> Burst:
+        (b,) = [b for b in self.iam.list_bursts(None) if b.id == burst_id]
+        return b
+
 
 async def _env(
-    tmp: Path, edges: list[FakeEdge], provider: NodeProvider | None = None, **settings: Any
+    db: Path | str,
+    edges: list[FakeEdge],
+    provider: NodeProvider | None = None,
+    *,
+    tokens: tuple[str, str, str] | None = None,
+    lead: bool = True,
+    **settings: Any,
 ) -> Env:
-    iam = IAM(tmp / "iam.db")
-    admin = iam.bootstrap()
-    assert admin is not None
-    iam.create_project("team-a", quota=Quota(max_sandboxes=500))
-    iam.create_project("team-b")
-    _, alice = iam.create_principal("alice", ["team-a"])
-    _, bob = iam.create_principal("bob", ["team-b"])
-    s = ApiServerSettings(capacity_max_count=1000, capacity_edge_wait_s=2, **settings)
+    """An apiserver on the IAM database `db` (a new one, or one an earlier _env made: pass its
+    `tokens`); `lead`: take the lead at once (a tick)."""
+    iam = IAM(db)
+    if tokens is None:
+        admin = iam.bootstrap()
+        assert admin is not None
+        iam.create_project("team-a", quota=Quota(max_sandboxes=500))
+        iam.create_project("team-b")
+        _, alice = iam.create_principal("alice", ["team-a"])
+        _, bob = iam.create_principal("bob", ["team-b"])
+    else:
+        admin, alice, bob = tokens
+    s = ApiServerSettings(**{"capacity_max_count": 1000, "capacity_edge_wait_s": 2, **settings})
     app = create_api_app(
         iam=iam,
         cluster_token="c",
@@ -131,6 +146,8 @@ async def _env(
         provider=provider,
     )
     await app.state.dsec.directory.poll_once()
+    if lead:
+        await app.state.capacity.tick()  # (the first apiserver: it acts on bursts)
     if isinstance(provider, FakeProvider):
         provider.capacity = app.state.capacity
     return Env(app, iam, admin, alice, bob, edges)
@@ -138,7 +155,7 @@ async def _env(
 
 @pytest_asyncio.fixture
 async def env(tmp_path: Path) -> AsyncIterator[Env]:
-    e = await _env(tmp_path, [FakeEdge("e0", 30), FakeEdge("e1", 20, used=10)])
+    e = await _env(tmp_path / "iam.db", [FakeEdge("e0", 30), FakeEdge("e1", 20, used=10)])
     yield e
     await e.http.aclose()
     await e.capacity.close()
@@ -199,7 +216,7 @@ async def test_announce_refuses_bad_input_with_stable_codes(
     assert err["code"] == code
     if reason is not None:
         assert err["details"]["reason"] == reason
-    assert env.capacity.bursts == {}
+    assert env.iam.list_bursts(None) == []
 
 
 async def test_tenants_announce_only_for_their_own_projects(env: Env) -> None:
@@ -207,7 +224,7 @@ async def test_tenants_announce_only_for_their_own_projects(env: Env) -> None:
     assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden"
     r = await env.call("POST", "/v1/capacity", "not-a-token", {"project": "team-a", "count": 5})
     assert r.status_code == 401
-    assert env.capacity.bursts == {}
+    assert env.iam.list_bursts(None) == []
 
     r = await env.call("POST", "/v1/capacity", env.alice, {"project": "team-a", "count": 5})
     assert r.status_code == 200, r.text
@@ -261,7 +278,7 @@ async def test_burst_prewarms_in_proportion_to_free_room(env: Env) -> None:
         "POST", "/v1/capacity", env.admin, {"project": "team-a", "count": 10, "memory_mb": 256, "cpu": 0.5}
     )
     await env.settle()
-    b2 = env.capacity.bursts[r.json()["id"]]
+    b2 = env.burst(r.json()["id"])
     assert b2.prewarmed == {"e0": 8, "e1": 2}  # free now 15 and 5
     assert e0.prewarms[-1][1] == 15 + 8 and e1.prewarms[-1][1] == 5 + 2
 
@@ -269,18 +286,18 @@ async def test_burst_prewarms_in_proportion_to_free_room(env: Env) -> None:
 async def test_burst_without_provider_is_partial(env: Env) -> None:
     r = await env.call("POST", "/v1/capacity", env.admin, {"project": "team-b", "count": 55})
     await env.settle()
-    b = env.capacity.bursts[r.json()["id"]]
+    b = env.burst(r.json()["id"])
     assert b.state == "partial" and b.shortfall == 15 and b.prewarmed == {"e0": 30, "e1": 10}
     assert any("no node provider" in a for a in b.actions)
 
 
 async def test_burst_grows_the_cluster_through_the_provider(tmp_path: Path) -> None:
     provider = FakeProvider(slots=10)
-    env = await _env(tmp_path, [FakeEdge("e0", 10, used=4)], provider)
+    env = await _env(tmp_path / "iam.db", [FakeEdge("e0", 10, used=4)], provider)
     try:
         r = await env.call("POST", "/v1/capacity", env.alice, {"project": "team-a", "count": 31})
         await env.settle()
-        b = env.capacity.bursts[r.json()["id"]]
+        b = env.burst(r.json()["id"])
         # 6 fit on e0; 25 more need ceil(25 / 10) = 3 edges of e0's size
         assert provider.asked == [3]
         assert b.state == "ready", b.actions
@@ -291,7 +308,7 @@ async def test_burst_grows_the_cluster_through_the_provider(tmp_path: Path) -> N
         env.capacity.settings.max_edges = 4
         r = await env.call("POST", "/v1/capacity", env.alice, {"project": "team-a", "count": 10})
         await env.settle()
-        b = env.capacity.bursts[r.json()["id"]]  # the 5 slots the new edges have left, no more
+        b = env.burst(r.json()["id"])  # the 5 slots the new edges have left, no more
         assert b.state == "partial" and b.shortfall == 5 and provider.asked == [3]
         assert any("max_edges" in a for a in b.actions)
     finally:
@@ -303,11 +320,12 @@ async def test_burst_grows_the_cluster_through_the_provider(tmp_path: Path) -> N
 async def test_burst_in_the_future_waits_for_its_lead_time(env: Env) -> None:
     env.capacity.settings.capacity_lead_s = 0
     r = await env.call("POST", "/v1/capacity", env.admin, {"project": "team-a", "count": 4, "when": 0.3})
-    b = env.capacity.bursts[r.json()["id"]]
     await asyncio.sleep(0.1)
+    b = env.burst(r.json()["id"])
     assert b.state == "scheduled" and b.prewarmed == {}
     await asyncio.sleep(0.4)
     await env.settle()
+    b = env.burst(r.json()["id"])
     assert b.state == "ready" and sum(b.prewarmed.values()) == 4
 
 
@@ -328,7 +346,7 @@ async def test_drain_excludes_an_edge_from_placement_and_shows_in_edges(env: Env
     # a burst leaves it out too
     r = await env.call("POST", "/v1/capacity", env.admin, {"project": "team-a", "count": 4})
     await env.settle()
-    assert env.capacity.bursts[r.json()["id"]].prewarmed == {"e1": 4}
+    assert env.burst(r.json()["id"]).prewarmed == {"e1": 4}
     # the watcher's views are re-made when an edge registers again: the drain holds
     directory.views["e0"].draining = False
     await env.capacity.tick()
@@ -343,7 +361,8 @@ async def test_idle_edges_drain_then_release_down_to_min_edges(tmp_path: Path) -
     provider = FakeProvider()
     busy, idle1, idle2 = FakeEdge("busy", 10, used=2), FakeEdge("idle1", 10), FakeEdge("idle2", 10)
     provider.nodes = {e.name: e for e in (busy, idle1, idle2)}
-    env = await _env(tmp_path, [busy, idle1, idle2], provider, idle_drain_after_s=0.2, min_edges=1)
+    env = await _env(tmp_path / "iam.db", [busy, idle1, idle2], provider, idle_drain_after_s=0.2, min_edges=1,
+                     capacity_interval_s=0.01)  # fmt: skip
     cap, directory = env.capacity, env.capacity.directory
     try:
         await cap.tick()
@@ -354,6 +373,7 @@ async def test_idle_edges_drain_then_release_down_to_min_edges(tmp_path: Path) -
         assert [v.api.name for v in directory.candidates(SandboxSpec())] == ["busy"]
 
         # idle2 gets a sandbox that raced the drain: it is busy, so it takes placements again
+        await asyncio.sleep(0.03)  # (every apiserver has taken up the drain: 2 capacity rounds)
         idle2.used = 1
         await directory.poll_once()
         await cap.tick()
@@ -368,7 +388,7 @@ async def test_idle_edges_drain_then_release_down_to_min_edges(tmp_path: Path) -
         await asyncio.sleep(0.25)
         await cap.tick()  # drained now
         assert len([v for v in directory.views.values() if v.draining]) == 1
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.03)
         await directory.poll_once()  # a poll after the drain still finds it empty
         await cap.tick()
         await asyncio.sleep(0.05)
@@ -388,3 +408,210 @@ async def test_idle_edges_drain_then_release_down_to_min_edges(tmp_path: Path) -
         await env.http.aclose()
         await cap.close()
         env.iam.close()
+
+
+# --- shared by apiservers (the IAM's database: SQLite and a real PostgreSQL) -------------------
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Path | str:
+    if request.param == "sqlite":
+        return tmp_path / "iam.db"
+    return str(request.getfixturevalue("pg_url"))
+
+
+async def _close(*envs: Env) -> None:
+    for e in envs:
+        await e.http.aclose()
+        await e.capacity.close()
+        e.iam.close()
+
+
+def _tokens(env: Env) -> tuple[str, str, str]:
+    return env.admin, env.alice, env.bob
+
+
+async def test_apiservers_share_bursts_and_one_acts_on_them(db: Path | str) -> None:
+    edges = [FakeEdge("e0", 30), FakeEdge("e1", 20, used=10)]
+    a = await _env(db, edges)
+    b = await _env(db, edges, tokens=_tokens(a))
+    try:
+        await b.capacity.tick()
+        assert a.capacity.leading and not b.capacity.leading
+
+        # announced on B (which does not act): A shows it, then takes it up at its next round
+        r = await b.call(
+            "POST", "/v1/capacity", b.alice, {"project": "team-a", "count": 20, "memory_mb": 256}
+        )
+        assert r.status_code == 200, r.text
+        (seen,) = (await a.call("GET", "/v1/capacity", a.alice)).json()["bursts"]
+        assert seen["id"] == r.json()["id"] and seen["state"] == "scheduled"
+        await a.capacity.tick()
+        await a.settle()
+        got = {
+            n: (await e.call("GET", "/v1/capacity", e.alice)).json()["bursts"]
+            for n, e in (("a", a), ("b", b))
+        }
+        assert got["a"] == got["b"] and got["a"][0]["state"] == "ready"
+        assert got["a"][0]["prewarmed"] == {"e0": 15, "e1": 5}
+        assert [n for _, n in edges[0].prewarms] == [15] and [n for _, n in edges[1].prewarms] == [5]
+
+        # another tenant sees none of it, on either apiserver; an admin sees it on both
+        for e in (a, b):
+            assert (await e.call("GET", "/v1/capacity", e.bob)).json()["bursts"] == []
+            answer = (await e.call("GET", "/v1/capacity", e.admin)).json()
+            assert len(answer["bursts"]) == 1 and answer["acting"] is (e is a)
+
+        # the bound on pending bursts holds across apiservers
+        a.capacity.settings.capacity_max_bursts = b.capacity.settings.capacity_max_bursts = 1
+        body = {"project": "team-a", "count": 1, "when": 3600}
+        assert (await a.call("POST", "/v1/capacity", a.alice, body)).status_code == 200
+        r = await b.call("POST", "/v1/capacity", b.alice, body)
+        assert r.status_code == 429 and r.json()["error"]["details"]["reason"] == "too_many_bursts", r.text
+    finally:
+        await _close(a, b)
+
+
+class StuckProvider(FakeProvider):
+    """A fake node provider whose edges never come: the acting apiserver waits on it."""
+
+    async def add(self, n: int) -> list[str]:
+        self.asked.append(n)
+        await asyncio.Event().wait()
+        return []
+
+
+async def test_another_apiserver_finishes_a_burst_whose_apiserver_stopped(db: Path | str) -> None:
+    edges = [FakeEdge("e0", 6)]
+    stuck, spare = StuckProvider(slots=10), FakeProvider(slots=10)
+    a = await _env(db, edges, stuck, capacity_edge_wait_s=30)
+    b = await _env(db, edges, spare, tokens=_tokens(a), capacity_edge_wait_s=30)
+    try:
+        r = await a.call("POST", "/v1/capacity", a.alice, {"project": "team-a", "count": 10})
+        burst_id = r.json()["id"]
+        for _ in range(100):  # A pre-warmed 6 on e0 and asked its provider for an edge
+            if stuck.asked:
+                break
+            await asyncio.sleep(0.01)
+        assert stuck.asked == [1] and a.burst(burst_id).prewarmed == {"e0": 6}
+        assert a.burst(burst_id).state == "provisioning"
+
+        await a.capacity.close()  # A stops (its process's owner dies with its IAM)
+        a.iam.close()
+        await b.capacity.tick()
+        assert b.capacity.leading
+        await asyncio.sleep(0.1)
+        assert spare.asked == [], "B asked for edges again"
+        assert b.burst(burst_id).state == "provisioning"
+
+        # the edge A asked for registers: B pre-warms the rest there and finishes
+        late = FakeEdge("late", 10)
+        b.capacity.directory.add(late)  # type: ignore[arg-type]
+        await b.capacity.directory.poll_once()
+        await b.settle()
+        done = b.burst(burst_id)
+        assert done.state == "ready", done.actions
+        assert done.prewarmed == {"e0": 6, "late": 4} and done.edges_added == ["late"]
+        assert done.edges_requested == 1 and spare.asked == []
+        assert any("taken up by another apiserver" in x for x in done.actions)
+        # e0 got its prewarm again (a target: the same 6), never another share
+        assert [n for _, n in edges[0].prewarms] == [6, 6] and [n for _, n in late.prewarms] == [4]
+    finally:
+        await b.http.aclose()
+        await b.capacity.close()
+        b.iam.close()
+        await a.http.aclose()
+
+
+async def test_one_apiserver_drains_and_releases_an_idle_edge_once(db: Path | str) -> None:
+    provider = FakeProvider()
+    busy, idle1, idle2 = FakeEdge("busy", 10, used=2), FakeEdge("idle1", 10), FakeEdge("idle2", 10)
+    provider.nodes = {e.name: e for e in (busy, idle1, idle2)}
+    opts: dict[str, Any] = {"idle_drain_after_s": 0.1, "min_edges": 1, "capacity_interval_s": 0.01}
+    a = await _env(db, [busy, idle1, idle2], provider, **opts)
+    b = await _env(db, [busy, idle1, idle2], provider, tokens=_tokens(a), **opts)
+    events: list[tuple[str, str]] = []
+    b.capacity.publish = lambda kind, **data: events.append((kind, data.get("edge", "")))
+    try:
+        for _ in range(60):
+            for e in (a, b):
+                await e.capacity.directory.poll_once()
+                await e.capacity.tick()
+            await asyncio.sleep(0.02)
+            if "idle2" in provider.removed:
+                break
+        # both idle edges (newest first, down to min_edges=1) released once, by A alone
+        assert sorted(provider.removed) == ["idle1", "idle2"], provider.removed
+        assert not b.capacity.leading and events == []
+        for e in (a, b):  # gone from both apiservers' views
+            assert set(e.capacity.directory.views) == {"busy"}
+            assert {n: m.reason for n, m in e.capacity.drains.items()} == {
+                "idle1": "released",
+                "idle2": "released",
+            }
+
+        # a release A began and did not finish: B takes over and finishes it, once
+        extra = FakeEdge("extra", 10)
+        provider.nodes["extra"] = extra
+        for e in (a, b):
+            e.capacity.directory.add(extra)  # type: ignore[arg-type]
+            await e.capacity.directory.poll_once()
+        busy.used = 2
+        assert a.iam.mark_edge("extra", "idle", expect=None)
+        assert not b.iam.mark_edge("extra", "releasing", expect="idle")  # (B does not act)
+        assert a.iam.mark_edge("extra", "releasing", expect="idle")
+        await a.capacity.close()
+        a.iam.close()
+        await b.capacity.tick()
+        await asyncio.sleep(0.05)
+        assert b.capacity.leading and provider.removed.count("extra") == 1
+        assert events == [("edge_released", "extra")]
+        assert b.iam.capacity_marks()["extra"].state == "released"
+        # an admin's undrain takes a released edge back (it registered again)
+        b.capacity.directory.add(extra)  # type: ignore[arg-type]
+        await b.capacity.tick()
+        assert b.capacity.directory.views["extra"].draining
+        r = await b.call("POST", "/v1/edges/extra/undrain", b.admin)
+        assert r.json() == {"edge": "extra", "draining": False}
+        assert "extra" not in b.iam.capacity_marks()
+    finally:
+        await b.http.aclose()
+        await b.capacity.close()
+        b.iam.close()
+        await a.http.aclose()
+
+
+def test_writes_of_an_apiserver_that_lost_the_lead_change_nothing(db: Path | str) -> None:
+    with IAM(db) as a, IAM(db) as b:
+        a.bootstrap()
+        assert a.capacity_lead() and not b.capacity_lead()
+        burst = Burst(
+            id="burst-1", project="default", image="python", backend="container", cpu=1, memory_mb=64,
+            count=3, when=0, announced_at=1, announced_by="admin", state="scheduled",
+        )  # fmt: skip
+        a.add_burst(burst, max_active=10, keep=10)
+        burst.state, burst.prewarmed = "provisioning", {"e0": 3}
+        assert not b.save_burst(burst, {}, "s")
+        assert not b.mark_edge("e0", "idle", expect=None)
+        assert a.save_burst(burst, {"hold": 2e9}, "s")
+        assert (
+            a.prewarm_held("e0", 0) == 3 == a.prewarm_held("e0", 0, "s") and a.prewarm_held("e0", 0, "t") == 0
+        )
+        assert b.held_edges(1.0) == {"e0": 2e9}
+        # B is judged to have the lead (as when A's owner died): A's writes are refused
+        b_owner = b._owner()
+        with b._write() as db_:
+            db_.execute("UPDATE capacity_leader SET owner = ?", (b_owner,))
+        assert b.capacity_lead() and not a.capacity_lead()
+        burst.state = "ready"
+        assert not a.save_burst(burst, {}, "s")
+        assert b.list_bursts(None)[0].state == "provisioning"
+        assert b.mark_edge("e0", "idle", expect=None) and not b.mark_edge("e0", "idle", expect=None)
+        assert not a.mark_edge("e0", "releasing", expect="idle")
+        # finished bursts beyond `keep` are forgotten, oldest first
+        assert b.save_burst(burst, {}, "s")
+        for i in range(3):
+            nxt = burst.model_copy(update={"id": f"burst-n{i}", "announced_at": 10 + i, "state": "ready"})
+            b.add_burst(nxt, max_active=10, keep=2)
+        assert [x.id for x in b.list_bursts(None)] == ["burst-n1", "burst-n2"]
+        assert b.list_bursts({"other"}) == []

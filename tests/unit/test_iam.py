@@ -879,10 +879,11 @@ def test_migrates_a_v1_database(db_path: Path) -> None:
         assert again.get_project("team").quota.max_snapshots == 1
     db = sqlite3.connect(str(db_path))
     try:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == 8
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 9
         assert db.execute("SELECT COUNT(*) FROM lost_sandboxes").fetchone()[0] == 0  # (v5)
         assert db.execute("SELECT COUNT(*) FROM idempotency").fetchone()[0] == 0  # (v6)
         assert db.execute("SELECT COUNT(*) FROM trajectory_shipped").fetchone()[0] == 0  # (v7)
+        assert db.execute("SELECT COUNT(*) FROM bursts").fetchone()[0] == 0  # (v9)
         cols = {r[1] for r in db.execute("PRAGMA table_info(projects)")}
         assert {"max_snapshots", "max_snapshot_mb", "used_snapshots", "used_snapshot_mb"} <= cols
         assert "allowed_backends" in cols

@@ -227,6 +227,8 @@ def _wait_registered(state: ClusterState, names: list[str], timeout: float) -> N
     deadline = time.monotonic() + timeout
     headers = {"Authorization": f"Bearer {state.token}"}
     for api in state.apiservers:
+        if not _ours(api.pid, "apiserver"):
+            continue  # (an apiserver that died sees no edge: the others still do)
         while True:
             with contextlib.suppress(httpx.HTTPError, ValueError):
                 r = httpx.get(api.url + "/v1/edges", headers=headers, timeout=2)

@@ -27,7 +27,9 @@ _MILLI = 1000
 # 6: idempotency (creates by idempotency key)
 # 7: trajectory_entries, trajectory_shipped (trajectory logs shipped by edges)
 # 8: edge_drains (an admin's drains, seen by every apiserver)
-_SCHEMA_VERSION = 8
+# 9: bursts, burst_prewarms, capacity_edges, capacity_leader (elastic capacity shared by
+#    apiservers: dsec.iam.capacity)
+_SCHEMA_VERSION = 9
 _REVOKED = "revoked:"  # prefix of a revoked principal's token_hash: no SHA-256 hex matches it
 
 _SCHEMA = (
@@ -120,6 +122,37 @@ _SCHEMA = (
         recorded INTEGER NOT NULL,
         lost INTEGER NOT NULL,
         updated_at REAL NOT NULL
+    )""",
+    """CREATE TABLE IF NOT EXISTS bursts (
+        id TEXT PRIMARY KEY,
+        project TEXT NOT NULL,
+        state TEXT NOT NULL,
+        announced_at REAL NOT NULL,
+        body TEXT NOT NULL,
+        progress TEXT NOT NULL
+    )""",
+    "CREATE INDEX IF NOT EXISTS bursts_state ON bursts(state)",
+    "CREATE INDEX IF NOT EXISTS bursts_announced ON bursts(announced_at)",
+    """CREATE TABLE IF NOT EXISTS burst_prewarms (
+        burst TEXT NOT NULL,
+        edge TEXT NOT NULL,
+        shape TEXT NOT NULL,
+        count INTEGER NOT NULL,
+        at REAL NOT NULL,
+        hold_until REAL NOT NULL DEFAULT 0,
+        PRIMARY KEY (burst, edge)
+    )""",
+    "CREATE INDEX IF NOT EXISTS burst_prewarms_edge ON burst_prewarms(edge)",
+    """CREATE TABLE IF NOT EXISTS capacity_edges (
+        edge TEXT PRIMARY KEY,
+        state TEXT NOT NULL,
+        since REAL NOT NULL,
+        owner TEXT
+    )""",
+    """CREATE TABLE IF NOT EXISTS capacity_leader (
+        name TEXT PRIMARY KEY,
+        owner TEXT NOT NULL,
+        since REAL NOT NULL
     )""",
 )
 

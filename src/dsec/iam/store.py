@@ -51,6 +51,7 @@ from typing import Any
 
 from dsec.errors import AuthError, Conflict, Forbidden, InvalidRequest, NotFound
 from dsec.iam.admission import Admission
+from dsec.iam.capacity import CapacityStore
 from dsec.iam.db import LEASE_S, Database, Row, open_database
 from dsec.iam.schema import (
     _ADDED_COLUMNS,
@@ -78,7 +79,7 @@ from dsec.models.iam import Principal, Project, Quota, Usage
 __all__ = ["IAM", "Principal", "Project", "Quota", "Usage"]
 
 
-class IAM(Admission, ShippedTrajectories):
+class IAM(Admission, ShippedTrajectories, CapacityStore):
     """Projects, principals, tokens and quota admission stored in one SQLite database."""
 
     def __init__(

@@ -25,11 +25,13 @@ def _install_capacity_routes(
 
     @app.get("/v1/capacity")
     async def bursts(request: Request) -> dict[str, Any]:
-        """Announced bursts and what was done (tenants: their projects' only)."""
+        """Announced bursts and what was done (tenants: their projects' only), whichever
+        apiserver took them; `acting`: whether this apiserver is the one that acts on them."""
         scope = iam.visible_projects(principal(request))
         return {
             "bursts": [b.model_dump(mode="json") for b in capacity.visible(scope)],
             "provider": capacity.provider.kind if capacity.provider is not None else None,
+            "acting": capacity.leading,
         }
 
     @app.post("/v1/edges/{name}/drain")
