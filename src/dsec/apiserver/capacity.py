@@ -245,13 +245,15 @@ class Capacity:
         return total
 
     def _able(self, spec: SandboxSpec) -> list[EdgeView]:
+        """Edges that can pool `spec`: those holding its image, and those with a registry
+        (they pull it when asked to pre-warm, as at a create)."""
         return [
             v
             for v in self.directory.views.values()
             if v.healthy
             and not v.draining
             and v.status is not None
-            and spec.image in v.status.images
+            and (spec.image in v.status.images or v.status.registry)
             and spec.backend in v.status.backends
         ]
 

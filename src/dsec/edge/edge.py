@@ -9,7 +9,7 @@ one `EdgeCore` they share (core.py: settings, stores, host pieces, the live sand
 given, when it is made, the other parts it calls:
 `EdgeLifecycle` (admission, create, lookup, pause, network, stop), `EdgeExec` (execs,
 sessions, the trajectory log), `EdgeFiles` (the file API), `EdgeVault` (protect, verify),
-`EdgeState` (snapshots, forks, checkpoints, image transfer), `LayerCache` (images through
+`EdgeState` (snapshots, forks, checkpoints), `LayerCache` (images through
 the registry: pulls, pushes, eviction), `EdgeReaper` (idle TTL,
 re-adoption, the reconciler) and `Telemetry` (misbehaviour counters). The backends run the
 sandboxes (`dsec.backends`); the warm pools and the fncall pool take callables.
@@ -119,7 +119,7 @@ class Edge:
             protect=lambda sid, paths: self.vault.protect(sid, paths),
             vault_dir=lambda sid: self.vault._vault(sid),
             release_fork_layers=lambda chain: self.state._release_fork_layers(chain),
-            using=lambda image: self.cache.using(image),
+            using=lambda image, project: self.cache.using(image, project),
         )
         self.pools = self.life.pools
         # Images through the registry (pulled at first use, snapshots pushed), when one is set.
@@ -142,6 +142,7 @@ class Edge:
             execs=self.execs,
             copy_tool=lambda: self._copy_tool,
             publish=self.cache.publish,
+            unpublish=self.cache.unpublish,
         )
         self.reaper = EdgeReaper(core, life=self.life)
         self.fncall = FnCallPool(
@@ -378,11 +379,6 @@ class Edge:
     restore = _Delegated("state", EdgeState.restore)
     list_checkpoints = _Delegated("state", EdgeState.list_checkpoints)
     delete_checkpoint = _Delegated("state", EdgeState.delete_checkpoint)
-    image_manifest = _Delegated("state", EdgeState.image_manifest)
-    missing_layers = _Delegated("state", EdgeState.missing_layers)
-    export_layer = _Delegated("state", EdgeState.export_layer)
-    import_layer = _Delegated("state", EdgeState.import_layer)
-    put_image = _Delegated("state", EdgeState.put_image)
     _checkpoint_dir = _Delegated("state", EdgeState._checkpoint_dir)
     _checkpoints_dir = _Delegated("state", EdgeState._checkpoints_dir)
 
@@ -396,12 +392,16 @@ class Edge:
 
     # --- pools ---------------------------------------------------------------------
 
-    def configure_pool(self, spec: wire.PoolSpec) -> wire.PoolInfo:
-        self.life._image(spec.image)
+    # An image this edge lacks is pulled from the registry first (the same deduplicated,
+    # verified path as a create's), so a pool asked for ahead of a burst can fill; each
+    # refill holds the image like a create (`EdgeLifecycle._create_for_pool`).
+
+    async def configure_pool(self, spec: wire.PoolSpec) -> wire.PoolInfo:
+        await self.cache.ensure_image(spec.image)
         return self.pools.configure(spec)
 
-    def prewarm(self, spec: wire.PoolSpec, count: int) -> wire.PoolInfo:
-        self.life._image(spec.image)
+    async def prewarm(self, spec: wire.PoolSpec, count: int) -> wire.PoolInfo:
+        await self.cache.ensure_image(spec.image)
         return self.pools.prewarm(spec, count)
 
     # --- status ----------------------------------------------------------------------
