@@ -273,6 +273,10 @@ async def test_a_snapshot_of_another_project_is_not_pulled(make_edge, registry_s
         await other.create(SandboxSpec(image=snap.id, project="p2"))
     assert other.cache.client.counts["GET blob"] == 1  # the config only, not the layer
     assert not other.layers.has_layer(snap.layer) and not other.layers.has_image(snap.id)
+    for e in (other, one):  # nor can that project's burst pre-warm it, pulled or held
+        with pytest.raises(errors.ImageNotFound, match="in project 'p2'"):
+            await e.prewarm(PoolSpec(image=snap.id, memory_mb=64), 1, "p2")
+    assert not other.layers.has_layer(snap.layer) and not e.pools.pools
     await one.stop(sb.id)
 
 

@@ -269,7 +269,7 @@ class Capacity:
             key = (name, pool.key())
             total = self._held(name, pool.key()) + n  # a prewarm sets the pool's boost: all bursts'
             try:
-                await view.api.prewarm(pool, total)
+                await view.api.prewarm(pool, total, b.project)
             except errors.DsecError as e:
                 b.actions.append(f"pre-warming {n} on {name} failed: {e.message}")
                 continue

@@ -203,10 +203,9 @@ class HttpEdge(EdgeAPI):
         r = await self._call("POST", "/v1/pools", json_body=spec.model_dump(mode="json"))
         return wire.PoolInfo.model_validate_json(r.content)
 
-    async def prewarm(self, spec: wire.PoolSpec, count: int) -> wire.PoolInfo:
-        r = await self._call(
-            "POST", "/v1/pools/prewarm", json_body={"spec": spec.model_dump(mode="json"), "count": count}
-        )
+    async def prewarm(self, spec: wire.PoolSpec, count: int, project: str | None = None) -> wire.PoolInfo:
+        body = {"spec": spec.model_dump(mode="json"), "count": count, "project": project}
+        r = await self._call("POST", "/v1/pools/prewarm", json_body=body)
         return wire.PoolInfo.model_validate_json(r.content)
 
     async def pools(self) -> builtins.list[wire.PoolInfo]:

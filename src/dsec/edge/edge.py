@@ -400,8 +400,13 @@ class Edge:
         await self.cache.ensure_image(spec.image)
         return self.pools.configure(spec)
 
-    async def prewarm(self, spec: wire.PoolSpec, count: int) -> wire.PoolInfo:
-        await self.cache.ensure_image(spec.image)
+    async def prewarm(self, spec: wire.PoolSpec, count: int, project: str | None = None) -> wire.PoolInfo:
+        """`project`: whose burst it is (a snapshot of another project is image_not_found,
+        not pulled)."""
+        held = self.layers.has_image(spec.image)
+        if held and project is not None and not self.life._image(spec.image).usable_by(project):
+            raise errors.ImageNotFound(f"there is no snapshot {spec.image!r} in project {project!r}")
+        await self.cache.ensure_image(spec.image, project)
         return self.pools.prewarm(spec, count)
 
     # --- status ----------------------------------------------------------------------

@@ -123,8 +123,8 @@ class LocalEdge(EdgeAPI):
     async def configure_pool(self, spec: wire.PoolSpec) -> wire.PoolInfo:
         return await self.edge.configure_pool(spec)
 
-    async def prewarm(self, spec: wire.PoolSpec, count: int) -> wire.PoolInfo:
-        return await self.edge.prewarm(spec, count)
+    async def prewarm(self, spec: wire.PoolSpec, count: int, project: str | None = None) -> wire.PoolInfo:
+        return await self.edge.prewarm(spec, count, project)
 
     async def pools(self) -> builtins.list[wire.PoolInfo]:
         return self.edge.pools.list()

@@ -233,7 +233,7 @@ def _install_pool_image_routes(app: FastAPI, local: LocalEdge) -> None:
 
     @app.post("/v1/pools/prewarm", response_model=PoolInfo)
     async def prewarm(body: PoolPrewarm) -> PoolInfo:
-        return await local.prewarm(body.spec, body.count)
+        return await local.prewarm(body.spec, body.count, body.project)
 
     @app.post("/v1/sandboxes/{sid}/fork", status_code=201)
     async def fork(sid: str, body: ForkRequest, request: Request) -> dict[str, Any]:
