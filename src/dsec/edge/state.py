@@ -42,6 +42,7 @@ from dsec.isolation.procs import (
 from dsec.layers import shift_tree, unpack_layer_stream
 from dsec.layers.store import Image
 from dsec.models import (
+    POOL_PROJECT,
     Checkpoint,
     CheckpointTree,
     ForkLayer,
@@ -356,13 +357,16 @@ class EdgeState(EdgePart):
                 raise errors.InvalidRequest(f"{name} is not a snapshot")
             if projects is not None and image.source.get("project") not in projects:
                 raise errors.ImageNotFound(f"there is no snapshot {name!r} in your projects")
-            if any(sb.record.spec.image == name for sb in self.sandboxes.values()):
+            users = [sb for sb in self.sandboxes.values() if sb.record.spec.image == name]
+            if any(sb.record.spec.project != POOL_PROJECT for sb in users):  # (warm stock goes)
                 raise errors.Conflict(f"snapshot {name} is in use by live sandboxes; stop them first")
         unpublished = self._unpublish is not None and await self._unpublish(name, projects)
         if image is None:
             if not unpublished:
                 raise errors.ImageNotFound(f"there is no snapshot {name!r} on edge {self.name}")
             return
+        pooled = self.life.pools.drop(name)
+        await asyncio.gather(*(self.life.stop(sid) for sid in pooled))
         self.layers.delete_image(name)
         with contextlib.suppress(errors.DsecError):
             self.layers.delete_layer(image.layers[-1])
