@@ -86,13 +86,15 @@ class Edge:
         self.settings = settings
         self.name = settings.name
         # What every part shares (see core.py); the network: nothing is made on the host
-        # before the first policy.
+        # before the first policy. No sandbox's policy may reach the registry either (it
+        # holds every project's snapshots and takes pushes unauthenticated).
+        platform = [*settings.platform_addresses, *([settings.registry] if settings.registry else [])]
         self.core = EdgeCore(
             settings=settings,
             layers=LayerStore(settings.layer_root, settings.uid_offset),
             cgroups=CgroupHost.detect(),
             trajlog=TrajectoryLog(settings.data_dir / f"trajlog-{settings.name}.db"),
-            net=NetHost(settings.name, platform=settings.platform_addresses),
+            net=NetHost(settings.name, platform=platform),
         )
         self.layers, self.cgroups, self.trajlog = self.core.layers, self.core.cgroups, self.core.trajlog
         self.sandboxes = self.core.sandboxes  # live ones by id, shared by every part
