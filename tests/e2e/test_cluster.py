@@ -24,11 +24,12 @@ from .conftest import _env, start, stop_all, wait_healthy
 pytestmark = [pytest.mark.root, pytest.mark.e2e]
 
 
-def test_two_edges_share_load_and_survive_apiserver_restart(tmp_path, python_image):
+def test_two_edges_share_load_and_survive_apiserver_restart(tmp_path, python_image, registry_url):
     data = tmp_path / "data"
     run_id = secrets.token_hex(4)  # unique across concurrent pytest runs
     env = _env(tmp_path, f"dsec-e2e-{run_id}")
     env["DSEC_EDGE_FNCALL_IMAGE"] = ""  # capacities below count user sandboxes only
+    env["DSEC_EDGE_REGISTRY"] = registry_url  # as a cluster runs (the shared store has the image)
     api_port = free_port()
     url = f"http://127.0.0.1:{api_port}"
     procs = {
