@@ -213,8 +213,7 @@ class FakeEdge(EdgeAPI):
     read_file = write_file = edit_file = stat_file = list_dir = delete_file = _not_simulated
     upload_tar = configure_pool = prewarm = pause = resume = pause_project = _not_simulated
     snapshot = fork = checkpoint = restore = delete_checkpoint = protect = verify = _not_simulated
-    set_network = network = image_manifest = missing_layers = fetch_layer = _not_simulated
-    push_layer = put_image = delete_snapshot = trajectory = trajectory_export = _not_simulated
+    set_network = network = delete_snapshot = trajectory = trajectory_export = _not_simulated
     fncall_run = fncall_jupyter = build_image = import_image = _not_simulated
     exec_stream = download_tar = _not_simulated_stream
 

@@ -58,7 +58,7 @@ async def main(rounds: int) -> None:
             s = await edge.snapshot(sb.id, ["/work/data/f1"])
             snap.append(time.perf_counter() - t)
             await asyncio.gather(*(edge.stop(x.id) for x in [*kids, *plain, sb]))
-            edge.delete_snapshot(s.id)
+            await edge.delete_snapshot(s.id)
         host = Path(tempfile.mkdtemp(prefix="dsec-bench-cp-", dir="/dev/shm"))
         subprocess.run(["sh", "-c", FILL.replace("/work", str(host))], check=True)
         cp = []

@@ -64,7 +64,9 @@ class EdgeSettings(BaseSettings):
     platform_addresses: list[str] = []
     # An OCI registry images travel through (dsec.layers.distribution): http(s)://host:port[/repo]
     # (repository `dsec` without a path). With one, an image this edge lacks is pulled from it
-    # at its first create, and snapshots are pushed to it when made. None: the apiserver relays.
+    # at its first create or pool pre-warm, snapshots are pushed to it when made, and their
+    # manifests deleted from it with them. The only way images move between edges: None (one
+    # edge, `dsec up`) means this edge uses only the images in its own layer store.
     registry: str | None = None
     # Disk budget of the layers pulled from the registry (MiB of file content; 0: unbounded).
     # Past it the least recently used ones no live sandbox and no local image uses are evicted.

@@ -11,22 +11,25 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import httpx
 import pytest
 
 from dsec import errors
 from dsec.client import Client
 from dsec.service import free_port
 
-from .conftest import _env, start, wait_healthy
+from ..conftest import LAYERS
+from .conftest import _env, start, stop_all, wait_healthy
 
 pytestmark = [pytest.mark.root, pytest.mark.e2e]
 
 
-def test_two_edges_share_load_and_survive_apiserver_restart(tmp_path, python_image):
+def test_two_edges_share_load_and_survive_apiserver_restart(tmp_path, python_image, registry_url):
     data = tmp_path / "data"
     run_id = secrets.token_hex(4)  # unique across concurrent pytest runs
     env = _env(tmp_path, f"dsec-e2e-{run_id}")
     env["DSEC_EDGE_FNCALL_IMAGE"] = ""  # capacities below count user sandboxes only
+    env["DSEC_EDGE_REGISTRY"] = registry_url  # as a cluster runs (the shared store has the image)
     api_port = free_port()
     url = f"http://127.0.0.1:{api_port}"
     procs = {
@@ -103,17 +106,32 @@ def test_two_edges_share_load_and_survive_apiserver_restart(tmp_path, python_ima
         assert not [m for m in Path("/proc/mounts").read_text().splitlines() if f"dsec-{name}-" in m]
 
 
-@pytest.mark.parametrize("through", ["relay", "registry"])
-def test_snapshot_restores_on_another_edge(tmp_path, python_image, through, request):
-    """The edge holding a snapshot is full: the apiserver moves the snapshot's layer to the
-    other edge (its own layer store) over HTTP and restores it there; or, with a registry,
-    the snapshot was pushed when made and the other edge pulls it (no relay)."""
-    from .conftest import LAYERS
+def _tenant(url: str, admin: str, project: str) -> str:
+    """A project and a principal of its own; the principal's token."""
+    auth = {"authorization": f"Bearer {admin}"}
+    httpx.post(url + "/v1/projects", json={"name": project}, headers=auth).raise_for_status()
+    r = httpx.post(
+        url + "/v1/principals", json={"name": f"{project}-user", "projects": [project]}, headers=auth
+    )
+    r.raise_for_status()
+    return str(r.json()["token"])
 
+
+def test_a_snapshot_reaches_another_edge_only_through_the_registry(tmp_path, python_image, registry_server):
+    """Two edges, each with a layer store of its own (the base image, no snapshots) and one
+    registry, as `dsec cluster up` runs them. A snapshot made on `sa` is pushed when made;
+    another project can neither use nor delete it (and `sb` fetches none of its layers for
+    that project); its project's announced burst makes `sb` pull it and fill a warm pool;
+    creates from it are served there (sa is full), forks of those work; deleting it
+    through the apiserver removes its pool, every copy and its manifest in the registry,
+    after which a create from it is image_not_found."""
     data = tmp_path / "data"
     run_id = secrets.token_hex(4)
     env = _env(tmp_path, f"dsec-e2e-{run_id}")
     env["DSEC_EDGE_FNCALL_IMAGE"] = ""
+    env["DSEC_APISERVER_CAPACITY_LEAD_S"] = "0"
+    repo = f"t{secrets.token_hex(4)}"
+    env["DSEC_EDGE_REGISTRY"] = f"{registry_server.url}/{repo}"
     api_port = free_port()
     url = f"http://127.0.0.1:{api_port}"
     procs = {
@@ -121,75 +139,102 @@ def test_snapshot_restores_on_another_edge(tmp_path, python_image, through, requ
             ["apiserver", "--port", str(api_port), "--data-dir", str(data)], env, tmp_path / "api.log"
         )
     }
-    store_b = tmp_path / "layers-b"  # a second host's store: the base image, no snapshots
-    subprocess.run(["cp", "-al", str(LAYERS), str(store_b)], check=True)
-    store_a = LAYERS
-    registry = None
-    if through == "registry":
-        registry = request.getfixturevalue("registry_server")
-        env["DSEC_EDGE_REGISTRY"] = f"{registry.url}/t{secrets.token_hex(4)}"
-        store_a = tmp_path / "layers-a"  # pushes record blobs beside layers: not in the shared store
-        subprocess.run(["cp", "-al", str(LAYERS), str(store_a)], check=True)
+    stores = {}
+    for name in ("sa", "sb"):  # a second host's store: the base image, no snapshots
+        stores[name] = tmp_path / f"layers-{name}"
+        subprocess.run(["cp", "-al", str(LAYERS), str(stores[name])], check=True)
+        for f in (stores[name] / "images").glob("snap-*"):
+            f.unlink()  # the shared store may hold other runs' snapshots
 
-    def edge(name: str, cap: int, layers: Path) -> subprocess.Popen[bytes]:
+    def edge(name: str, cap: int) -> subprocess.Popen[bytes]:
         return start(
             [
-                "edge",
-                "--apiserver",
-                url,
-                "--name",
-                name,
-                "--port",
-                str(free_port()),
-                "--data-dir",
-                str(data),
-                "--run-dir",
-                f"/run/dsec-e2e-{run_id}-{name}",
-                "--token",
-                (data / "cluster-token").read_text().strip(),
-                "--max-sandboxes",
-                str(cap),
-                "--no-keep-sandboxes",
+                "edge", "--apiserver", url, "--name", name, "--port", str(free_port()),
+                "--data-dir", str(data), "--run-dir", f"/run/dsec-e2e-{run_id}-{name}",
+                "--token", (data / "cluster-token").read_text().strip(),
+                "--max-sandboxes", str(cap), "--no-keep-sandboxes",
             ],
-            {**env, "DSEC_EDGE_LAYERS_DIR": str(layers)},
+            {**env, "DSEC_EDGE_LAYERS_DIR": str(stores[name])},
             tmp_path / f"{name}.log",
-        )
+        )  # fmt: skip
 
+    def manifest_status(tag: str) -> int:
+        r = httpx.get(
+            f"{registry_server.url}/v2/{repo}/manifests/{tag}",
+            headers={"Accept": "application/vnd.oci.image.manifest.v1+json"},
+        )
+        return r.status_code
+
+    shape = {"memory_mb": 64, "cpu": 0.5}
     try:
         deadline = time.monotonic() + 30
         while not (data / "cluster-token").exists() or not (data / "admin-token").exists():
             assert time.monotonic() < deadline
             time.sleep(0.05)
         admin = (data / "admin-token").read_text().strip()
-        procs["sa"] = edge("sa", 1, store_a)
+        procs["sa"] = edge("sa", 1)
         wait_healthy(url, edges=1)
-        with Client(url, admin) as c:
-            src = c.create("python", memory_mb=128)
+        mine, theirs = _tenant(url, admin, "p1"), _tenant(url, admin, "p2")
+        with Client(url, mine) as c:
+            src = c.create("python", project="p1", **shape)
             src.exec("mkdir -p /work && echo from-sa > /work/state")
-            snap = src.snapshot()
-            for f in (store_b / "images").glob("snap-*"):
-                f.unlink()  # the copy of the store may hold other runs' snapshots
-            procs["sb"] = edge("sb", 4, store_b)
-            wait_healthy(url, edges=2)
-            restored = c.create(snapshot=snap.id)  # sa is full (src): restored on sb
-            assert restored.id.startswith("sb-")
-            assert restored.files.read("/work/state") == "from-sa\n"
-            layer_b = store_b / "layers" / snap.layer.split("@")[0]
-            assert layer_b.is_dir()
+            snap = src.snapshot()  # sa is full from now on (src)
+        assert manifest_status(snap.id) == 200  # pushed when made
+        procs["sb"] = edge("sb", 6)
+        wait_healthy(url, edges=2)
+        layer_b = stores["sb"] / "layers" / snap.layer.split("@")[0]
+
+        with Client(url, theirs) as other:  # another project: nothing, and nothing pulled for it
+            with pytest.raises(errors.ImageNotFound):
+                other.create(snapshot=snap.id, project="p2", **shape)
+            with pytest.raises(errors.ImageNotFound):
+                other.delete_snapshot(snap.id)
+        assert not layer_b.exists() and manifest_status(snap.id) == 200
+
+        with Client(url, mine) as c:
+            burst = c.announce_capacity("p1", 2, snap.id, **shape)  # type: ignore[arg-type]
+            deadline = time.monotonic() + 120
+            while (b := next(x for x in c.capacity() if x.id == burst.id)).state in (
+                "scheduled",
+                "provisioning",
+            ):
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            assert b.state == "ready" and b.prewarmed == {"sb": 2}, b.actions
+            assert layer_b.is_dir()  # sb pulled it to pre-warm
             source = json.loads(next(layer_b.glob("*/layer.json")).read_text())["source"]
-            assert source["type"] == ("registry" if registry else "pulled")
-            if registry is not None:  # pushed by sa when made, pulled once by sb
-                assert registry.requests("PUT", f"/manifests/{snap.id}") == 1
-                assert registry.requests("GET", f"/manifests/{snap.id}") == 1
-            restored.stop()
-            src.stop()
-            c.delete_snapshot(snap.id)  # from both edges
-            assert not (store_b / "images" / f"{snap.id}.json").exists()
+            assert source["type"] == "registry"
+
+            def ready() -> int:
+                r = httpx.get(url + "/v1/pools", headers={"authorization": f"Bearer {admin}"})
+                return sum(p["ready"] for p in r.json()["pools"] if p["spec"]["image"] == snap.id)
+
+            deadline = time.monotonic() + 120
+            while ready() < 2:
+                assert time.monotonic() < deadline, "the pool filled"
+                time.sleep(0.2)
+            restored = c.create(snapshot=snap.id, project="p1", **shape)
+            assert restored.id.startswith("sb-")
+            assert restored.info.timings_ms.get("pool") is not None  # from the warm pool
+            assert restored.files.read("/work/state") == "from-sa\n"
+            kids = restored.fork(2)
+            assert [k.id.split("-")[0] for k in kids] == ["sb", "sb"]
+            for k in kids:
+                assert k.exec("cat /work/state").stdout == "from-sa\n"
+            assert registry_server.requests("PUT", f"/{repo}/manifests/{snap.id}") == 1
+            assert registry_server.requests("GET", f"/{repo}/manifests/{snap.id}") >= 1
+
+            c.stop_many([*(k.id for k in kids), restored.id, src.id])
+            c.delete_snapshot(snap.id)  # the pool's stock, both copies, the registry's manifest
+            assert manifest_status(snap.id) == 404
+            for store in stores.values():
+                assert not (store / "images" / f"{snap.id}.json").exists()
+            with pytest.raises(errors.ImageNotFound) as exc:
+                c.create(snapshot=snap.id, project="p1", **shape)
+            assert exc.value.status == 404
+            assert c.list() == []
     finally:
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            p.wait(60)
+        stop_all(procs)
     for name in ("sa", "sb"):
         shutil.rmtree(f"/run/dsec-e2e-{run_id}-{name}", ignore_errors=True)
         assert not glob.glob(f"/sys/fs/cgroup/*/dsec/{name}-*")

@@ -20,7 +20,7 @@ async def wait_for(pred, timeout=30.0):
 
 
 async def test_pool_serves_matching_creates_and_refills(edge):
-    edge.configure_pool(PoolSpec(image="python", memory_mb=256, min_size=2, max_size=4))
+    await edge.configure_pool(PoolSpec(image="python", memory_mb=256, min_size=2, max_size=4))
     pool = next(iter(edge.pools.pools.values()))
     await wait_for(lambda: len(pool.ready) == 2)
     ready = set(pool.ready)
@@ -36,7 +36,7 @@ async def test_pool_serves_matching_creates_and_refills(edge):
     # pooled sandboxes are invisible to users until claimed
     assert {i.id for i in edge.list()} == {sb.id, other.id}
     # an announced burst raises the target
-    edge.prewarm(PoolSpec(image="python", memory_mb=256), 4)
+    await edge.prewarm(PoolSpec(image="python", memory_mb=256), 4)
     await wait_for(lambda: len(pool.ready) == 4)
 
 

@@ -200,7 +200,9 @@ async def test_an_edge_without_runsc_reports_gvisor_absent(python_image, edge_di
 async def test_a_warm_pool_keys_on_the_backend(edge):
     from dsec.models import PoolSpec
 
-    edge.configure_pool(PoolSpec(image="python", memory_mb=256, backend="gvisor", min_size=1, max_size=2))
+    await edge.configure_pool(
+        PoolSpec(image="python", memory_mb=256, backend="gvisor", min_size=1, max_size=2)
+    )
     pool = next(iter(edge.pools.pools.values()))
     for _ in range(200):
         if pool.ready:

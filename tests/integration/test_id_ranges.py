@@ -240,7 +240,7 @@ async def test_forks_and_snapshots_keep_owners_across_ranges(edge):
             await edge.stop(c.id)
         await edge.stop(src.id)
         if snap is not None:
-            edge.delete_snapshot(snap.id)
+            await edge.delete_snapshot(snap.id)
 
 
 async def test_trusted_execs_see_the_owners_the_sandbox_sees(edge):

@@ -309,7 +309,9 @@ async def test_an_edge_without_a_guest_kernel_reports_microvm_absent(python_imag
 async def test_a_warm_pool_of_microvms(edge):
     from dsec.models import PoolSpec
 
-    edge.configure_pool(PoolSpec(image="python", memory_mb=256, backend="microvm", min_size=1, max_size=2))
+    await edge.configure_pool(
+        PoolSpec(image="python", memory_mb=256, backend="microvm", min_size=1, max_size=2)
+    )
     pool = next(iter(edge.pools.pools.values()))
     for _ in range(600):
         if pool.ready:

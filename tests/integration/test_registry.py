@@ -1,6 +1,8 @@
 """Layers through a real OCI registry (Debian's docker-registry, the `registry_server`
 fixture): push, pull by digest on a fresh edge, corruption refused, concurrent creates
-sharing one download, LRU eviction under a budget, snapshots restored on another edge."""
+sharing one download, LRU eviction under a budget, snapshots restored on another edge and
+deleted from the registry with their owner checked there, warm pools pulling what they lack,
+and an edge without a registry refusing an image it lacks."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from dsec.edge import Edge
 from dsec.layers import LayerStore, import_dir_layer
 from dsec.layers import distribution as dist
 from dsec.layers.store import Image
-from dsec.models import ExecRequest, SandboxSpec
+from dsec.models import ExecRequest, PoolSpec, SandboxSpec
 
 from ..conftest import LAYERS
 
@@ -81,7 +83,9 @@ async def make_edge(edge_dirs: dict[str, Path], tmp_path: Path, world: dict) -> 
     hard-linked: a node provisioned with the base image); closed afterwards."""
     made: list[Edge] = []
 
-    async def make(*, with_python: bool = False, budget_mb: int = 0, registry: str | None = None) -> Edge:
+    async def make(
+        *, with_python: bool = False, budget_mb: int = 0, registry: str | None = None, plain: bool = False
+    ) -> Edge:
         layers = tmp_path / f"layers-{len(made)}"
         store = LayerStore(layers)
         if with_python:
@@ -94,7 +98,7 @@ async def make_edge(edge_dirs: dict[str, Path], tmp_path: Path, world: dict) -> 
                 name="t" + secrets.token_hex(4),
                 reconcile_interval_s=3600,
                 fncall_image="",
-                registry=registry or world["url"],
+                registry=None if plain else registry or world["url"],
                 registry_cache_mb=budget_mb,
                 **dirs,
             )
@@ -254,6 +258,125 @@ async def test_a_snapshot_made_on_one_edge_restores_on_another(make_edge, world,
     assert registry_server.requests("PUT", f"/manifests/{snap.id}") == 1  # pushed when made
     await one.stop(sb.id)
     await two.stop(restored.id)
+
+
+async def test_a_snapshot_of_another_project_is_not_pulled(make_edge, registry_server):
+    """A create naming another project's snapshot is image_not_found before any of its
+    layers is fetched: a tenant cannot make an edge download what it may not use."""
+    url = f"{registry_server.url}/t{secrets.token_hex(4)}"
+    one = await make_edge(with_python=True, registry=url)
+    other = await make_edge(with_python=True, registry=url)
+    sb = await one.create(SandboxSpec(image="python", project="p1"))
+    await sh(one, sb.id, "mkdir -p /work && echo mine > /work/state")
+    snap = await one.snapshot(sb.id)
+    with pytest.raises(errors.ImageNotFound, match=f"no snapshot '{snap.id}' in project 'p2'"):
+        await other.create(SandboxSpec(image=snap.id, project="p2"))
+    assert other.cache.client.counts["GET blob"] == 1  # the config only, not the layer
+    assert not other.layers.has_layer(snap.layer) and not other.layers.has_image(snap.id)
+    for e in (other, one):  # nor can that project's burst pre-warm it, pulled or held
+        with pytest.raises(errors.ImageNotFound, match="in project 'p2'"):
+            await e.prewarm(PoolSpec(image=snap.id, memory_mb=64), 1, "p2")
+    assert not other.layers.has_layer(snap.layer) and not e.pools.pools
+    await one.stop(sb.id)
+
+
+async def test_deleting_a_snapshot_deletes_its_manifest_in_the_registry(make_edge, registry_server):
+    """Pushed when made, pulled by another edge; another project can delete it neither from
+    an edge holding it nor through the registry; its owner deletes it from an edge that
+    never held it (the registry's copy alone: its edge may be gone), then the copies. After
+    that the manifest is 404 at the registry and a create from it is image_not_found. The
+    blobs stay for the registry's garbage collection."""
+    url = f"{registry_server.url}/t{secrets.token_hex(4)}"
+    one = await make_edge(with_python=True, registry=url)
+    two = await make_edge(with_python=True, registry=url)
+    three = await make_edge(with_python=True, registry=url)
+    sb = await one.create(SandboxSpec(image="python", project="p1"))
+    await sh(one, sb.id, "mkdir -p /work && echo kept > /work/state")
+    snap = await one.snapshot(sb.id)
+    await one.stop(sb.id)
+    restored = await two.create(SandboxSpec(image=snap.id, project="p1"))
+    assert await sh(two, restored.id, "cat /work/state") == "kept\n"
+    await two.stop(restored.id)
+    reg = dist.RegistryClient(url)
+    try:
+        pulled = await reg.pull_manifest(snap.id)
+        assert pulled is not None
+        layer_blob = pulled.layers[-1].blob
+        # another project: refused on an edge holding a copy, and on one reading the registry
+        for e in (two, three):
+            with pytest.raises(errors.ImageNotFound, match="no snapshot"):
+                await e.delete_snapshot(snap.id, {"p2"})
+        assert await reg.get_manifest(dist.image_tag(snap.id)) is not None
+        assert two.layers.has_image(snap.id)
+        # the owner, through an edge that never held it: the registry's copy goes
+        await three.delete_snapshot(snap.id, {"p1"})
+        assert await reg.get_manifest(dist.image_tag(snap.id)) is None
+        r = await reg.http.get(
+            f"/v2/{reg.repo}/manifests/{pulled.digest}", headers={"Accept": dist.MANIFEST_TYPE}
+        )
+        assert r.status_code == 404
+        assert registry_server.requests("DELETE", f"/manifests/{pulled.digest}") == 1
+        assert await reg.has_blob(layer_blob)  # left for `docker-registry garbage-collect`
+        with pytest.raises(errors.ImageNotFound):  # nothing of it left for three to delete
+            await three.delete_snapshot(snap.id, {"p1"})
+        # the copies: the registry has none any more, each edge still deletes its own
+        await one.delete_snapshot(snap.id, {"p1"})
+        await two.delete_snapshot(snap.id)
+        assert not one.layers.has_image(snap.id) and not two.layers.has_image(snap.id)
+        for e in (one, two, three):
+            with pytest.raises(errors.ImageNotFound, match="nor in registry"):
+                await e.create(SandboxSpec(image=snap.id, project="p1"))
+    finally:
+        await reg.aclose()
+
+
+async def test_a_pool_for_an_image_the_edge_lacks_pulls_it_first(make_edge, world):
+    """Pre-warming a pool of an image the edge lacks pulls it (one manifest read and one
+    download per layer, however many ask at once), then fills the pool; creates of that
+    shape are served from it."""
+    e = await make_edge(with_python=True)
+    spec = PoolSpec(image="regd", memory_mb=64)
+    infos = await asyncio.gather(
+        e.prewarm(spec, 2), e.configure_pool(spec), e.create(SandboxSpec(image="regd", memory_mb=32))
+    )
+    assert e.layers.has_image("regd") and e.layers.get_image("regd").source["pulled_from"] == world["url"]
+    assert e.cache.client.counts["GET manifest"] == 1
+    assert e.cache.client.counts["GET blob"] == 2  # the one missing layer and the config
+    for _ in range(600):
+        if e.pools.list()[0].ready >= 2:
+            break
+        await asyncio.sleep(0.1)
+    assert e.pools.list()[0].ready >= 2, e.pools.list()
+    got = await e.create(SandboxSpec(image="regd", memory_mb=64))
+    assert got.timings_ms.get("pool") is not None  # served from the pool
+    assert await sh(e, got.id, "cat /opt/regd/hello") == "regd\n"
+    await e.stop(got.id)
+    await e.stop(infos[2].id)
+    with pytest.raises(errors.ImageNotFound, match="nor in registry"):
+        await e.prewarm(PoolSpec(image="nosuchpool"), 2)
+
+
+async def test_an_edge_without_a_registry_refuses_an_image_it_lacks(make_edge):
+    e = await make_edge(plain=True)
+    for ask in (
+        lambda: e.create(SandboxSpec(image="regd")),
+        lambda: e.prewarm(PoolSpec(image="regd"), 1),
+    ):
+        with pytest.raises(errors.ImageNotFound, match="DSEC_EDGE_REGISTRY") as exc:
+            await asyncio.wait_for(ask(), 30)
+        assert exc.value.status == 404 and exc.value.details["reason"] == "no_registry"
+    assert not e.sandboxes
+
+
+async def test_no_sandbox_policy_may_reach_the_registry(make_edge):
+    """It holds every project's snapshots and takes pushes without credentials: an edge
+    counts its registry's host among the platform's addresses."""
+    e = await make_edge(with_python=True, registry="http://10.213.7.9:5000/dsec")  # (never reached)
+    with pytest.raises(errors.InvalidRequest, match=r"10\.213\.7\.9") as exc:
+        await e.create(
+            SandboxSpec(image="python", network={"allow": [{"to": "10.213.7.9", "ports": [5000]}]})
+        )
+    assert exc.value.status == 400 and not e.sandboxes
 
 
 def test_cli_image_push_uploads_each_layer_once(tmp_path, registry_server):

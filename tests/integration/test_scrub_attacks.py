@@ -90,7 +90,7 @@ async def test_scrubbed_file_is_gone_by_every_name(edge, plant, scrub, names):
     finally:
         if new is not None:
             await edge.stop(new.id)
-        edge.delete_snapshot(snap.id)
+        await edge.delete_snapshot(snap.id)
 
 
 async def test_scrub_through_a_symlinked_parent_keeps_the_rest_of_the_directory(edge):
@@ -111,7 +111,7 @@ async def test_scrub_through_a_symlinked_parent_keeps_the_rest_of_the_directory(
         assert r.exit_code != 0 and secret not in r.stdout
     finally:
         await edge.stop(new.id)
-        edge.delete_snapshot(snap.id)
+        await edge.delete_snapshot(snap.id)
 
 
 async def test_setuid_bits_do_not_reach_the_layer_store(edge):
@@ -129,4 +129,4 @@ async def test_setuid_bits_do_not_reach_the_layer_store(edge):
         assert mode & 0o6000 == 0 and mode & 0o777 == 0o755
         assert (edge.layers.root.stat().st_mode & 0o777) == 0o700  # and the store is root's only
     finally:
-        edge.delete_snapshot(snap.id)
+        await edge.delete_snapshot(snap.id)

@@ -29,11 +29,21 @@ class FakeEdge:
     url = None
     can_be_lost = False
 
-    def __init__(self, name: str, slots: int, used: int = 0) -> None:
+    def __init__(
+        self,
+        name: str,
+        slots: int,
+        used: int = 0,
+        *,
+        images: tuple[str, ...] = ("python",),
+        registry: bool = False,
+    ) -> None:
         self.name = name
         self.slots = slots
         self.used = used
+        self.holds, self.registry = list(images), registry
         self.prewarms: list[tuple[PoolSpec, int]] = []
+        self.projects: list[str | None] = []  # the project of each prewarm
 
     async def status(self) -> EdgeStatus:
         return EdgeStatus(
@@ -46,11 +56,13 @@ class FakeEdge:
             by_image={},
             by_project={},
             layers=[],
-            images=["python"],
+            images=self.holds,
+            registry=self.registry,
         )
 
-    async def prewarm(self, spec: PoolSpec, count: int) -> PoolInfo:
+    async def prewarm(self, spec: PoolSpec, count: int, project: str | None = None) -> PoolInfo:
         self.prewarms.append((spec, count))
+        self.projects.append(project)
         return PoolInfo(spec=spec, ready=0, target=count, claims=0, misses=0)
 
     async def images(self) -> list[dict[str, Any]]:
@@ -281,6 +293,23 @@ async def test_burst_prewarms_in_proportion_to_free_room(env: Env) -> None:
     b2 = env.burst(r.json()["id"])
     assert b2.prewarmed == {"e0": 8, "e1": 2}  # free now 15 and 5
     assert e0.prewarms[-1][1] == 15 + 8 and e1.prewarms[-1][1] == 5 + 2
+
+
+async def test_a_burst_prewarms_edges_that_pull_the_image_from_a_registry(tmp_path: Path) -> None:
+    """An edge that lacks the image but has a registry is pre-warmed (it pulls the image when
+    asked, for the burst's project); one that has neither the image nor a registry is not."""
+    holder = FakeEdge("e0", 10)
+    puller = FakeEdge("e1", 10, images=(), registry=True)
+    plain = FakeEdge("e2", 10, images=())
+    env = await _env(tmp_path, [holder, puller, plain])
+    try:
+        r = await env.call("POST", "/v1/capacity", env.alice, {"project": "team-a", "count": 20})
+        await env.settle()
+        b = env.capacity.bursts[r.json()["id"]]
+        assert b.state == "ready" and b.prewarmed == {"e0": 10, "e1": 10}, b.actions
+        assert puller.projects == ["team-a"] and plain.prewarms == []
+    finally:
+        await env.http.aclose()
 
 
 async def test_burst_without_provider_is_partial(env: Env) -> None:

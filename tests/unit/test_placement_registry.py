@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import pytest
 
 from dsec import errors
@@ -15,29 +12,15 @@ from .test_placement import FakeEdge, State, _directory
 
 
 class RegistryEdge(FakeEdge):
-    """An edge with `images`, pulling what it lacks when `registry` (no relay wanted)."""
+    """An edge with `images`, pulling what it lacks when `registry`."""
 
     def __init__(self, name: str, capacity: int, used: int = 0, *, images: list[str], registry: bool) -> None:
         super().__init__(name, capacity, used)
         self.images, self.registry = images, registry
-        self.relayed: list[str] = []
 
     async def status(self) -> EdgeStatus:
         s = await super().status()
         return s.model_copy(update={"images": self.images, "registry": self.registry})
-
-    async def image_manifest(self, name: str) -> dict[str, Any]:
-        return {"image": {"name": name, "layers": []}, "digests": {}}
-
-    async def missing_layers(self, manifest: dict[str, Any]) -> list[str]:
-        return []
-
-    async def put_image(self, manifest: dict[str, Any]) -> None:
-        self.relayed.append(manifest["image"]["name"])
-        self.images.append(manifest["image"]["name"])
-
-    async def fetch_layer(self, ref: str, dest: Path) -> None:  # pragma: no cover - no layers
-        raise AssertionError
 
 
 async def test_no_holder_falls_back_to_edges_with_a_registry() -> None:
@@ -51,14 +34,16 @@ async def test_no_holder_falls_back_to_edges_with_a_registry() -> None:
         await _place(State(d2), SandboxSpec(image="snap-x"))  # type: ignore[arg-type]
 
 
-async def test_a_full_holder_sends_the_create_to_a_puller_without_a_relay() -> None:
+async def test_a_full_holder_sends_the_create_to_a_puller_never_to_an_edge_without_a_registry() -> None:
     holder = RegistryEdge("holder", 1, used=1, images=["snap-x"], registry=True)
     puller = RegistryEdge("puller", 100, images=[], registry=True)
     plain = RegistryEdge("plain", 100, used=90, images=[], registry=False)
     d = await _directory(holder, puller, plain)
     info = await _place(State(d), SandboxSpec(image="snap-x"))  # type: ignore[arg-type]
-    assert info.edge == "puller" and puller.relayed == []
-    puller.used = puller.capacity  # the puller fills up: the plain edge gets a relay
+    assert info.edge == "puller"
+    # the puller fills up: the plain edge has room but no way to get the image (no relay)
+    puller.used = puller.capacity
     d = await _directory(holder, puller, plain)
-    info = await _place(State(d), SandboxSpec(image="snap-x"))  # type: ignore[arg-type]
-    assert info.edge == "plain" and plain.relayed == ["snap-x"]
+    with pytest.raises(errors.CapacityExhausted, match="every edge that has image 'snap-x' is full"):
+        await _place(State(d), SandboxSpec(image="snap-x"))  # type: ignore[arg-type]
+    assert plain.used == 90  # never asked

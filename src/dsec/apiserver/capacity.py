@@ -312,13 +312,15 @@ class Capacity:
         return self.iam.prewarm_held(edge, time.time() - POOL_HOLD_S, shape)
 
     def _able(self, spec: SandboxSpec) -> list[EdgeView]:
+        """Edges that can pool `spec`: those holding its image, and those with a registry
+        (they pull it when asked to pre-warm, as at a create)."""
         return [
             v
             for v in self.directory.views.values()
             if v.healthy
             and not v.draining
             and v.status is not None
-            and spec.image in v.status.images
+            and (spec.image in v.status.images or v.status.registry)
             and spec.backend in v.status.backends
         ]
 
@@ -329,7 +331,7 @@ class Capacity:
         try:
             if view is None:
                 raise errors.NotFound(f"edge {name} is not registered here")
-            await view.api.prewarm(pool, self._held(name, pool))
+            await view.api.prewarm(pool, self._held(name, pool), b.project)
         except errors.DsecError as e:
             b.actions.append(f"pre-warming {b.prewarmed.pop(name)} on {name} failed: {e.message}")
             self._save(b, progress)

@@ -3,7 +3,6 @@
 import builtins
 import json
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -204,10 +203,9 @@ class HttpEdge(EdgeAPI):
         r = await self._call("POST", "/v1/pools", json_body=spec.model_dump(mode="json"))
         return wire.PoolInfo.model_validate_json(r.content)
 
-    async def prewarm(self, spec: wire.PoolSpec, count: int) -> wire.PoolInfo:
-        r = await self._call(
-            "POST", "/v1/pools/prewarm", json_body={"spec": spec.model_dump(mode="json"), "count": count}
-        )
+    async def prewarm(self, spec: wire.PoolSpec, count: int, project: str | None = None) -> wire.PoolInfo:
+        body = {"spec": spec.model_dump(mode="json"), "count": count, "project": project}
+        r = await self._call("POST", "/v1/pools/prewarm", json_body=body)
         return wire.PoolInfo.model_validate_json(r.content)
 
     async def pools(self) -> builtins.list[wire.PoolInfo]:
@@ -259,47 +257,6 @@ class HttpEdge(EdgeAPI):
 
     async def network(self, sid: str, projects: Projects) -> dict[str, Any]:
         return dict((await self._call("GET", f"/v1/sandboxes/{sid}/network", projects)).json())
-
-    async def image_manifest(self, name: str) -> dict[str, Any]:
-        return dict((await self._call("GET", f"/v1/images/{name}/manifest")).json())
-
-    async def missing_layers(self, manifest: dict[str, Any]) -> builtins.list[str]:
-        r = await self._call("POST", "/v1/images/missing-layers", json_body=manifest)
-        return list(r.json()["missing"])
-
-    async def fetch_layer(self, ref: str, dest: Path) -> None:
-        try:
-            async with self.http.stream("GET", f"/v1/layers/{ref}/archive", headers=self._hdr(None)) as r:
-                if r.status_code >= 400:
-                    await r.aread()
-                    raise errors.error_from_wire(r.status_code, r.json())
-                with open(dest, "wb") as f:
-                    async for chunk in r.aiter_bytes(1 << 20):
-                        f.write(chunk)
-        except httpx.TransportError as e:
-            raise errors.Unavailable(f"edge {self.name} at {self.url} is unreachable: {e}") from e
-
-    async def push_layer(self, ref: str, digest: str, archive: Path) -> None:
-        async def body() -> AsyncIterator[bytes]:
-            with open(archive, "rb") as f:
-                while chunk := f.read(1 << 20):
-                    yield chunk
-
-        try:
-            r = await self.http.put(
-                f"/v1/layers/{ref}/archive",
-                params={"digest": digest},
-                content=body(),
-                headers=self._hdr(None),
-                timeout=600,
-            )
-        except httpx.TransportError as e:
-            raise errors.Unavailable(f"edge {self.name} at {self.url} is unreachable: {e}") from e
-        if r.status_code >= 400:
-            raise errors.error_from_wire(r.status_code, r.json())
-
-    async def put_image(self, manifest: dict[str, Any]) -> None:
-        await self._call("POST", "/v1/images/manifest", json_body=manifest)
 
     async def checkpoint(self, sid: str, req: wire.CheckpointRequest, projects: Projects) -> wire.Checkpoint:
         r = await self._call("POST", f"/v1/sandboxes/{sid}/checkpoint", projects, json_body=req.model_dump())

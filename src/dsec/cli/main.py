@@ -115,9 +115,6 @@ def cluster_up(
     seed_layers: Annotated[
         Path, typer.Option(help="the layer store every edge's own starts as (hard links)")
     ] = Path("/var/lib/dsec/layers"),
-    registry: Annotated[
-        bool, typer.Option(help="run an OCI registry the edges pull images and push snapshots through")
-    ] = True,
     elastic: Annotated[
         bool, typer.Option(help="the apiservers add edges for announced bursts (node provider: local)")
     ] = False,
@@ -134,9 +131,7 @@ def cluster_up(
     if elastic and idle_drain_after is not None:
         env["DSEC_APISERVER_IDLE_DRAIN_AFTER_S"] = str(idle_drain_after)
     try:
-        state = local.up(
-            directory, apiservers=apiservers, edges=edges, seed_layers=seed_layers, env=env, registry=registry
-        )
+        state = local.up(directory, apiservers=apiservers, edges=edges, seed_layers=seed_layers, env=env)
     except errors.DsecError as e:
         _fail(e)
         return

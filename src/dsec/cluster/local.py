@@ -303,7 +303,6 @@ def up(
     edges: int = 1,
     seed_layers: Path = Path("/var/lib/dsec/layers"),
     env: dict[str, str] | None = None,
-    registry: bool = True,
     timeout: float = 180.0,
 ) -> ClusterState:
     """Start a cluster in `d` (see the module); its state, also in <d>/cluster.json."""
@@ -318,7 +317,7 @@ def up(
     cid = secrets.token_hex(2)
     subnet = _free_subnet()
     with _locked(d, new=True):
-        return _up(d, cid, subnet, apiservers, edges, seed_layers, env, timeout, registry)
+        return _up(d, cid, subnet, apiservers, edges, seed_layers, env, timeout)
 
 
 def _up(
@@ -330,7 +329,6 @@ def _up(
     seed_layers: Path,
     env: dict[str, str] | None,
     timeout: float,
-    registry: bool,
 ) -> ClusterState:
     hosts = list(subnet.hosts())
     bridge_ip = str(hosts[0])
@@ -349,12 +347,12 @@ def _up(
         state.postgres = {"root": str(pg.root), "port": pg.port, "pid": pg.pid}
         state.database = pg.create_database("dsec")
         state.save()
-        if registry:  # images and snapshots travel between the edges through it
-            reg = RegistryServer(d / "registry", host=bridge_ip, port=_free_port(bridge_ip))
-            reg.start()
-            state.registry = reg.url
-            state.registry_pid = reg.pid
-            state.save()
+        # Images and snapshots travel between the edges only through it.
+        reg = RegistryServer(d / "registry", host=bridge_ip, port=_free_port(bridge_ip))
+        reg.start()
+        state.registry = reg.url
+        state.registry_pid = reg.pid
+        state.save()
         base = _base_env(state)
         for i in range(apiservers):
             port = _free_port(bridge_ip)

@@ -9,7 +9,7 @@ one `EdgeCore` they share (core.py: settings, stores, host pieces, the live sand
 given, when it is made, the other parts it calls:
 `EdgeLifecycle` (admission, create, lookup, pause, network, stop), `EdgeExec` (execs,
 sessions, the trajectory log), `EdgeFiles` (the file API), `EdgeVault` (protect, verify),
-`EdgeState` (snapshots, forks, checkpoints, image transfer), `LayerCache` (images through
+`EdgeState` (snapshots, forks, checkpoints), `LayerCache` (images through
 the registry: pulls, pushes, eviction), `EdgeReaper` (idle TTL,
 re-adoption, the reconciler) and `Telemetry` (misbehaviour counters). The backends run the
 sandboxes (`dsec.backends`); the warm pools and the fncall pool take callables.
@@ -86,13 +86,15 @@ class Edge:
         self.settings = settings
         self.name = settings.name
         # What every part shares (see core.py); the network: nothing is made on the host
-        # before the first policy.
+        # before the first policy. No sandbox's policy may reach the registry either (it
+        # holds every project's snapshots and takes pushes unauthenticated).
+        platform = [*settings.platform_addresses, *([settings.registry] if settings.registry else [])]
         self.core = EdgeCore(
             settings=settings,
             layers=LayerStore(settings.layer_root, settings.uid_offset),
             cgroups=CgroupHost.detect(),
             trajlog=TrajectoryLog(settings.data_dir / f"trajlog-{settings.name}.db"),
-            net=NetHost(settings.name, platform=settings.platform_addresses),
+            net=NetHost(settings.name, platform=platform),
         )
         self.layers, self.cgroups, self.trajlog = self.core.layers, self.core.cgroups, self.core.trajlog
         self.sandboxes = self.core.sandboxes  # live ones by id, shared by every part
@@ -119,7 +121,7 @@ class Edge:
             protect=lambda sid, paths: self.vault.protect(sid, paths),
             vault_dir=lambda sid: self.vault._vault(sid),
             release_fork_layers=lambda chain: self.state._release_fork_layers(chain),
-            using=lambda image: self.cache.using(image),
+            using=lambda image, project: self.cache.using(image, project),
         )
         self.pools = self.life.pools
         # Images through the registry (pulled at first use, snapshots pushed), when one is set.
@@ -142,6 +144,7 @@ class Edge:
             execs=self.execs,
             copy_tool=lambda: self._copy_tool,
             publish=self.cache.publish,
+            unpublish=self.cache.unpublish,
         )
         self.reaper = EdgeReaper(core, life=self.life)
         self.fncall = FnCallPool(
@@ -378,11 +381,6 @@ class Edge:
     restore = _Delegated("state", EdgeState.restore)
     list_checkpoints = _Delegated("state", EdgeState.list_checkpoints)
     delete_checkpoint = _Delegated("state", EdgeState.delete_checkpoint)
-    image_manifest = _Delegated("state", EdgeState.image_manifest)
-    missing_layers = _Delegated("state", EdgeState.missing_layers)
-    export_layer = _Delegated("state", EdgeState.export_layer)
-    import_layer = _Delegated("state", EdgeState.import_layer)
-    put_image = _Delegated("state", EdgeState.put_image)
     _checkpoint_dir = _Delegated("state", EdgeState._checkpoint_dir)
     _checkpoints_dir = _Delegated("state", EdgeState._checkpoints_dir)
 
@@ -396,12 +394,21 @@ class Edge:
 
     # --- pools ---------------------------------------------------------------------
 
-    def configure_pool(self, spec: wire.PoolSpec) -> wire.PoolInfo:
-        self.life._image(spec.image)
+    # An image this edge lacks is pulled from the registry first (the same deduplicated,
+    # verified path as a create's), so a pool asked for ahead of a burst can fill; each
+    # refill holds the image like a create (`EdgeLifecycle._create_for_pool`).
+
+    async def configure_pool(self, spec: wire.PoolSpec) -> wire.PoolInfo:
+        await self.cache.ensure_image(spec.image)
         return self.pools.configure(spec)
 
-    def prewarm(self, spec: wire.PoolSpec, count: int) -> wire.PoolInfo:
-        self.life._image(spec.image)
+    async def prewarm(self, spec: wire.PoolSpec, count: int, project: str | None = None) -> wire.PoolInfo:
+        """`project`: whose burst it is (a snapshot of another project is image_not_found,
+        not pulled)."""
+        held = self.layers.has_image(spec.image)
+        if held and project is not None and not self.life._image(spec.image).usable_by(project):
+            raise errors.ImageNotFound(f"there is no snapshot {spec.image!r} in project {project!r}")
+        await self.cache.ensure_image(spec.image, project)
         return self.pools.prewarm(spec, count)
 
     # --- status ----------------------------------------------------------------------

@@ -7,7 +7,8 @@ snapshots pushed when made, pulled layers kept under a disk budget.
   (`dsec.layers.distribution`). Concurrent creates share one pull: one future per image and
   one per layer blob, so 50 creates wanting one layer cause one download. The image stays
   pinned (never evicted) until the create is done.
-- `publish(image)`: push an image (a snapshot) so any edge can restore it.
+- `publish(image)`: push an image (a snapshot) so any edge can restore it; `unpublish`
+  deletes a snapshot's manifest there (by digest, owner checked) when it is deleted.
 - Eviction: layers pulled from the registry (source type ``registry``) count against
   `registry_cache_mb`; past it the least recently used go first, with the pulled images
   that name them. Never evicted: a layer an image in use names (a live sandbox's, one being
@@ -23,7 +24,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from dsec import errors
 from dsec.edge.core import EdgeCore, EdgePart
@@ -31,6 +32,7 @@ from dsec.layers import distribution
 from dsec.layers.store import Image, remove_tree
 
 log = logging.getLogger("dsec.edge")
+T = TypeVar("T")
 
 
 class LayerCache(EdgePart):
@@ -40,7 +42,8 @@ class LayerCache(EdgePart):
         super().__init__(core)
         self._images_in_use = images_in_use  # live sandboxes' and creates' images
         self._client: distribution.RegistryClient | None = None
-        self._pulling: dict[str, asyncio.Future[None]] = {}  # by "image:<name>" / "layer:<ref>:<digest>"
+        # by "manifest:<name>" / "image:<name>" / "layer:<ref>:<digest>"
+        self._pulling: dict[str, asyncio.Future[Any]] = {}
         self._pins: dict[str, int] = {}
         self._used: dict[str, float] = {}  # layer ref -> last use (monotonic), for LRU
 
@@ -59,48 +62,68 @@ class LayerCache(EdgePart):
     # --- pulls ------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def using(self, name: str) -> AsyncIterator[None]:
-        """Hold image `name` for a create: pulled first when missing (and a registry is set),
-        never evicted until the block ends."""
+    async def using(self, name: str, project: str | None = None) -> AsyncIterator[None]:
+        """Hold image `name` for a create in `project`: pulled first when missing (and a
+        registry is set), never evicted until the block ends."""
         self._pins[name] = self._pins.get(name, 0) + 1
         try:
-            await self.ensure_image(name)
+            await self.ensure_image(name, project)
             yield
         finally:
             self._pins[name] -= 1
             if not self._pins[name]:
                 del self._pins[name]
 
-    async def ensure_image(self, name: str) -> None:
+    async def ensure_image(self, name: str, project: str | None = None) -> None:
+        """Image `name` in the store, pulled when missing. With `project`, a snapshot of
+        another project is image_not_found before any of its layers is pulled (a tenant
+        cannot make an edge fetch what it may not use)."""
         if self.layers.has_image(name):
             self._touch(name)
             return
         if self.client is None:
-            return  # the caller's lookup says image_not_found
-        await self._once(f"image:{name}", lambda: self._pull_image(name))
+            raise errors.ImageNotFound(
+                f"image {name!r} is not on edge {self.name}, and the edge has no registry to pull it "
+                f"from: build or import it here, or push it to a registry (dsec image push {name} "
+                "--registry URL) and point the edges at it (DSEC_EDGE_REGISTRY=URL)",
+                image=name,
+                reason="no_registry",
+            )
+        pulled = await self._once(f"manifest:{name}", lambda: self._read_manifest(name))
+        if project is not None and not pulled.image.usable_by(project):
+            raise errors.ImageNotFound(f"there is no snapshot {name!r} in project {project!r}")
+        await self._once(f"image:{name}", lambda: self._pull_image(name, pulled))
         self._touch(name)
 
-    async def _once(self, key: str, make: Callable[[], Awaitable[None]]) -> None:
+    async def _once(self, key: str, make: Callable[[], Awaitable[T]]) -> T:
         """Run `make` once for every caller that asks for `key` while it runs."""
         fut = self._pulling.get(key)
         if fut is None:
             fut = asyncio.ensure_future(make())
             self._pulling[key] = fut
             fut.add_done_callback(lambda _f: self._pulling.pop(key, None))
-        await asyncio.shield(fut)
+        return cast(T, await asyncio.shield(fut))
 
-    async def _pull_image(self, name: str) -> None:
+    async def _read_manifest(self, name: str) -> distribution.Pulled:
         client = self.client
         assert client is not None
-        t0 = time.monotonic()
         pulled = await client.pull_manifest(name)
         if pulled is None:
-            local = [i.name for i in self.layers.list_images()]
+            # (snapshots left out: their names are other projects' business)
+            local = [i.name for i in self.layers.list_images() if i.source.get("type") != "snapshot"]
             raise errors.ImageNotFound(
                 f"image {name!r} is neither on edge {self.name} ({', '.join(local) or 'no images'}) "
                 f"nor in registry {client.url}; push it there (dsec image push {name} --registry URL)",
                 image=name,
             )
+        return pulled
+
+    async def _pull_image(self, name: str, pulled: distribution.Pulled) -> None:
+        client = self.client
+        assert client is not None
+        t0 = time.monotonic()
+        if self.layers.has_image(name):  # pulled while the manifest was read
+            return
         missing = [e for e in pulled.layers if not self.layers.has_layer(e.ref)]
         # One future per layer (keyed by its ref and tree digest): a layer two images share, or
         # two creates want at once, is downloaded once.
@@ -149,6 +172,26 @@ class LayerCache(EdgePart):
         if self.client is None:
             return None
         return await distribution.push_image(self.layers, self.client, name)
+
+    async def unpublish(self, name: str, projects: set[str] | None = None) -> bool:
+        """Delete snapshot `name`'s manifest from the registry by digest, once the registry's
+        copy says it is a snapshot of one of `projects` (None: any). False when there is no
+        registry or it lacks the snapshot. Its blobs stay for the registry's garbage collection."""
+        client = self.client
+        if client is None:
+            return False
+        pulled = await client.pull_manifest(name)
+        if pulled is None:
+            return False
+        source = pulled.image.source
+        if source.get("type") != "snapshot":
+            raise errors.InvalidRequest(f"{name} is not a snapshot")
+        if projects is not None and source.get("project") not in projects:
+            raise errors.ImageNotFound(f"there is no snapshot {name!r} in your projects")
+        gone = await client.delete_manifest(pulled.digest)  # the manifest checked, not the tag's now
+        if gone:
+            log.info("edge %s deleted snapshot %s from %s (%s)", self.name, name, client.url, pulled.digest)
+        return gone
 
     # --- eviction ---------------------------------------------------------------------
 

@@ -59,7 +59,7 @@ class EdgeLifecycle(EdgePart):
         protect: Callable[[str, list[str]], Awaitable[object]],
         vault_dir: Callable[[str], Path],
         release_fork_layers: Callable[[str | None], None],
-        using: Callable[[str], contextlib.AbstractAsyncContextManager[None]] | None = None,
+        using: Callable[[str, str], contextlib.AbstractAsyncContextManager[None]] | None = None,
     ) -> None:
         super().__init__(core)
         self.telemetry = telemetry.counters
@@ -70,7 +70,7 @@ class EdgeLifecycle(EdgePart):
         self._vault = vault_dir  # EdgeVault._vault
         self._release_fork_layers = release_fork_layers  # EdgeState._release_fork_layers
         # LayerCache.using: the image held (pulled first when missing) for a create
-        self._using = using or (lambda _image: contextlib.nullcontext())
+        self._using = using or (lambda _image, _project: contextlib.nullcontext())
         self._creating: dict[str, SandboxSpec] = {}
         self._terminating: dict[str, asyncio.Task[None]] = {}  # teardowns in flight, held
         self._terminating_images: dict[str, str] = {}  # their images (not evicted meanwhile)
@@ -131,7 +131,7 @@ class EdgeLifecycle(EdgePart):
     async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None) -> SandboxInfo:
         if spec.network is not None:  # a rule to the platform's addresses: 400 before any work
             await self.net.check(spec.network)
-        async with self._using(spec.image):
+        async with self._using(spec.image, spec.project):
             info = await self._create_plain(spec, sandbox_id)
         if spec.protected_paths:
             try:
@@ -144,8 +144,7 @@ class EdgeLifecycle(EdgePart):
     async def _create_plain(self, spec: SandboxSpec, sandbox_id: str | None) -> SandboxInfo:
         t0 = time.perf_counter()
         image = self._image(spec.image)
-        owner = image.source.get("project")  # snapshots belong to a project
-        if owner is not None and owner != spec.project and not spec.project.startswith("_"):
+        if not image.usable_by(spec.project):  # snapshots belong to a project
             raise errors.ImageNotFound(f"there is no snapshot {spec.image!r} in project {spec.project!r}")
         if sandbox_id is None and spec.project != POOL_PROJECT and spec.network is None:
             pooled = self._claim_pooled(spec, t0)
@@ -154,7 +153,8 @@ class EdgeLifecycle(EdgePart):
         return await self._create(spec, sandbox_id, t0, image=image)
 
     async def _create_for_pool(self, spec: SandboxSpec) -> str:
-        info = await self._create(spec, None, time.perf_counter())
+        async with self._using(spec.image, spec.project):  # pulled again if evicted meanwhile
+            info = await self._create(spec, None, time.perf_counter())
         # Prime it: the first process in a fresh overlay pays for cold lookups of the
         # shell and its libraries (~1.5 ms); pay it now, not in the claimant's first exec.
         await self._run(self.sandboxes[info.id], ExecRequest(cmd="true", cwd="/", timeout=10))

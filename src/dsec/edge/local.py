@@ -121,10 +121,10 @@ class LocalEdge(EdgeAPI):
         return self.edge.status().model_copy(update={"url": self.url})
 
     async def configure_pool(self, spec: wire.PoolSpec) -> wire.PoolInfo:
-        return self.edge.configure_pool(spec)
+        return await self.edge.configure_pool(spec)
 
-    async def prewarm(self, spec: wire.PoolSpec, count: int) -> wire.PoolInfo:
-        return self.edge.prewarm(spec, count)
+    async def prewarm(self, spec: wire.PoolSpec, count: int, project: str | None = None) -> wire.PoolInfo:
+        return await self.edge.prewarm(spec, count, project)
 
     async def pools(self) -> builtins.list[wire.PoolInfo]:
         return self.edge.pools.list()
@@ -183,22 +183,7 @@ class LocalEdge(EdgeAPI):
         return await self.edge.network(sid)
 
     async def delete_snapshot(self, name: str, projects: Projects = None) -> None:
-        self.edge.delete_snapshot(name, projects)
-
-    async def image_manifest(self, name: str) -> dict[str, Any]:
-        return self.edge.image_manifest(name)
-
-    async def missing_layers(self, manifest: dict[str, Any]) -> builtins.list[str]:
-        return self.edge.missing_layers(manifest)
-
-    async def fetch_layer(self, ref: str, dest: Path) -> None:
-        await self.edge.export_layer(ref, dest)
-
-    async def push_layer(self, ref: str, digest: str, archive: Path) -> None:
-        await self.edge.import_layer(ref, digest, archive)
-
-    async def put_image(self, manifest: dict[str, Any]) -> None:
-        self.edge.put_image(manifest)
+        await self.edge.delete_snapshot(name, projects)
 
     async def trajectory(
         self, sid: str, after_seq: int, limit: int | None, projects: Projects

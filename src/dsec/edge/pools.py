@@ -109,6 +109,17 @@ class WarmPools:
         self._wake.set()
         return self.info(pool)
 
+    def drop(self, image: str) -> list[str]:
+        """Forget the pools of `image` (deleted): their ready sandboxes, for the caller to stop
+        (one still being made is stopped when it is ready)."""
+        ids: list[str] = []
+        for key, pool in list(self.pools.items()):
+            if pool.spec.image == image:
+                del self.pools[key]
+                ids += pool.ready
+                pool.ready.clear()
+        return ids
+
     def info(self, pool: Pool) -> PoolInfo:
         return PoolInfo(
             spec=pool.spec,
@@ -175,6 +186,9 @@ class WarmPools:
         try:
             async with self._sem:
                 sid = await self._create(pool.spec.base_spec())
+            if self.pools.get(pool.spec.key()) is not pool:  # dropped meanwhile
+                await self._destroy(sid)
+                return
             pool.ready.append(sid)
         except Exception as e:  # keep the pool alive; the next tick retries
             log.warning("pool refill for %s failed: %s", pool.spec.image, e)

@@ -14,20 +14,15 @@ import contextlib
 import ipaddress
 import json
 import logging
-import os
 import secrets
 import socket
-import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 from fastapi import FastAPI, Query, Request, Response
-from fastapi.responses import FileResponse
-from starlette.background import BackgroundTask
 
 from dsec import __version__, errors
 from dsec.config import EdgeSettings
@@ -130,7 +125,6 @@ def create_edge_app(
     _install_sandbox_routes(app, edge, local, express)
     _install_pool_image_routes(app, local)
     _install_checkpoint_routes(app, local)
-    _install_transfer_routes(app, edge)
     return app
 
 
@@ -228,46 +222,6 @@ def _install_checkpoint_routes(app: FastAPI, local: LocalEdge) -> None:
         return Response(status_code=204)
 
 
-def _install_transfer_routes(app: FastAPI, edge: Edge) -> None:
-    """Moving an image to an edge that lacks it (cluster-internal: the apiserver relays)."""
-
-    @app.get("/v1/images/{name}/manifest")
-    async def manifest(name: str) -> dict[str, Any]:
-        return edge.image_manifest(name)
-
-    @app.post("/v1/images/missing-layers")
-    async def missing(body: dict[str, Any]) -> dict[str, Any]:
-        return {"missing": edge.missing_layers(body)}
-
-    @app.post("/v1/images/manifest", status_code=204)
-    async def put_manifest(body: dict[str, Any]) -> Response:
-        edge.put_image(body)
-        return Response(status_code=204)
-
-    @app.get("/v1/layers/{ref}/archive")
-    async def export(ref: str) -> Response:
-        fd, path = tempfile.mkstemp(prefix="dsec-layer-", suffix=".tar")
-        os.close(fd)
-        try:
-            await edge.export_layer(ref, Path(path))
-        except BaseException:
-            os.unlink(path)
-            raise
-        return FileResponse(path, media_type="application/x-tar", background=BackgroundTask(os.unlink, path))
-
-    @app.put("/v1/layers/{ref}/archive", status_code=204)
-    async def import_(ref: str, digest: str, request: Request) -> Response:
-        fd, path = tempfile.mkstemp(prefix="dsec-layer-", suffix=".tar")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                async for chunk in request.stream():
-                    f.write(chunk)
-            await edge.import_layer(ref, digest, Path(path))
-        finally:
-            os.unlink(path)
-        return Response(status_code=204)
-
-
 def _install_pool_image_routes(app: FastAPI, local: LocalEdge) -> None:
     @app.get("/v1/pools")
     async def pools() -> dict[str, list[PoolInfo]]:
@@ -279,7 +233,7 @@ def _install_pool_image_routes(app: FastAPI, local: LocalEdge) -> None:
 
     @app.post("/v1/pools/prewarm", response_model=PoolInfo)
     async def prewarm(body: PoolPrewarm) -> PoolInfo:
-        return await local.prewarm(body.spec, body.count)
+        return await local.prewarm(body.spec, body.count, body.project)
 
     @app.post("/v1/sandboxes/{sid}/fork", status_code=201)
     async def fork(sid: str, body: ForkRequest, request: Request) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""The state of a sandbox beyond its processes: snapshots, forks, memory checkpoints, and
-moving images between edges (a snapshot restored where it was not made).
+"""The state of a sandbox beyond its processes: snapshots, forks, memory checkpoints. A
+snapshot reaches other edges through the registry (pushed when made, its manifest deleted
+with it; `dsec.edge.layercache`).
 
 A part of `Edge` (edge.py): what it uses of the rest of the edge is declared at the top of
 `EdgeState`, and nothing else is reached."""
@@ -36,14 +37,12 @@ from dsec.edge.snapshots import (
     strip_setid,
 )
 from dsec.isolation.procs import (
-    run_process_quick,
-    spawn_quick,
     unmount_all,
-    wait_quick,
 )
 from dsec.layers import shift_tree, unpack_layer_stream
 from dsec.layers.store import Image
 from dsec.models import (
+    POOL_PROJECT,
     Checkpoint,
     CheckpointTree,
     ForkLayer,
@@ -57,7 +56,7 @@ log = logging.getLogger("dsec.edge")
 
 
 class EdgeState(EdgePart):
-    """Snapshot, fork, checkpoint and restore, image transfer (see the module)."""
+    """Snapshot, fork, checkpoint and restore (see the module)."""
 
     def __init__(
         self,
@@ -67,9 +66,11 @@ class EdgeState(EdgePart):
         execs: EdgeExec,
         copy_tool: Callable[[], Path],
         publish: Callable[[str], Awaitable[str | None]] | None = None,
+        unpublish: Callable[[str, set[str] | None], Awaitable[bool]] | None = None,
     ) -> None:
         super().__init__(core)
         self._publish = publish  # LayerCache.publish: a snapshot to the registry, when one is set
+        self._unpublish = unpublish  # LayerCache.unpublish: its manifest deleted there
         self.life = life  # access, admission, create and stop of the sandboxes made from state
         self.execs = execs  # exec cgroup names and the trajectory's events
         self._copy_tool_of = copy_tool  # dsec-copy, built when the edge starts
@@ -346,65 +347,29 @@ class EdgeState(EdgePart):
             and (projects is None or i.source.get("project") in projects)
         ]
 
-    def delete_snapshot(self, name: str, projects: set[str] | None = None) -> None:
-        image = self.life._image(name)
-        if image.source.get("type") != "snapshot":
-            raise errors.InvalidRequest(f"{name} is not a snapshot")
-        if projects is not None and image.source.get("project") not in projects:
-            raise errors.ImageNotFound(f"there is no snapshot {name!r} in your projects")
-        if any(sb.record.spec.image == name for sb in self.sandboxes.values()):
-            raise errors.Conflict(f"snapshot {name} is in use by live sandboxes; stop them first")
+    async def delete_snapshot(self, name: str, projects: set[str] | None = None) -> None:
+        """Delete snapshot `name` here and its manifest in the registry (checked there too: a
+        snapshot of one of `projects`), the registry's first so that no edge pulls it again.
+        A snapshot only the registry has (its edge gone) is deleted there."""
+        image = self.layers.get_image(name) if self.layers.has_image(name) else None
+        if image is not None:
+            if image.source.get("type") != "snapshot":
+                raise errors.InvalidRequest(f"{name} is not a snapshot")
+            if projects is not None and image.source.get("project") not in projects:
+                raise errors.ImageNotFound(f"there is no snapshot {name!r} in your projects")
+            users = [sb for sb in self.sandboxes.values() if sb.record.spec.image == name]
+            if any(sb.record.spec.project != POOL_PROJECT for sb in users):  # (warm stock goes)
+                raise errors.Conflict(f"snapshot {name} is in use by live sandboxes; stop them first")
+        unpublished = self._unpublish is not None and await self._unpublish(name, projects)
+        if image is None:
+            if not unpublished:
+                raise errors.ImageNotFound(f"there is no snapshot {name!r} on edge {self.name}")
+            return
+        pooled = self.life.pools.drop(name)
+        await asyncio.gather(*(self.life.stop(sid) for sid in pooled))
         self.layers.delete_image(name)
         with contextlib.suppress(errors.DsecError):
             self.layers.delete_layer(image.layers[-1])
-
-    # --- moving images between edges (a snapshot restored where it was not made) ---------
-
-    def image_manifest(self, name: str) -> dict[str, Any]:
-        """An image and the digests of its layers, for another edge to pull it."""
-        image = self.life._image(name)
-        return {
-            "image": image.model_dump(mode="json"),
-            "digests": {str(r): self.layers.get_layer(r).digest for r in image.layers},
-        }
-
-    def missing_layers(self, manifest: dict[str, Any]) -> builtins.list[str]:
-        return [ref for ref in manifest["digests"] if not self.layers.has_layer(ref)]
-
-    async def export_layer(self, ref: str, dest: Path) -> None:
-        """Write layer `ref` as a tar archive (owners as stored, xattrs, whiteouts, holes)."""
-        tree = self.layers.layer_path(ref)
-        if not tree.is_dir():
-            raise errors.LayerNotFound(f"edge {self.name} has no layer {ref}")
-        with open(dest, "wb") as out:
-            argv = ["tar", "--xattrs", "--xattrs-include=*", "--numeric-owner", "--sparse", "-C", str(tree)]
-            rc = await run_process_quick([*argv, "-cf", "-", "."], out.fileno())
-        if rc != 0:
-            raise errors.InternalError(f"archiving layer {ref} failed (tar exit {rc})")
-
-    async def import_layer(self, ref: str, digest: str, archive: Path) -> None:
-        """Add a layer pulled from another edge; its content must hash to `digest`."""
-        name, _, version = ref.partition("@")
-        if self.layers.has_layer(ref):
-            return
-        with self.layers.staging() as stage, open(archive, "rb") as src, open(os.devnull, "wb") as devnull:
-            argv = ["tar", "--xattrs", "--xattrs-include=*", "--numeric-owner", "-xpf", "-", "-C", str(stage)]
-            pid, pidfd = spawn_quick(argv, devnull.fileno(), devnull.fileno(), stdin_fd=src.fileno())
-            if await wait_quick(pid, pidfd) != 0:
-                raise errors.InvalidRequest(f"the archive of layer {ref} does not unpack")
-            await asyncio.get_running_loop().run_in_executor(
-                None,
-                lambda: self.layers.commit_layer(
-                    stage, name, version, {"type": "pulled", "ref": ref}, shift=False, expect_digest=digest
-                ),
-            )
-
-    def put_image(self, manifest: dict[str, Any]) -> None:
-        image = Image.model_validate(manifest["image"])
-        missing = self.missing_layers(manifest)
-        if missing:
-            raise errors.LayerNotFound(f"cannot register image {image.name}: layers {missing} are missing")
-        self.layers.put_image(image)
 
     async def _fork_disks(self, sb: Sandbox, n: int) -> builtins.list[SandboxInfo]:
         """A fork where the writable layer is a disk (a microVM): the backend copies it once

@@ -263,6 +263,23 @@ class RegistryClient:
             raise errors.LayerCorrupted(f"manifest {tag} from {self._where()} is not JSON") from None
         return body, digest
 
+    async def delete_manifest(self, digest: str) -> bool:
+        """Delete the manifest `digest` (and so every tag naming it); False when the repository
+        has no such manifest. The blobs stay until the registry's garbage collection."""
+        if not _DIGEST_RE.match(digest):
+            raise errors.InvalidRequest(f"manifest digest {digest!r} is not a sha256 digest")
+        r = await self._send("DELETE manifest", "DELETE", f"/v2/{self.repo}/manifests/{digest}")
+        if r.status_code == 404:
+            return False
+        if r.status_code == 405:
+            raise errors.Unavailable(
+                f"{self._where()} does not allow deletes (HTTP 405): set `storage.delete.enabled: true` "
+                "in its config.yml"
+            )
+        if r.status_code != 202:
+            raise self._fail(f"deleting manifest {digest}", r)
+        return True
+
     # ---- images
 
     async def pull_manifest(self, name: str) -> Pulled | None:

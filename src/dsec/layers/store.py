@@ -114,6 +114,12 @@ class Image(BaseModel):
     def _valid_name(cls, v: str) -> str:
         return _check_name("image name", v, _IMAGE_RE)
 
+    def usable_by(self, project: str) -> bool:
+        """A snapshot belongs to its project; any other image, and the platform's own
+        projects (``_``-prefixed: pools, fncall workers), are usable by all."""
+        owner = self.source.get("project")
+        return owner is None or owner == project or project.startswith("_")
+
 
 def _first_error(e: ValidationError) -> str:
     errs = e.errors()

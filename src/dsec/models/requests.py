@@ -61,3 +61,6 @@ class PoolPrewarm(BaseModel):
 
     spec: PoolSpec
     count: int = Field(ge=0, le=10000)
+    project: str | None = Field(
+        None, description="the project the burst is for: a snapshot image must be its (None: an admin's)"
+    )

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dsec.apiserver.app.control import (
     _place,
-    _transfer_image,
 )
 from dsec.apiserver.app.state import (
     LATENCY_BUCKETS,
@@ -30,7 +29,6 @@ __all__ = [
     "EventBus",
     "Metrics",
     "_place",
-    "_transfer_image",
     "create_api_app",
     "respond_then",
 ]

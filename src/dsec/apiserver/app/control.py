@@ -1,15 +1,13 @@
-"""Placement over the edges, image transfer between edges, and the loops that keep quota
-reservations and fork layers true."""
+"""Placement over the edges and the loops that keep quota reservations and fork layers
+true."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from dsec import errors
@@ -60,41 +58,29 @@ async def _place(st: ApiServerState, spec: SandboxSpec) -> SandboxInfo:
             return await view.api.create(spec)
         except (errors.CapacityExhausted, errors.Unavailable) as e:
             last = e  # the edge has the final say: try the next candidate
-    # Every edge holding the image is full: another one, least loaded first, pulls it from the
-    # registry at create (an edge with one) or gets it relayed through this process (a snapshot
-    # made on one edge restores on any).
+    # Every edge holding the image is full: another one with a registry, least loaded first,
+    # pulls it at create (a snapshot made on one edge restores on any). An edge without a
+    # registry gets no image from here: images travel only through the registry.
     others = sorted(
         (
             v
             for v in st.directory.views.values()
-            if v.healthy and not v.draining and v not in holders and v.status is not None
+            if v.healthy
+            and not v.draining
+            and v not in holders
+            and v.status is not None
+            and v.status.registry
+            and spec.backend in v.status.backends
         ),
         key=lambda v: v.load(spec),
     )
     for view in others:
         try:
-            if not (view.status is not None and view.status.registry):  # it pulls what it lacks itself
-                source = next((h for h in holders if h.status and spec.image in h.status.images), None)
-                if source is None:
-                    continue
-                await _transfer_image(source.api, view.api, spec.image)
             st.directory.note_placed(view)
             return await view.api.create(spec)
         except (errors.CapacityExhausted, errors.Unavailable) as e:
             last = e
     raise errors.CapacityExhausted(f"every edge that has image {spec.image!r} is full; retry later") from last
-
-
-async def _transfer_image(source: EdgeAPI, target: EdgeAPI, name: str) -> None:
-    """Copy an image's missing layers (relayed through this process) and its manifest."""
-    manifest = await source.image_manifest(name)
-    with tempfile.TemporaryDirectory(prefix="dsec-transfer-") as tmp:
-        for ref in await target.missing_layers(manifest):
-            archive = Path(tmp) / "layer.tar"
-            await source.fetch_layer(ref, archive)
-            await target.push_layer(ref, manifest["digests"][ref], archive)
-            archive.unlink()
-    await target.put_image(manifest)
 
 
 def _refresh_gauges(st: ApiServerState) -> None:
