@@ -196,11 +196,11 @@ def test_edge_image_entrypoint_and_cli(run_opts: list[str]) -> None:
     assert "--apiserver" in out and "--keep-sandboxes" in out
 
 
-def bridge() -> tuple[str, ipaddress.IPv4Network]:
+def bridge() -> tuple[str, ipaddress.IPv4Network | ipaddress.IPv6Network]:
     """podman's default network: its gateway (the node's address as pods see it) and subnet."""
     net = json.loads(podman("network", "inspect", "podman").stdout)[0]
     (sub,) = net["subnets"]
-    return sub["gateway"], ipaddress.ip_network(sub["subnet"])
+    return str(sub["gateway"]), ipaddress.ip_network(sub["subnet"])
 
 
 @contextlib.contextmanager
@@ -251,7 +251,7 @@ def edge_args(
     ]
 
 
-def free_ip(subnet: ipaddress.IPv4Network) -> str:
+def free_ip(subnet: ipaddress.IPv4Network | ipaddress.IPv6Network) -> str:
     used = set()
     for cid in podman("ps", "-aq").stdout.split():
         for net in (
