@@ -13,9 +13,12 @@ when Docker Hub is out of reach, apt, pip; seconds from its cache after), then:
   apiserver; the sandbox survives an edge container restart (the reason for hostPID and the
   run dir's Bidirectional propagation, emulated with a shared bind mount) and is stopped.
 
-Needs root, podman, mmdebstrap or a pullable debian:bookworm-slim, PostgreSQL, and for the
-edge the host's /var/lib/dsec set up by install.sh (the `python` image). Everything started
-is removed: containers, the sandboxes' cgroups, mounts, the edge's records.
+The edge's node directory (/var/lib/dsec, or $DSEC_TEST_IMAGES_DATA_DIR) is set up first by
+the DaemonSet's init container, `dsec-k8s-edge setup` (seconds where install.sh or an earlier
+run did it; minutes on an empty directory).
+
+Needs root, podman, mmdebstrap or a pullable debian:bookworm-slim, and PostgreSQL. Everything
+started is removed: containers, the sandboxes' cgroups, mounts, the edge's records.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ K8S = ROOT / "deploy" / "kubernetes"
 ENTRYPOINT = ROOT / "deploy" / "container" / "dsec-k8s-edge"
 EDGE_IMAGE = "ghcr.io/dsec/dsec:latest"
 APISERVER_IMAGE = "ghcr.io/dsec/dsec-apiserver:latest"
+NODE_DATA = Path(os.environ.get("DSEC_TEST_IMAGES_DATA_DIR", "/var/lib/dsec"))  # hostPath var-lib-dsec
 
 pytestmark = [
     pytest.mark.root,
@@ -217,6 +221,35 @@ def shared_dir() -> Iterator[Path]:
         shutil.rmtree(d, ignore_errors=True)
 
 
+def volumes(c: dict[str, Any], run_dir: Path | None) -> list[str]:
+    """A container's hostPath mounts of edge.yaml as podman volumes (the node data directory
+    NODE_DATA; Bidirectional ones from the shared directory run_dir)."""
+    spec = workload("edge.yaml")["spec"]["template"]["spec"]
+    host_paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"]}
+    host_paths["var-lib-dsec"] = str(NODE_DATA)
+    out = []
+    for m in c["volumeMounts"]:
+        if m.get("mountPropagation") == "Bidirectional":
+            assert run_dir is not None
+            out.append(f"--volume={run_dir}:{m['mountPath']}:rshared")
+        else:
+            out.append(f"--volume={host_paths[m['name']]}:{m['mountPath']}")
+    return out
+
+
+def node_setup(opts: list[str]) -> None:
+    """edge.yaml's init container: install.sh's host parts into the node data directory."""
+    spec = workload("edge.yaml")["spec"]["template"]["spec"]
+    (init,) = spec["initContainers"]
+    assert init["securityContext"]["privileged"] and init["image"] == EDGE_IMAGE
+    t = time.monotonic()
+    out = podman(
+        "run", "--rm", *opts, "--privileged", "--pid=host", *volumes(init, None), EDGE_IMAGE, *init["args"],
+        timeout=1500,
+    )  # fmt: skip
+    print(f"dsec-k8s-edge setup: {time.monotonic() - t:.0f} s\n{out.stderr[-2000:]}")
+
+
 def edge_args(
     opts: list[str], name_node: str, ip: str, token: str, apiserver: str, run_dir: Path
 ) -> list[str]:
@@ -225,14 +258,7 @@ def edge_args(
     spec = ds["spec"]["template"]["spec"]
     c = container_of("edge.yaml", "edge")
     assert spec["hostPID"] and not spec["hostNetwork"] and c["securityContext"]["privileged"]
-    host_paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"]}
-    mounts = []
-    for m in c["volumeMounts"]:
-        src = host_paths[m["name"]]
-        if m.get("mountPropagation") == "Bidirectional":
-            mounts.append(f"--volume={run_dir}:{m['mountPath']}:rshared")
-        else:
-            mounts.append(f"--volume={src}:{m['mountPath']}")
+    mounts = volumes(c, run_dir)
     gateway, _ = bridge()
     env = {"NODE_NAME": name_node, "POD_IP": ip, "NODE_IP": gateway, "DSEC_CLUSTER_TOKEN": token}
     for e in c["env"]:
@@ -271,14 +297,13 @@ def remove_edge_state(name: str) -> None:
     remove_edge_leftovers(name)
     for f in ("edge-{}.db", "trajlog-{}.db", "trajlog-{}.db.lock"):
         with contextlib.suppress(FileNotFoundError):
-            (Path("/var/lib/dsec") / f.format(name)).unlink()
+            (NODE_DATA / f.format(name)).unlink()
 
 
 def test_edge_image_runs_sandboxes_as_the_daemonset_would(run_opts: list[str], pg_url: str) -> None:
     from dsec import Client
 
-    if not (Path("/var/lib/dsec") / "layers").is_dir():
-        pytest.skip("/var/lib/dsec is not set up (./install.sh, or the image's `setup`)")
+    node_setup(run_opts)
     gateway, subnet = bridge()
     token = "dsec_" + secrets.token_urlsafe(32)
     node = "img-test-" + secrets.token_hex(4)
