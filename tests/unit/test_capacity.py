@@ -301,11 +301,11 @@ async def test_a_burst_prewarms_edges_that_pull_the_image_from_a_registry(tmp_pa
     holder = FakeEdge("e0", 10)
     puller = FakeEdge("e1", 10, images=(), registry=True)
     plain = FakeEdge("e2", 10, images=())
-    env = await _env(tmp_path, [holder, puller, plain])
+    env = await _env(tmp_path / "iam.db", [holder, puller, plain])
     try:
         r = await env.call("POST", "/v1/capacity", env.alice, {"project": "team-a", "count": 20})
         await env.settle()
-        b = env.capacity.bursts[r.json()["id"]]
+        b = env.burst(r.json()["id"])
         assert b.state == "ready" and b.prewarmed == {"e0": 10, "e1": 10}, b.actions
         assert puller.projects == ["team-a"] and plain.prewarms == []
     finally:
