@@ -34,7 +34,7 @@ CONTAINERFILE = ROOT / "deploy" / "Containerfile"
 K8S_VERSION = "1.37"  # the newest schema kubernetes-validate 1.37 ships
 SECRET_TEMPLATE = "secret-template.yaml"
 IMAGES = {"ghcr.io/dsec/dsec:latest", "ghcr.io/dsec/dsec-apiserver:latest"}
-TRIAL_IMAGES = {"docker.io/library/postgres:16-bookworm"}
+TRIAL_IMAGES = {"docker.io/library/postgres:16-bookworm", "docker.io/library/registry:2.8.3"}
 
 
 def manifest_files() -> list[Path]:
@@ -410,6 +410,29 @@ def test_trial_postgres_is_labelled_and_takes_its_password_from_the_secret() -> 
     # the Secret's example URL points at this Service
     url = httpx.URL(one("Secret", "dsec-secrets")["stringData"]["database-url"])
     assert url.host.split(".")[0] == sts["spec"]["serviceName"]
+
+
+def test_trial_registry_allows_deletes_and_every_edge_uses_it() -> None:
+    """With more than one edge images travel only through a registry (the relay is gone): the
+    manifests run a trial one, the edges point at its Service, and snapshot deletes work."""
+    sts = one("StatefulSet", "dsec-registry")
+    assert sts["metadata"]["labels"]["dsec/trial-only"] == "true"
+    assert "TRIAL ONLY" in (K8S / "registry-trial.yaml").read_text()
+    c = container(sts, "registry")
+    env = env_of(c)
+    assert env["REGISTRY_STORAGE_DELETE_ENABLED"]["value"] == "true"
+    assert env["REGISTRY_STORAGE_FILESYSTEM_ROOTDIRECTORY"]["value"] in {m["mountPath"] for m in c["volumeMounts"]}
+    assert pod_spec(sts)["securityContext"]["runAsNonRoot"] is True
+    assert c["readinessProbe"]["httpGet"]["path"] == "/v2/"
+    svc = one("Service", "dsec-registry")
+    assert svc["spec"]["type"] == "ClusterIP"  # cluster-internal: it holds tenants' snapshots
+    edge = container(one("DaemonSet", "dsec-edge"), "edge")
+    url = httpx.URL(env_of(edge)["DSEC_EDGE_REGISTRY"]["value"])
+    assert url.host == "dsec-registry.dsec.svc" and url.port == svc["spec"]["ports"][0]["port"]
+    assert port_number(c, svc["spec"]["ports"][0]["targetPort"]) == 5000
+    # the edges' settings take that URL (the repository is its path)
+    assert EdgeSettings(name="e1", registry=str(url)).registry == str(url)
+    assert "dsec-registry.dsec.svc" in env_of(edge)["DSEC_PLATFORM_ADDRESSES"]["value"]
 
 
 # --- systemd ---------------------------------------------------------------------------------
