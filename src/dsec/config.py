@@ -71,6 +71,11 @@ class EdgeSettings(BaseSettings):
     # Disk budget of the layers pulled from the registry (MiB of file content; 0: unbounded).
     # Past it the least recently used ones no live sandbox and no local image uses are evicted.
     registry_cache_mb: int = 0
+    # An operation (exec, file write or edit, logged event) is answered only once its trajectory
+    # entry is committed, so a SIGKILL of the edge loses nothing it acknowledged (concurrent
+    # operations share commits). False: answered once queued; a SIGKILL then loses at most a
+    # batch or two of acknowledged entries, declared as a gap (dsec.trajlog.log).
+    trajectory_durable_acks: bool = True
 
     @field_validator("name")
     @classmethod

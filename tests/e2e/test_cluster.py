@@ -283,7 +283,8 @@ def test_kill_9_of_edge_and_apiserver_under_load_loses_nothing(tmp_path, python_
         stop = threading.Event()
         outcomes: Counter[str] = Counter()
 
-        args = (url, admin, [s.id for s in sbs], stop, outcomes)
+        acked: dict[str, set[int]] = {}
+        args = (url, admin, [s.id for s in sbs], stop, outcomes, acked)
         workers = [threading.Thread(target=_load, args=args) for _ in range(3)]
         for w in workers:
             w.start()
@@ -309,6 +310,12 @@ def test_kill_9_of_edge_and_apiserver_under_load_loses_nothing(tmp_path, python_
             for i, s in enumerate(sbs):
                 r = c.sandbox(s.id).exec("cat /work/mark; pgrep -c sleep")
                 assert r.stdout == f"{i}\n1\n", r
+            # nothing acknowledged is missing from the trajectory logs, through both kills
+            assert sum(map(len, acked.values())) == outcomes["ok"]
+            for sid, seqs in acked.items():
+                t = c.sandbox(sid).trajectory()
+                logged = {e.seq for e in t.entries}
+                assert seqs <= logged, (sid, sorted(seqs - logged), t.stats)
             c.stop_many([s.id for s in sbs])
             assert c.list() == []
     finally:
@@ -322,13 +329,17 @@ def test_kill_9_of_edge_and_apiserver_under_load_loses_nothing(tmp_path, python_
     assert not [m for m in Path("/proc/mounts").read_text().splitlines() if f"dsec-e2e-{run_id}" in m]
 
 
-def _load(url: str, token: str, ids: list[str], stop: object, outcomes: Counter[str]) -> None:
-    """Keep calling exec on every sandbox while processes die under it."""
+def _load(
+    url: str, token: str, ids: list[str], stop: object, outcomes: Counter[str], acked: dict[str, set[int]]
+) -> None:
+    """Keep calling exec on every sandbox while processes die under it; the trajectory seq of
+    every exec acknowledged goes into `acked`."""
     with Client(url, token, retries=0) as c:
         while not stop.is_set():  # type: ignore[attr-defined]
             for sid in ids:
                 try:
-                    c.sandbox(sid).exec("true", timeout=5)
+                    r = c.sandbox(sid).exec("true", timeout=5)
+                    acked.setdefault(sid, set()).add(r.seq)
                     outcomes["ok"] += 1
                 except errors.DsecError as e:
                     outcomes[e.code] += 1

@@ -421,7 +421,8 @@ def test_trial_registry_allows_deletes_and_every_edge_uses_it() -> None:
     c = container(sts, "registry")
     env = env_of(c)
     assert env["REGISTRY_STORAGE_DELETE_ENABLED"]["value"] == "true"
-    assert env["REGISTRY_STORAGE_FILESYSTEM_ROOTDIRECTORY"]["value"] in {m["mountPath"] for m in c["volumeMounts"]}
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    assert env["REGISTRY_STORAGE_FILESYSTEM_ROOTDIRECTORY"]["value"] in mounts
     assert pod_spec(sts)["securityContext"]["runAsNonRoot"] is True
     assert c["readinessProbe"]["httpGet"]["path"] == "/v2/"
     svc = one("Service", "dsec-registry")

@@ -314,7 +314,9 @@ class EdgeExec(EdgePart):
             with self._active(sb):
                 obs = await run()
             timings = {"duration_ms": (time.perf_counter() - t0) * 1000}
-            seq = await self.trajlog.record(sb.id, kind, action, obs, timings, tag)
+            seq = await self.trajlog.record(
+                sb.id, kind, action, obs, timings, tag, durable=self.settings.trajectory_durable_acks
+            )
             return obs, seq, False
         finally:
             if key is not None:
@@ -361,7 +363,9 @@ class EdgeExec(EdgePart):
         self, sandbox_id: str, kind: str, action: dict[str, Any], obs: dict[str, Any]
     ) -> None:
         """Log an operation that is not a step (delete, upload, snapshot, fork, pause...)."""
-        await self.trajlog.record(sandbox_id, kind, action, obs, {})
+        await self.trajlog.record(
+            sandbox_id, kind, action, obs, {}, durable=self.settings.trajectory_durable_acks
+        )
 
     async def trajectory(
         self, sandbox_id: str, *, after_seq: int = 0, limit: int | None = None
