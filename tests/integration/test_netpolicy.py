@@ -329,23 +329,31 @@ async def test_sandboxes_host_and_gateway_unreachable(
 
     host_srv = await asyncio.start_server(host_handler, "0.0.0.0", 0)
     port = host_srv.sockets[0].getsockname()[1]
+    # B's server runs before A probes it (so A's failure to reach it means something): B reaches
+    # itself (a microVM's guest has an address of its own behind its tap, not the sandbox's: it
+    # reaches itself on loopback). A python start under TCG on a loaded host takes seconds.
+    ip_b = net.sandboxes[b].ip
+    own = "127.0.0.1" if backend == "microvm" else ip_b
+    reach_self = ExecRequest(
+        cmd=f"python3 -c 'import socket; socket.create_connection((\"{own}\", 9000), 3)'"
+    )
+    for _ in range(60):
+        r = await edge.exec(b, reach_self)
+        if r.exit_code == 0:
+            break
+        await asyncio.sleep(0.5)
+    assert r.exit_code == 0, r
     try:
         host_ips = sorted(ip for ip in host_addresses() if not ip.startswith("127."))
-        ip_b = net.sandboxes[b].ip
         targets = [(ip_b, 9000), (net.gw_ip, 22), (net.gw_ip, port), (server.ip, 8080)]
         targets += [(ip, port) for ip in host_ips]
-        await asyncio.sleep(0.5)
         res = await connect(edge, a, targets)
         assert ok(res[f"{server.ip}:8080"]), res  # the broad rule works for the outside
         for ip, p in targets:
             if ip != server.ip:
                 assert not ok(res[f"{ip}:{p}"]), (ip, p, res)
-        # B's server does run: B reaches itself (a microVM's guest has an address of its own
-        # behind its tap, not the sandbox's: it reaches itself on loopback).
-        own = "127.0.0.1" if backend == "microvm" else ip_b
-        r = await edge.exec(
-            b, ExecRequest(cmd=f"python3 -c 'import socket; socket.create_connection((\"{own}\", 9000), 3)'")
-        )
+        # B's server still runs after the probes
+        r = await edge.exec(b, reach_self)
         assert r.exit_code == 0, r
         # Not even an exact address reaches the host: refused, and dropped if it got through.
         node_ip = next(ip for ip in host_ips if ipaddress.ip_address(ip) not in net.supernet)
