@@ -351,6 +351,34 @@ def test_rekey(iam: IAM) -> None:
     assert iam.usage("default").sandboxes == 1
 
 
+def test_an_idempotency_claim_and_its_reservation_are_one_transaction(iam: IAM) -> None:
+    iam.create_project("p", quota=Quota(max_sandboxes=1))
+    assert iam.begin_idempotent("alice", "k1", reserve=("pending-1", "p", 0.5, 64)) == ("new", None)
+    assert iam.reservations() == {"pending-1": "p"} and iam.usage("p").sandboxes == 1
+    with pytest.raises(errors.QuotaExceeded):  # refused: the key is not claimed either
+        iam.begin_idempotent("alice", "k2", reserve=("pending-2", "p", 0.5, 64))
+    assert iam.begin_idempotent("alice", "k2") == ("new", None)  # (free: a retry claims it)
+    iam.end_idempotent("alice", "k2", None)
+    # busy (this process is making it) and done reserve nothing
+    state, _ = iam.begin_idempotent("alice", "k1", reserve=("pending-3", "p", 0.5, 64))
+    assert state == "taken_over" and "pending-3" not in iam.reservations()  # (same owner: its own)
+    iam.rekey("pending-1", "sb-1", ends=("alice", "k1", '{"id": "sb-1"}'))  # one commit for both
+    assert iam.reservations() == {"sb-1": "p"}
+    assert iam.begin_idempotent("alice", "k1", reserve=("pending-4", "p", 0.5, 64)) == (
+        "done",
+        '{"id": "sb-1"}',
+    )
+    assert iam.reservations() == {"sb-1": "p"}
+
+
+def test_a_failed_rekey_does_not_end_the_idempotency_key(iam: IAM) -> None:
+    iam.reserve("sb-1", "default", 1, 1)
+    iam.begin_idempotent("alice", "k", reserve=("pending-1", "default", 1, 1))
+    with pytest.raises(errors.Conflict):
+        iam.rekey("pending-1", "sb-1", ends=("alice", "k", "{}"))
+    assert iam.begin_idempotent("alice", "k")[0] != "done"  # rolled back together
+
+
 def test_ancestor_quota_limits_a_childs_burst(iam: IAM) -> None:
     iam.create_project("org", quota=Quota(max_sandboxes=5))
     iam.create_project("a", parent="org")
