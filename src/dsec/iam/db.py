@@ -341,8 +341,9 @@ class PostgresDatabase(Database):
             raise Unavailable(f"lost the IAM database's connection ({e}); retry") from e
 
     def begin_write(self) -> None:
-        self.execute("BEGIN")
-        self.execute("SELECT pg_advisory_xact_lock(?)", (_WRITE_LOCK,))
+        # One round trip: a query without parameters goes as a simple query, which may hold
+        # two statements (the lock is a constant).
+        self.execute(f"BEGIN; SELECT pg_advisory_xact_lock({_WRITE_LOCK})")
 
     def commit(self) -> None:
         self.execute("COMMIT")
