@@ -422,6 +422,7 @@ async def _serve(iam_db: str, edges: int, n: int, port: int) -> None:
         _timed_candidates(directory, placements)
         config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
         server = uvicorn.Server(config)
+        gc.freeze()  # (as dsec.service.serve)
         serving = asyncio.create_task(server.serve())
         while not server.started:
             if serving.done():
