@@ -985,6 +985,26 @@ def test_tier_policy_is_inherited_and_only_narrowed(db: Path | str) -> None:
         assert again.allowed_backends("sec-b-c") == ["microvm"]
 
 
+def test_check_create_is_authorize_then_the_tier_policy(iam: IAM) -> None:
+    iam.create_project("sec", allowed_backends=["gvisor"])
+    iam.create_project("sec-a", parent="sec")
+    alice, _ = iam.create_principal("alice", ["sec"])
+    admin, _ = iam.create_principal("root", ["default"], admin=True)
+    iam.check_create(alice, "sec-a", "gvisor")  # granted through its ancestor
+    with pytest.raises(errors.Forbidden) as fe:
+        iam.check_create(alice, "sec-a", "container")
+    assert fe.value.details["reason"] == "backend_not_allowed"
+    with pytest.raises(errors.Forbidden) as fe:  # (not granted: as authorize, before the policy)
+        iam.check_create(alice, "default", "container")
+    assert "no access" in fe.value.message
+    with pytest.raises(errors.Forbidden):  # an unknown project is not told apart from a refused one
+        iam.check_create(alice, "nope", "gvisor")
+    with pytest.raises(errors.NotFound):
+        iam.check_create(admin, "nope", "gvisor")
+    with pytest.raises(errors.Forbidden):  # the tier policy binds admins too
+        iam.check_create(admin, "sec", "container")
+
+
 def test_postgres_openers_migrate_once_and_refuse_a_newer_schema(pg_url: str) -> None:
     """Several apiservers starting at once on one PostgreSQL database make the schema once
     (under the write lock); a database a newer dsec migrated is refused with what to do."""

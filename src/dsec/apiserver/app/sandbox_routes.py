@@ -73,8 +73,7 @@ async def _create_once(
         raise errors.InvalidRequest(
             "Idempotency-Key must be 1-128 letters, digits, '.', '_' or '-' (a UUID, say)"
         )
-    iam.authorize(p, spec.project)  # (before the claim: a refusal leaves nothing to undo)
-    iam.check_backend(spec.project, spec.backend)
+    iam.check_create(p, spec.project, spec.backend)  # (before the claim: a refusal leaves nothing to undo)
     label = hashlib.sha256(f"{p.id}:{key}".encode()).hexdigest()[:32]
     pending = f"pending-{secrets.token_hex(8)}"
     deadline = time.monotonic() + 120
@@ -181,8 +180,7 @@ def _install_sandbox_routes(
         """`reserved`: the pending reservation already made (with an idempotency key's claim,
         after the same checks); `keyed`: that key, ended with the reservation's rekey."""
         if reserved is None:
-            iam.authorize(p, spec.project)
-            iam.check_backend(spec.project, spec.backend)  # the project's tier policy (admins too)
+            iam.check_create(p, spec.project, spec.backend)  # the tier policy applies to admins too
         key = reserved or _reserve_pending(st, spec)
         t_place = time.perf_counter()
         try:
