@@ -494,30 +494,31 @@ class EdgeDirectory:
 
     async def _learn_image_layers(self, ttl_s: float = 60.0) -> None:
         """Learn the layers of images the edges hold (and relearn them after `ttl_s`: a name
-        may be rebuilt), from one edge holding each: once per image, not per poll."""
+        may be rebuilt), asking one edge that holds each: once per image, not per poll, all at
+        once and briefly (the poll's verdicts wait for it)."""
         now = time.monotonic()
-        stale: dict[str, EdgeView] = {}
+        ask: dict[int, tuple[EdgeView, list[str]]] = {}
         for v in self.views.values():
             s = v.status
             if s is None or v.lost or v.failures:
                 continue
             for name in s.images:
                 known = self.image_layers.get(name)
-                if (known is None or now - known[1] > ttl_s) and name not in stale:
-                    stale[name] = v
-        asked: set[int] = set()
-        for name, v in stale.items():
-            if id(v) in asked:
-                continue
-            asked.add(id(v))
+                if known is None or now - known[1] > ttl_s:
+                    self.image_layers[name] = (known[0] if known else frozenset(), now)  # (asked now)
+                    ask.setdefault(id(v), (v, []))[1].append(name)
+
+        async def one(v: EdgeView, names: list[str]) -> None:
             try:
-                images = await asyncio.wait_for(v.api.images(), max(0.5, self.lost_after_s / 3))
+                images = await asyncio.wait_for(v.api.images(), min(1.0, self.lost_after_s / 3))
             except Exception as e:  # (not known: no layer preference for it until next time)
                 log.debug("edge %s images failed: %s", v.api.name, e)
-                self.image_layers.setdefault(name, (frozenset(), now))
-                continue
+                return
             for i in images:
-                self.image_layers[str(i["name"])] = (frozenset(str(r) for r in i.get("layers", ())), now)
+                if i.get("name") in names:
+                    self.image_layers[str(i["name"])] = (frozenset(str(r) for r in i.get("layers", ())), now)
+
+        await asyncio.gather(*(one(v, names) for v, names in ask.values()))
 
     def _refuse(self, spec: SandboxSpec) -> None:
         """Why no edge can take `spec` (candidates found none): the first filter that failed."""
