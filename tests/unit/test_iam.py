@@ -357,6 +357,7 @@ def test_an_idempotency_claim_and_its_reservation_are_one_transaction(iam: IAM) 
     assert iam.reservations() == {"pending-1": "p"} and iam.usage("p").sandboxes == 1
     with pytest.raises(errors.QuotaExceeded):  # refused: the key is not claimed either
         iam.begin_idempotent("alice", "k2", reserve=("pending-2", "p", 0.5, 64))
+    assert iam.reservations() == {"pending-1": "p"}  # (the refused row was rolled back)
     assert iam.begin_idempotent("alice", "k2") == ("new", None)  # (free: a retry claims it)
     iam.end_idempotent("alice", "k2", None)
     # busy (this process is making it) and done reserve nothing

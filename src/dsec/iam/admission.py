@@ -55,26 +55,28 @@ class Admission:
     def _reserve(
         self, db: Database, key: str, project: str, cpu_m: int, memory_mb: int, owner: str | None
     ) -> None:
-        existing = db.execute("SELECT project FROM reservations WHERE key = ?", (key,)).fetchone()
-        if existing is not None:
-            if existing[0] == project:
-                return
-            raise Conflict(
-                f"reservation {key!r} is already held in project {existing[0]!r}, not {project!r}: "
-                "release it first or use a new key",
-                key=key,
-                project=existing[0],
-            )
         chain = db.execute(_ANCESTORS_SQL, (project,)).fetchall()
         if not chain:
             self._project_row(db, project)  # raises NotFound
-        for row in chain:
-            _admit(row, project, cpu_m, memory_mb)
-        db.execute(
+        # The row first (a key already held is then read, not admitted again); a refusal
+        # below rolls it back with the transaction. One statement fewer than looking first.
+        cur = db.execute(
             "INSERT INTO reservations (key, project, cpu_m, memory_mb, created_at, owner)"
-            " VALUES (?, ?, ?, ?, ?, ?)",
+            " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
             (key, project, cpu_m, memory_mb, time.time(), owner),
         )
+        if not cur.rowcount:
+            (held,) = db.execute("SELECT project FROM reservations WHERE key = ?", (key,)).fetchone()
+            if held == project:
+                return
+            raise Conflict(
+                f"reservation {key!r} is already held in project {held!r}, not {project!r}: "
+                "release it first or use a new key",
+                key=key,
+                project=held,
+            )
+        for row in chain:
+            _admit(row, project, cpu_m, memory_mb)
         _add_usage(db, chain, used_sandboxes=1, used_cpu_m=cpu_m, used_memory_mb=memory_mb)
 
     def _release(self, db: Database, key: str) -> str | None:
