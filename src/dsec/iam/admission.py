@@ -106,6 +106,16 @@ class Admission:
 
     @staticmethod
     def _rekey(db: Database, old_key: str, new_key: str) -> None:
+        # No longer pending: from now on the edges' listings vouch for it, and the grace
+        # period of reconcile() starts again (the edge may not list it for a moment yet).
+        # (Only when the new key is free; the cases below are read only when it did nothing.)
+        moved = db.execute(
+            "UPDATE reservations SET key = ?, owner = NULL, created_at = ? WHERE key = ?"
+            " AND NOT EXISTS (SELECT 1 FROM reservations WHERE key = ?)",
+            (new_key, time.time(), old_key, new_key),
+        ).rowcount
+        if moved:
+            return
         rows = db.execute("SELECT key FROM reservations WHERE key IN (?, ?)", (old_key, new_key)).fetchall()
         found = {r[0] for r in rows}
         if old_key not in found:
@@ -114,16 +124,9 @@ class Admission:
             raise NotFound(
                 f"no reservation under key {old_key!r}: reserve quota before renaming it", key=old_key
             )
-        if new_key in found:
-            raise Conflict(
-                f"reservation key {new_key!r} is already taken: release it or pick another key",
-                key=new_key,
-            )
-        # No longer pending: from now on the edges' listings vouch for it, and the grace
-        # period of reconcile() starts again (the edge may not list it for a moment yet).
-        db.execute(
-            "UPDATE reservations SET key = ?, owner = NULL, created_at = ? WHERE key = ?",
-            (new_key, time.time(), old_key),
+        raise Conflict(
+            f"reservation key {new_key!r} is already taken: release it or pick another key",
+            key=new_key,
         )
 
     def usage(self, project: str, *, recursive: bool = True) -> Usage:
@@ -192,20 +195,20 @@ class Admission:
         if reserve is not None:
             _check_reservation(reserve[0], reserve[2], reserve[3])
         with self._write() as db:
-            row = db.execute(
-                "SELECT state, owner, result FROM idempotency WHERE principal = ? AND key = ?",
-                (principal, key),
-            ).fetchone()
-            if row is None:
-                db.execute(
-                    "INSERT INTO idempotency (principal, key, state, owner, created_at)"
-                    " VALUES (?, ?, 'pending', ?, ?)",
-                    (principal, key, owner, time.time()),
-                )
+            claimed = db.execute(  # (a key seen before is read only when this finds it)
+                "INSERT INTO idempotency (principal, key, state, owner, created_at)"
+                " VALUES (?, ?, 'pending', ?, ?) ON CONFLICT DO NOTHING",
+                (principal, key, owner, time.time()),
+            ).rowcount
+            if claimed:
                 if reserve is not None:
                     rkey, project, cpu, memory_mb = reserve
                     self._reserve(db, rkey, project, _milli(cpu), memory_mb, owner)
                 return "new", None
+            row = db.execute(
+                "SELECT state, owner, result FROM idempotency WHERE principal = ? AND key = ?",
+                (principal, key),
+            ).fetchone()
             if row["state"] == "done":
                 return "done", row["result"]
             if row["owner"] != owner and self._db.owner_alive(row["owner"] or ""):
