@@ -1,12 +1,15 @@
 """The watcher's view of the edges, and placement over it.
 
 The watcher polls each edge's status (health, capacity, live sandboxes per
-image and project, cached layers, images, pool stock). Placement filters
-(healthy, knows the image) and prefers edges holding ready pool sandboxes or
-the image's layers, then picks the least loaded of k random candidates. Each
-apiserver overlays its own recent placements not yet seen by the watcher, so a
-burst is spread before the next poll. Nothing here is durable: after a restart
-the view is rebuilt by polling (edges also re-register every few seconds).
+image and project, cached layers, images, pool stock) and, once per poll, files
+the edges per (backend, image) in tiers: those holding the image, then those with
+a registry by how many of its layers they hold. Placement reads that index (a
+create does not scan every edge), asks only the edges it draws whether they are
+able now, and within a tier picks the least loaded of k random candidates; an
+edge at `SPILL_AT` load goes last. Each apiserver overlays its own recent
+placements not yet seen by the watcher, so a burst is spread before the next
+poll. Nothing here is durable: after a restart the view is rebuilt by polling
+(edges also re-register every few seconds).
 
 Node loss: an edge that has not answered a status poll for `lost_after_s` (5 s; a poll
 waits at most a third of that) is unhealthy (no placements) and lost: `on_lost` gives up its
