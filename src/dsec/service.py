@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -122,6 +123,10 @@ def serve(app: FastAPI, host: str, port: int, log_level: str = "warning") -> Non
         # connection the server is closing at that moment (a spurious ReadError).
         timeout_keep_alive=75,
     )
+    # What importing and assembling made lives as long as the process: out of the collector's
+    # reach, a full collection scans only what requests make (~89,000 objects at startup, a
+    # 15-19 ms pause each time, bench_control_plane's apiserver over 1,000 fake edges).
+    gc.freeze()
     uvicorn.Server(config).run()
 
 

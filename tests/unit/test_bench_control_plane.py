@@ -5,8 +5,10 @@ over an edge's capacity), not how fast it was."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-from bench.bench_control_plane import FakeEdge, run
+from bench.bench_control_plane import FakeEdge, run, run_http
 
 from dsec import errors
 from dsec.models import SandboxSpec
@@ -28,6 +30,15 @@ async def test_quick_simulation_adds_up() -> None:
     assert r.poll_cpu and r.wall_s > 0 and r.cpu_s > 0 and r.rss_end > 0
     assert "fake edges (simulation)" in text and "| placement decision" in text
     assert "5000 of 5000 placed" in text and "0 edges over capacity" in text
+
+
+async def test_the_apiserver_in_a_process_of_its_own_adds_up(tmp_path: Path) -> None:
+    """The burst over real HTTP against an apiserver child: its CPU alone is counted."""
+    r = await run_http(str(tmp_path / "iam.db"), "SQLite", edges=50, n=1000, concurrency=32)
+    assert r.ok == r.n == 1000 and not r.errors
+    assert r.placed_ids == r.ok and r.wrong_edge == 0 and r.quota_sandboxes == r.ok
+    assert sum(r.per_edge.values()) == r.ok and len(r.per_edge) == 50 and not r.over_capacity
+    assert len(r.placements) >= r.ok and r.cpu_s > 0 and "apiserver process alone" in r.iam
 
 
 async def test_fake_edge_keeps_consistent_books() -> None:

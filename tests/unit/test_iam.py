@@ -351,6 +351,35 @@ def test_rekey(iam: IAM) -> None:
     assert iam.usage("default").sandboxes == 1
 
 
+def test_an_idempotency_claim_and_its_reservation_are_one_transaction(iam: IAM) -> None:
+    iam.create_project("p", quota=Quota(max_sandboxes=1))
+    assert iam.begin_idempotent("alice", "k1", reserve=("pending-1", "p", 0.5, 64)) == ("new", None)
+    assert iam.reservations() == {"pending-1": "p"} and iam.usage("p").sandboxes == 1
+    with pytest.raises(errors.QuotaExceeded):  # refused: the key is not claimed either
+        iam.begin_idempotent("alice", "k2", reserve=("pending-2", "p", 0.5, 64))
+    assert iam.reservations() == {"pending-1": "p"}  # (the refused row was rolled back)
+    assert iam.begin_idempotent("alice", "k2") == ("new", None)  # (free: a retry claims it)
+    iam.end_idempotent("alice", "k2", None)
+    # busy (this process is making it) and done reserve nothing
+    state, _ = iam.begin_idempotent("alice", "k1", reserve=("pending-3", "p", 0.5, 64))
+    assert state == "taken_over" and "pending-3" not in iam.reservations()  # (same owner: its own)
+    iam.rekey("pending-1", "sb-1", ends=("alice", "k1", '{"id": "sb-1"}'))  # one commit for both
+    assert iam.reservations() == {"sb-1": "p"}
+    assert iam.begin_idempotent("alice", "k1", reserve=("pending-4", "p", 0.5, 64)) == (
+        "done",
+        '{"id": "sb-1"}',
+    )
+    assert iam.reservations() == {"sb-1": "p"}
+
+
+def test_a_failed_rekey_does_not_end_the_idempotency_key(iam: IAM) -> None:
+    iam.reserve("sb-1", "default", 1, 1)
+    iam.begin_idempotent("alice", "k", reserve=("pending-1", "default", 1, 1))
+    with pytest.raises(errors.Conflict):
+        iam.rekey("pending-1", "sb-1", ends=("alice", "k", "{}"))
+    assert iam.begin_idempotent("alice", "k")[0] != "done"  # rolled back together
+
+
 def test_ancestor_quota_limits_a_childs_burst(iam: IAM) -> None:
     iam.create_project("org", quota=Quota(max_sandboxes=5))
     iam.create_project("a", parent="org")
@@ -956,6 +985,26 @@ def test_tier_policy_is_inherited_and_only_narrowed(db: Path | str) -> None:
             assert backend in fe.value.message and fe.value.details["allowed"][0] in fe.value.message
     with IAM(db) as again:  # stored
         assert again.allowed_backends("sec-b-c") == ["microvm"]
+
+
+def test_check_create_is_authorize_then_the_tier_policy(iam: IAM) -> None:
+    iam.create_project("sec", allowed_backends=["gvisor"])
+    iam.create_project("sec-a", parent="sec")
+    alice, _ = iam.create_principal("alice", ["sec"])
+    admin, _ = iam.create_principal("root", ["default"], admin=True)
+    iam.check_create(alice, "sec-a", "gvisor")  # granted through its ancestor
+    with pytest.raises(errors.Forbidden) as fe:
+        iam.check_create(alice, "sec-a", "container")
+    assert fe.value.details["reason"] == "backend_not_allowed"
+    with pytest.raises(errors.Forbidden) as fe:  # (not granted: as authorize, before the policy)
+        iam.check_create(alice, "default", "container")
+    assert "no access" in fe.value.message
+    with pytest.raises(errors.Forbidden):  # an unknown project is not told apart from a refused one
+        iam.check_create(alice, "nope", "gvisor")
+    with pytest.raises(errors.NotFound):
+        iam.check_create(admin, "nope", "gvisor")
+    with pytest.raises(errors.Forbidden):  # the tier policy binds admins too
+        iam.check_create(admin, "sec", "container")
 
 
 def test_postgres_openers_migrate_once_and_refuse_a_newer_schema(pg_url: str) -> None:

@@ -100,7 +100,8 @@ async def test_everything_full() -> None:
 async def test_candidates_drawn_lazily_still_cover_every_able_edge_once() -> None:
     edges = [FakeEdge(f"e{i}", 100, used=i) for i in range(20)]
     d = await _directory(*edges, FakeEdge("other", 100))
-    d.views["other"].status.images = ["rust"]  # type: ignore[union-attr]
+    other = d.views["other"]
+    other.status = other.status.model_copy(update={"images": ["rust"]})  # type: ignore[union-attr]
     c = d.candidates(SandboxSpec())
     first = c[0]
     assert first.api.name != "e19"  # the least loaded of two is never the most loaded of all

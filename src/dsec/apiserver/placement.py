@@ -1,12 +1,15 @@
 """The watcher's view of the edges, and placement over it.
 
 The watcher polls each edge's status (health, capacity, live sandboxes per
-image and project, cached layers, images, pool stock). Placement filters
-(healthy, knows the image) and prefers edges holding ready pool sandboxes or
-the image's layers, then picks the least loaded of k random candidates. Each
-apiserver overlays its own recent placements not yet seen by the watcher, so a
-burst is spread before the next poll. Nothing here is durable: after a restart
-the view is rebuilt by polling (edges also re-register every few seconds).
+image and project, cached layers, images, pool stock) and, once per poll, files
+the edges per (backend, image) in tiers: those holding the image, then those with
+a registry by how many of its layers they hold. Placement reads that index (a
+create does not scan every edge), asks only the edges it draws whether they are
+able now, and within a tier picks the least loaded of k random candidates; an
+edge at `SPILL_AT` load goes last. Each apiserver overlays its own recent
+placements not yet seen by the watcher, so a burst is spread before the next
+poll. Nothing here is durable: after a restart the view is rebuilt by polling
+(edges also re-register every few seconds).
 
 Node loss: an edge that has not answered a status poll for `lost_after_s` (5 s; a poll
 waits at most a third of that) is unhealthy (no placements) and lost: `on_lost` gives up its
@@ -37,12 +40,13 @@ log = logging.getLogger("dsec.apiserver.placement")
 
 
 LOST_AFTER_S = 5.0
+SPILL_AT = 0.9  # an edge this loaded (of its capacity) is tried after the rest (Candidates)
 
 
 @dataclass
 class EdgeView:
     api: EdgeAPI
-    status: EdgeStatus | None = None
+    _status: EdgeStatus | None = None
     last_ok: float = 0.0
     failures: int = 0
     recent: list[float] = field(default_factory=list)  # our placements since the last poll
@@ -51,6 +55,16 @@ class EdgeView:
     gone: asyncio.Event = field(default_factory=asyncio.Event)  # set while lost: in-flight calls end
     lost_after_s: float = LOST_AFTER_S
     draining: bool = False  # takes no new placements (dsec.apiserver.capacity)
+    changed: Callable[[], None] = lambda: None  # its status was replaced (the directory's index)
+
+    @property
+    def status(self) -> EdgeStatus | None:
+        return self._status
+
+    @status.setter
+    def status(self, status: EdgeStatus | None) -> None:
+        self._status = status
+        self.changed()
 
     @property
     def healthy(self) -> bool:
@@ -169,32 +183,84 @@ class GuardedEdge:
 
 
 class Candidates(Sequence[EdgeView]):
-    """The edges able to take a spec, best first, each drawn when it is first asked for: the
+    """The edges able to take a spec, best first, each drawn when it is first asked for.
+
+    The edges come in tiers (those holding the image, then those holding more of its layers
+    before those holding fewer; see `EdgeDirectory.candidates`). Within a tier each is the
     least loaded of k drawn at random from those not taken yet (power of k choices). A create
     nearly always takes the first, so it reads k edges' loads rather than ordering every edge
     up front (O(n^2) with list removals: ~35 ms a create at 1,000 edges, bench_control_plane).
-    A later one is drawn with the loads as they are then (after the placements meanwhile)."""
+    A later one is drawn with the loads as they are then (after the placements meanwhile).
 
-    def __init__(self, able: list[EdgeView], spec: SandboxSpec, k: int) -> None:
-        self._left = able  # (its own list: drawn from in place)
+    The tiers come from the directory's index, made once per poll; whether an edge is able
+    now (healthy, not draining, still registered) is asked of each edge drawn, so an edge that
+    went silent since the poll is never taken. An edge drawn at `spill_at` load or above moves
+    to a last tier of its own: holding the layers does not pile a burst onto one edge."""
+
+    def __init__(
+        self,
+        tiers: Iterable[list[EdgeView]],
+        spec: SandboxSpec,
+        k: int,
+        able: Callable[[EdgeView], bool] = lambda _v: True,
+        spill_at: float = float("inf"),
+    ) -> None:
+        self._tiers = [list(t) for t in tiers]  # (their own lists: drawn from in place)
+        self._tiers.append([])  # the spilled: too loaded to be preferred, tried last
+        self._tier = 0
         self._taken: list[EdgeView] = []
         self._members: set[int] | None = None
+        self._settled = False
         self._spec = spec
         self._k = k
+        self._able = able
+        self._spill_at = spill_at
+
+    @staticmethod
+    def _pop(left: list[EdgeView], i: int) -> EdgeView:
+        v = left[i]
+        left[i] = left[-1]  # (the order of those left does not matter: they are sampled)
+        left.pop()
+        return v
+
+    def _best_of_k(self, left: list[EdgeView]) -> int | None:
+        """The index of the least loaded of k able edges drawn from `left` (the unable ones
+        drawn meanwhile are dropped from it); None when it has no able edge."""
+        while left:
+            sample = random.sample(range(len(left)), min(self._k, len(left)))
+            unable = sorted((i for i in sample if not self._able(left[i])), reverse=True)
+            if not unable:
+                return min(sample, key=lambda i: left[i].load(self._spec))
+            for i in unable:  # (highest first: a swap from the end never moves a later one)
+                self._pop(left, i)
+        return None
 
     def _draw(self) -> bool:
-        left = self._left
-        if not left:
-            return False
-        sample = random.sample(range(len(left)), min(self._k, len(left)))
-        best = min(sample, key=lambda i: left[i].load(self._spec))
-        self._taken.append(left[best])
-        left[best] = left[-1]  # (the order of those left does not matter: they are sampled)
-        left.pop()
-        return True
+        tiers = self._tiers
+        while self._tier < len(tiers):
+            left = tiers[self._tier]
+            best = self._best_of_k(left)
+            if best is None:
+                self._tier += 1
+                continue
+            v = self._pop(left, best)
+            if self._tier < len(tiers) - 1 and v.load(self._spec) >= self._spill_at:
+                tiers[-1].append(v)
+                continue
+            self._taken.append(v)
+            return True
+        return False
+
+    def _settle(self) -> None:
+        """Drop every unable edge not drawn yet (len and `in` are then exact)."""
+        if not self._settled:
+            for t in self._tiers[self._tier :]:
+                t[:] = [v for v in t if self._able(v)]
+            self._settled = True
 
     def __len__(self) -> int:
-        return len(self._taken) + len(self._left)
+        self._settle()
+        return len(self._taken) + sum(len(t) for t in self._tiers[self._tier :])
 
     def __iter__(self) -> Iterator[EdgeView]:
         i = 0
@@ -218,11 +284,21 @@ class Candidates(Sequence[EdgeView]):
 
     def __contains__(self, v: object) -> bool:
         if self._members is None:
-            self._members = {id(x) for x in (*self._taken, *self._left)}
+            self._settle()
+            self._members = {id(x) for t in (self._taken, *self._tiers[self._tier :]) for x in t}
         return id(v) in self._members
 
     def __repr__(self) -> str:
         return f"Candidates({[v.api.name for v in self]})"
+
+
+@dataclass
+class _Tiers:
+    """One (backend, image)'s edges for `Candidates`, made from the statuses of one poll."""
+
+    tiers: list[list[EdgeView]]
+    made: int  # the directory's generation it was made at
+    used_at: float  # (monotonic) keys not asked for a while are not remade at every poll
 
 
 LostHook = Callable[[EdgeAPI], Awaitable[None]]
@@ -230,12 +306,25 @@ LostHook = Callable[[EdgeAPI], Awaitable[None]]
 
 class EdgeDirectory:
     def __init__(
-        self, *, poll_interval_s: float = 1.0, k: int = 2, lost_after_s: float = LOST_AFTER_S
+        self,
+        *,
+        poll_interval_s: float = 1.0,
+        k: int = 2,
+        lost_after_s: float = LOST_AFTER_S,
+        spill_at: float = SPILL_AT,
     ) -> None:
         self.views: dict[str, EdgeView] = {}
         self.poll_interval_s = poll_interval_s
         self.lost_after_s = lost_after_s
         self.k = k
+        self.spill_at = spill_at
+        # The placement index: (backend, image) -> tiers, remade once per poll (not per create)
+        self._index: dict[tuple[str, str], _Tiers] = {}
+        self._generation = 0  # bumped when a status or the set of edges changes outside a poll
+        # What the edges told of each image's layers (name -> (refs, when learned)): edges
+        # that hold more of them are preferred when none holds the image (see candidates)
+        self.image_layers: dict[str, tuple[frozenset[str], float]] = {}
+        self._layer_sets: dict[int, tuple[EdgeStatus, frozenset[str], frozenset[str]]] = {}
         self._task: asyncio.Task[None] | None = None
         self._lag: asyncio.Task[None] | None = None
         self.stalled_until = 0.0  # no edge is given up before this (see _watch_lag)
@@ -248,8 +337,12 @@ class EdgeDirectory:
         view = self.views.get(api.name)
         if view is not None and view.api.url == api.url:
             return view
-        self.views[api.name] = view = EdgeView(api, lost_after_s=self.lost_after_s)
+        self.views[api.name] = view = EdgeView(api, lost_after_s=self.lost_after_s, changed=self._changed)
+        self._changed()
         return view
+
+    def _changed(self) -> None:
+        self._generation += 1
 
     def _api(self, view: EdgeView, scope: set[str] | None = None) -> EdgeAPI:
         if not view.can_be_lost:
@@ -281,7 +374,7 @@ class EdgeDirectory:
 
         async def one(view: EdgeView) -> None:
             try:
-                view.status = await asyncio.wait_for(view.api.status(), timeout)
+                view._status = await asyncio.wait_for(view.api.status(), timeout)  # (indexed below)
                 view.last_ok = time.monotonic()
                 view.failures = 0
                 view.recent.clear()
@@ -291,6 +384,8 @@ class EdgeDirectory:
             await self._judge(view)
 
         await asyncio.gather(*(one(v) for v in list(self.views.values())))
+        await self._learn_image_layers()
+        self._reindex()
 
     async def _judge(self, view: EdgeView) -> None:
         """Give a silent edge up, or take a given-up one back (see the module)."""
@@ -338,6 +433,7 @@ class EdgeDirectory:
                 for v in self.views.values():  # what they answered before the stall counts from now
                     v.last_ok = max(v.last_ok, now - self.lost_after_s / 2) if v.last_ok else v.last_ok
                     v.failures = 0
+                self._changed()  # (healthy again: back in the index)
 
     async def close(self) -> None:
         for task in (self._task, self._lag):
@@ -354,18 +450,92 @@ class EdgeDirectory:
             await asyncio.sleep(self.poll_interval_s)
 
     def candidates(self, spec: SandboxSpec) -> Candidates:
-        """Edges to try, best first: filter, prefer warm ones, then power of k choices."""
-        runs = [
-            v
-            for v in self.views.values()
-            if v.healthy and not v.draining and v.status is not None and spec.backend in v.status.backends
-        ]
-        tier = [v for v in runs if spec.image in v.status.images]  # type: ignore[union-attr]
-        if not tier:  # no edge holds it: those with a registry pull it at create (EdgeStatus.registry)
-            tier = [v for v in runs if v.status.registry]  # type: ignore[union-attr]
-        if not tier:
+        """Edges to try, best first: those that hold the image, then (edges with a registry,
+        which pull what they lack at create) those that hold more of its layers before those
+        that hold fewer; within a tier, power of k choices. Read from the index made at the
+        last poll: a create does not scan every edge."""
+        key = (spec.backend, spec.image)
+        entry = self._index.get(key)
+        if entry is None or entry.made != self._generation:
+            entry = self._index[key] = self._tiers(*key)
+        entry.used_at = time.monotonic()
+        c = Candidates(entry.tiers, spec, self.k, self._able, self.spill_at)
+        if not c._draw():  # (the first is nearly always the pick: drawn now)
             self._refuse(spec)
-        return Candidates(tier, spec, self.k)
+        return c
+
+    def _able(self, v: EdgeView) -> bool:
+        """Whether an indexed edge takes a placement now (its health expires between polls)."""
+        return v.healthy and not v.draining and self.views.get(v.api.name) is v
+
+    def _sets(self, s: EdgeStatus) -> tuple[frozenset[str], frozenset[str]]:
+        """A status's images and layers as sets, made once per status."""
+        got = self._layer_sets.get(id(s))
+        if got is None or got[0] is not s:
+            got = self._layer_sets[id(s)] = (s, frozenset(s.images), frozenset(s.layers))
+        return got[1], got[2]
+
+    def _tiers(self, backend: str, image: str) -> _Tiers:
+        """The index entry of (backend, image): edges able at the last poll, in tiers (see
+        candidates). Edges that have not answered are left out; draining ones are kept (a
+        drain is lifted between polls) and skipped when drawn."""
+        layers = self.image_layers.get(image, (frozenset(), 0.0))[0]
+        holders: list[EdgeView] = []
+        by_share: dict[int, list[EdgeView]] = {}
+        for v in self.views.values():
+            s = v.status
+            if s is None or not v.healthy or backend not in s.backends:
+                continue
+            images, held = self._sets(s)
+            if image in images:
+                holders.append(v)
+            elif s.registry:  # (it pulls what it lacks at create)
+                by_share.setdefault(len(layers & held) if layers else 0, []).append(v)
+        tiers = [holders] + [by_share[n] for n in sorted(by_share, reverse=True)]
+        return _Tiers([t for t in tiers if t], self._generation, time.monotonic())
+
+    def _reindex(self, keep_s: float = 60.0) -> None:
+        """Remake the index from this poll's statuses: the keys asked for lately now, the
+        rest when next asked."""
+        self._generation += 1
+        now = time.monotonic()
+        live = {id(v.status) for v in self.views.values() if v.status is not None}
+        self._layer_sets = {k: x for k, x in self._layer_sets.items() if k in live}
+        for key, entry in list(self._index.items()):
+            if now - entry.used_at > keep_s:
+                del self._index[key]
+            else:
+                fresh = self._tiers(*key)
+                fresh.used_at = entry.used_at
+                self._index[key] = fresh
+
+    async def _learn_image_layers(self, ttl_s: float = 60.0) -> None:
+        """Learn the layers of images the edges hold (and relearn them after `ttl_s`: a name
+        may be rebuilt), asking one edge that holds each: once per image, not per poll, all at
+        once and briefly (the poll's verdicts wait for it)."""
+        now = time.monotonic()
+        ask: dict[int, tuple[EdgeView, list[str]]] = {}
+        for v in self.views.values():
+            s = v.status
+            if s is None or v.lost or v.failures:
+                continue
+            for name in s.images:
+                known = self.image_layers.get(name)
+                if known is None or now - known[1] > ttl_s:
+                    self.image_layers[name] = (known[0] if known else frozenset(), now)  # (asked now)
+                    ask.setdefault(id(v), (v, []))[1].append(name)
+
+        async def one(v: EdgeView, names: list[str]) -> None:
+            try:
+                images = await asyncio.wait_for(v.api.images(), min(1.0, self.lost_after_s / 3))
+            except Exception as e:  # (not known: no layer preference for it until next time)
+                log.debug("edge %s images failed: %s", v.api.name, e)
+                return
+            for i in images:
+                if i.get("name") in names:
+                    self.image_layers[str(i["name"])] = (frozenset(str(r) for r in i.get("layers", ())), now)
+
+        await asyncio.gather(*(one(v, names) for v, names in ask.values()))
 
     def _refuse(self, spec: SandboxSpec) -> None:
         """Why no edge can take `spec` (candidates found none): the first filter that failed."""

@@ -47,36 +47,37 @@ class Admission:
         key is provisional (a create in flight in this process): :meth:`reconcile` leaves it
         alone while this process lives; :meth:`rekey` or :meth:`release` ends it.
         """
-        if not key:
-            raise InvalidRequest("reservation key must be a non-empty string (the sandbox id)")
-        if cpu < 0 or memory_mb < 0:
-            raise InvalidRequest(
-                f"cpu ({_fmt(cpu)}) and memory_mb ({memory_mb}) must not be negative", key=key
-            )
-        cpu_m = _milli(cpu)
+        _check_reservation(key, cpu, memory_mb)
         owner = self._owner() if pending else None
         with self._write() as db:
-            existing = db.execute("SELECT project FROM reservations WHERE key = ?", (key,)).fetchone()
-            if existing is not None:
-                if existing[0] == project:
-                    return
-                raise Conflict(
-                    f"reservation {key!r} is already held in project {existing[0]!r}, not {project!r}: "
-                    "release it first or use a new key",
-                    key=key,
-                    project=existing[0],
-                )
-            chain = db.execute(_ANCESTORS_SQL, (project,)).fetchall()
-            if not chain:
-                self._project_row(db, project)  # raises NotFound
-            for row in chain:
-                _admit(row, project, cpu_m, memory_mb)
-            db.execute(
-                "INSERT INTO reservations (key, project, cpu_m, memory_mb, created_at, owner)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (key, project, cpu_m, memory_mb, time.time(), owner),
+            self._reserve(db, key, project, _milli(cpu), memory_mb, owner)
+
+    def _reserve(
+        self, db: Database, key: str, project: str, cpu_m: int, memory_mb: int, owner: str | None
+    ) -> None:
+        chain = db.execute(_ANCESTORS_SQL, (project,)).fetchall()
+        if not chain:
+            self._project_row(db, project)  # raises NotFound
+        # The row first (a key already held is then read, not admitted again); a refusal
+        # below rolls it back with the transaction. One statement fewer than looking first.
+        cur = db.execute(
+            "INSERT INTO reservations (key, project, cpu_m, memory_mb, created_at, owner)"
+            " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+            (key, project, cpu_m, memory_mb, time.time(), owner),
+        )
+        if not cur.rowcount:
+            (held,) = db.execute("SELECT project FROM reservations WHERE key = ?", (key,)).fetchone()
+            if held == project:
+                return
+            raise Conflict(
+                f"reservation {key!r} is already held in project {held!r}, not {project!r}: "
+                "release it first or use a new key",
+                key=key,
+                project=held,
             )
-            _add_usage(db, chain, used_sandboxes=1, used_cpu_m=cpu_m, used_memory_mb=memory_mb)
+        for row in chain:
+            _admit(row, project, cpu_m, memory_mb)
+        _add_usage(db, chain, used_sandboxes=1, used_cpu_m=cpu_m, used_memory_mb=memory_mb)
 
     def _release(self, db: Database, key: str) -> str | None:
         row = _take(db, "reservations", key)
@@ -91,32 +92,42 @@ class Admission:
         with self._write() as db:
             return self._release(db, key)
 
-    def rekey(self, old_key: str, new_key: str) -> None:
-        """Move a reservation from a provisional key to the sandbox's real id (idempotent)."""
+    def rekey(self, old_key: str, new_key: str, *, ends: Ends | None = None) -> None:
+        """Move a reservation from a provisional key to the sandbox's real id (idempotent).
+        `ends`: (principal, idempotency key, result): end that key's create with `result`
+        in the same transaction (as `end_idempotent`; one commit for both)."""
         if not new_key:
             raise InvalidRequest("new reservation key must be a non-empty string (the sandbox id)")
-        if old_key == new_key:
-            return
         with self._write() as db:
-            old = db.execute("SELECT project FROM reservations WHERE key = ?", (old_key,)).fetchone()
-            new = db.execute("SELECT project FROM reservations WHERE key = ?", (new_key,)).fetchone()
-            if old is None:
-                if new is not None:
-                    return  # already moved
-                raise NotFound(
-                    f"no reservation under key {old_key!r}: reserve quota before renaming it", key=old_key
-                )
-            if new is not None:
-                raise Conflict(
-                    f"reservation key {new_key!r} is already taken: release it or pick another key",
-                    key=new_key,
-                )
-            # No longer pending: from now on the edges' listings vouch for it, and the grace
-            # period of reconcile() starts again (the edge may not list it for a moment yet).
-            db.execute(
-                "UPDATE reservations SET key = ?, owner = NULL, created_at = ? WHERE key = ?",
-                (new_key, time.time(), old_key),
+            if old_key != new_key:
+                self._rekey(db, old_key, new_key)
+            if ends is not None:
+                _end_idempotent(db, *ends)
+
+    @staticmethod
+    def _rekey(db: Database, old_key: str, new_key: str) -> None:
+        # No longer pending: from now on the edges' listings vouch for it, and the grace
+        # period of reconcile() starts again (the edge may not list it for a moment yet).
+        # (Only when the new key is free; the cases below are read only when it did nothing.)
+        moved = db.execute(
+            "UPDATE reservations SET key = ?, owner = NULL, created_at = ? WHERE key = ?"
+            " AND NOT EXISTS (SELECT 1 FROM reservations WHERE key = ?)",
+            (new_key, time.time(), old_key, new_key),
+        ).rowcount
+        if moved:
+            return
+        rows = db.execute("SELECT key FROM reservations WHERE key IN (?, ?)", (old_key, new_key)).fetchall()
+        found = {r[0] for r in rows}
+        if old_key not in found:
+            if new_key in found:
+                return  # already moved
+            raise NotFound(
+                f"no reservation under key {old_key!r}: reserve quota before renaming it", key=old_key
             )
+        raise Conflict(
+            f"reservation key {new_key!r} is already taken: release it or pick another key",
+            key=new_key,
+        )
 
     def usage(self, project: str, *, recursive: bool = True) -> Usage:
         """What ``project`` holds; with ``recursive`` (the default) including every descendant."""
@@ -168,24 +179,36 @@ class Admission:
 
     # ------------------------------------------------------------------ idempotency keys
 
-    def begin_idempotent(self, principal: str, key: str) -> tuple[str, str | None]:
+    def begin_idempotent(
+        self, principal: str, key: str, *, reserve: Pending | None = None
+    ) -> tuple[str, str | None]:
         """Claim `key` of `principal` for a create: ("new", None) when this call makes it,
         ("done", result) when an earlier call made it, ("busy", None) while another live
         apiserver process makes it, ("taken_over", None) when the one that began it died
-        (what it made, if anything, carries the key's label: look for it first)."""
+        (what it made, if anything, carries the key's label: look for it first).
+
+        `reserve`: (reservation key, project, cpu, memory_mb): when the state is "new", also
+        reserve that create's quota, pending (as `reserve(..., pending=True)`), in the same
+        transaction: one commit for both, and when the quota refuses (QuotaExceeded) the key
+        is not claimed either."""
         owner = self._owner()
+        if reserve is not None:
+            _check_reservation(reserve[0], reserve[2], reserve[3])
         with self._write() as db:
+            claimed = db.execute(  # (a key seen before is read only when this finds it)
+                "INSERT INTO idempotency (principal, key, state, owner, created_at)"
+                " VALUES (?, ?, 'pending', ?, ?) ON CONFLICT DO NOTHING",
+                (principal, key, owner, time.time()),
+            ).rowcount
+            if claimed:
+                if reserve is not None:
+                    rkey, project, cpu, memory_mb = reserve
+                    self._reserve(db, rkey, project, _milli(cpu), memory_mb, owner)
+                return "new", None
             row = db.execute(
                 "SELECT state, owner, result FROM idempotency WHERE principal = ? AND key = ?",
                 (principal, key),
             ).fetchone()
-            if row is None:
-                db.execute(
-                    "INSERT INTO idempotency (principal, key, state, owner, created_at)"
-                    " VALUES (?, ?, 'pending', ?, ?)",
-                    (principal, key, owner, time.time()),
-                )
-                return "new", None
             if row["state"] == "done":
                 return "done", row["result"]
             if row["owner"] != owner and self._db.owner_alive(row["owner"] or ""):
@@ -208,14 +231,7 @@ class Admission:
 
     def _end_idempotent(self, principal: str, key: str, result: str | None) -> None:
         with self._write() as db:
-            if result is None:
-                db.execute("DELETE FROM idempotency WHERE principal = ? AND key = ?", (principal, key))
-            else:
-                db.execute(
-                    "UPDATE idempotency SET state = 'done', result = ?, owner = NULL"
-                    " WHERE principal = ? AND key = ?",
-                    (result, principal, key),
-                )
+            _end_idempotent(db, principal, key, result)
 
     def forget_idempotency(self, older_than_s: float) -> None:
         with self._write() as db:
@@ -433,6 +449,27 @@ class Admission:
                 if key.startswith(prefix) and key not in live_keys and self._release_snapshot(db, key):
                     released.append(key)
         return sorted(released)
+
+
+Pending = tuple[str, str, float, int]  # a pending reservation: key, project, cpu, memory_mb
+Ends = tuple[str, str, str | None]  # an idempotency key's end: principal, key, result
+
+
+def _check_reservation(key: str, cpu: float, memory_mb: int) -> None:
+    if not key:
+        raise InvalidRequest("reservation key must be a non-empty string (the sandbox id)")
+    if cpu < 0 or memory_mb < 0:
+        raise InvalidRequest(f"cpu ({_fmt(cpu)}) and memory_mb ({memory_mb}) must not be negative", key=key)
+
+
+def _end_idempotent(db: Database, principal: str, key: str, result: str | None) -> None:
+    if result is None:
+        db.execute("DELETE FROM idempotency WHERE principal = ? AND key = ?", (principal, key))
+    else:
+        db.execute(
+            "UPDATE idempotency SET state = 'done', result = ?, owner = NULL WHERE principal = ? AND key = ?",
+            (result, principal, key),
+        )
 
 
 def _take(db: Database, table: str, key: str) -> Row | None:

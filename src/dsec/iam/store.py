@@ -229,16 +229,20 @@ class IAM(Admission, ShippedTrajectories, CapacityStore):
 
     def check_backend(self, project: str, backend: str) -> None:
         """Refuse a sandbox of ``project`` on a backend its tier policy does not allow."""
-        allowed = self.allowed_backends(project)
-        if allowed is not None and backend not in allowed:
-            raise Forbidden(
-                f"project {project!r} may run sandboxes only on the backends {', '.join(allowed)}; "
-                f"{backend!r} is not one of them: create with backend={allowed[0]!r}",
-                reason="backend_not_allowed",
-                project=project,
-                backend=backend,
-                allowed=allowed,
-            )
+        _check_backend(project, backend, self.allowed_backends(project))
+
+    def check_create(self, p: Principal, project: str, backend: str) -> None:
+        """`authorize` then `check_backend` for a create, over one read of the project's
+        ancestors (each read them apart)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("IAM is closed")
+            rows = self._db.execute(_ANCESTORS_SQL, (project,)).fetchall()
+            if not p.admin:
+                _authorize(p, project, rows)
+            if not rows:
+                self._project_row(self._db, project)  # raises NotFound
+        _check_backend(project, backend, _effective_backends(rows))
 
     def get_project(self, name: str) -> Project:
         with self._lock:
@@ -469,19 +473,37 @@ class IAM(Admission, ShippedTrajectories, CapacityStore):
     def authorize(self, p: Principal, project: str) -> None:
         if p.admin:
             return
-        granted = set(p.projects)
-        if granted:
+        rows: list[Row] = []
+        if p.projects:
             with self._lock:
                 if self._closed:
                     raise RuntimeError("IAM is closed")
                 rows = self._db.execute(_ANCESTORS_SQL, (project,)).fetchall()
-            if any(r["name"] in granted for r in rows):
-                return
+        _authorize(p, project, rows)
+
+
+def _authorize(p: Principal, project: str, ancestors: Sequence[Row]) -> None:
+    """Refuse `p` (not an admin) unless it is granted `project` or one of its `ancestors`."""
+    granted = set(p.projects)
+    if not any(r["name"] in granted for r in ancestors):
         raise Forbidden(
             f"principal {p.name!r} has no access to project {project!r}: use one of your projects "
             f"({', '.join(sorted(granted)) or 'none'}) or ask an admin to grant {project!r}",
             project=project,
             principal=p.name,
+        )
+
+
+def _check_backend(project: str, backend: str, allowed: list[str] | None) -> None:
+    """Refuse a sandbox of `project` on a backend its tier policy (`allowed`) does not allow."""
+    if allowed is not None and backend not in allowed:
+        raise Forbidden(
+            f"project {project!r} may run sandboxes only on the backends {', '.join(allowed)}; "
+            f"{backend!r} is not one of them: create with backend={allowed[0]!r}",
+            reason="backend_not_allowed",
+            project=project,
+            backend=backend,
+            allowed=allowed,
         )
 
 

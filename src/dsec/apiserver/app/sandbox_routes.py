@@ -45,26 +45,50 @@ IDEMPOTENCY_KEY = re.compile(r"[A-Za-z0-9._-]{1,128}")
 IDEMPOTENCY_LABEL = "dsec.idempotency"  # what a keyed create made carries: a digest of principal and key
 
 
+class _Keyed:
+    """A create under an idempotency key: whose key, and whether its end (the answer kept for
+    retries) was written with the create's rekey (one transaction)."""
+
+    def __init__(self, principal: str, key: str) -> None:
+        self.principal, self.key = principal, key
+        self.ended = False
+
+
+_Make = Callable[[SandboxSpec, "str | None", "_Keyed | None"], Awaitable[SandboxInfo]]
+
+
 async def _create_once(
-    st: ApiServerState,
-    p: Principal,
-    spec: SandboxSpec,
-    key: str,
-    make: Callable[[SandboxSpec], Awaitable[SandboxInfo]],
+    st: ApiServerState, p: Principal, spec: SandboxSpec, key: str, make: _Make
 ) -> SandboxInfo:
     """A create with an idempotency key: one sandbox however often it is sent, to whichever
     apiserver (a client failing over, a retry after a lost response). The key is the
     caller's own (kept per principal, a day); what it made carries its label, so a create
-    whose apiserver died mid-way is found rather than made twice."""
+    whose apiserver died mid-way is found rather than made twice.
+
+    The claim of the key and the create's pending reservation are one IAM transaction, and
+    so are the reservation's rekey and the key's end (`make` is given both): two commits a
+    create rather than four."""
     iam = st.iam
     if not IDEMPOTENCY_KEY.fullmatch(key):
         raise errors.InvalidRequest(
             "Idempotency-Key must be 1-128 letters, digits, '.', '_' or '-' (a UUID, say)"
         )
+    iam.check_create(p, spec.project, spec.backend)  # (before the claim: a refusal leaves nothing to undo)
     label = hashlib.sha256(f"{p.id}:{key}".encode()).hexdigest()[:32]
+    pending = f"pending-{secrets.token_hex(8)}"
     deadline = time.monotonic() + 120
     while True:
-        state, result = iam.begin_idempotent(p.id, key)
+        try:
+            state, result = iam.begin_idempotent(
+                p.id, key, reserve=(pending, spec.project, spec.cpu, spec.memory_mb)
+            )
+        except errors.QuotaExceeded:  # (neither the claim nor the reservation was made)
+            st.metrics.failures.labels("create", "quota").inc()
+            raise
+        except errors.Unavailable:  # (its commit may have landed before the database went away)
+            iam.abandon(pending)
+            iam.end_idempotent(p.id, key, None, defer=True)
+            raise
         if state == "done":
             return SandboxInfo.model_validate_json(result or "{}")
         if state != "busy":
@@ -72,6 +96,7 @@ async def _create_once(
         if time.monotonic() > deadline:
             raise errors.Conflict(f"a create with Idempotency-Key {key!r} is still in progress; retry")
         await asyncio.sleep(0.1)  # the first call is still making it: its answer is ours
+    keyed = _Keyed(p.id, key)
     try:
         info = None
         if state == "taken_over":  # its first apiserver died: did it make the sandbox?
@@ -84,11 +109,14 @@ async def _create_once(
                 info = found[0]
                 iam.reserve(info.id, info.spec.project, info.spec.cpu, info.spec.memory_mb)
         if info is None:
-            info = await make(spec.model_copy(update={"labels": {**spec.labels, IDEMPOTENCY_LABEL: label}}))
+            labelled = spec.model_copy(update={"labels": {**spec.labels, IDEMPOTENCY_LABEL: label}})
+            info = await make(labelled, pending if state == "new" else None, keyed)
     except BaseException:
-        iam.end_idempotent(p.id, key, None, defer=True)
+        if not keyed.ended:
+            iam.end_idempotent(p.id, key, None, defer=True)
         raise
-    iam.end_idempotent(p.id, key, info.model_dump_json(), defer=True)
+    if not keyed.ended:
+        iam.end_idempotent(p.id, key, info.model_dump_json(), defer=True)
     return info
 
 
@@ -115,17 +143,23 @@ def _release_or_abandon(iam: IAM, key: str) -> None:
         iam.abandon(key)
 
 
-async def _account_create(st: ApiServerState, key: str, info: SandboxInfo) -> None:
-    """Move a create's pending reservation to the sandbox it made. When that cannot be done
-    (the IAM's database is away) the sandbox goes again, so nothing runs unaccounted, and
-    its reservation is released once the database is back."""
+async def _account_create(
+    st: ApiServerState, key: str, info: SandboxInfo, keyed: _Keyed | None = None
+) -> None:
+    """Move a create's pending reservation to the sandbox it made (and end its idempotency
+    key with its answer, same transaction). When that cannot be done (the IAM's database is
+    away) the sandbox goes again, so nothing runs unaccounted, and its reservation is
+    released once the database is back."""
+    ends = None if keyed is None else (keyed.principal, keyed.key, info.model_dump_json())
     try:
-        st.iam.rekey(key, info.id)
+        st.iam.rekey(key, info.id, ends=ends)
     except BaseException:
         st.iam.abandon(key)
         with contextlib.suppress(Exception):
             await st.directory.edge_for(info.id, None).stop(info.id, None)
         raise
+    if keyed is not None:
+        keyed.ended = True
 
 
 def _install_sandbox_routes(
@@ -136,10 +170,18 @@ def _install_sandbox_routes(
 
     # --- sandboxes -------------------------------------------------------------------
 
-    async def create_one(p: Principal, spec: SandboxSpec, t_auth: float) -> SandboxInfo:
-        iam.authorize(p, spec.project)
-        iam.check_backend(spec.project, spec.backend)  # the project's tier policy (admins too)
-        key = _reserve_pending(st, spec)
+    async def create_one(
+        p: Principal,
+        spec: SandboxSpec,
+        t_auth: float,
+        reserved: str | None = None,
+        keyed: _Keyed | None = None,
+    ) -> SandboxInfo:
+        """`reserved`: the pending reservation already made (with an idempotency key's claim,
+        after the same checks); `keyed`: that key, ended with the reservation's rekey."""
+        if reserved is None:
+            iam.check_create(p, spec.project, spec.backend)  # the tier policy applies to admins too
+        key = reserved or _reserve_pending(st, spec)
         t_place = time.perf_counter()
         try:
             info = await _place(st, spec)
@@ -148,7 +190,7 @@ def _install_sandbox_routes(
             reason = e.code if isinstance(e, errors.DsecError) else "internal"
             st.metrics.failures.labels("create", reason).inc()
             raise
-        await _account_create(st, key, info)
+        await _account_create(st, key, info, keyed)
         m = st.metrics.create_phase
         m.labels("auth").observe(t_auth)
         m.labels("placement").observe(time.perf_counter() - t_place - info.timings_ms.get("total", 0) / 1000)
@@ -164,7 +206,7 @@ def _install_sandbox_routes(
         p = principal(request)
         t_auth = time.perf_counter() - t0
         key = request.headers.get("idempotency-key")  # (then: one sandbox however often sent)
-        made = _create_once(st, p, spec, key, lambda s: create_one(p, s, t_auth)) if key else None
+        made = _create_once(st, p, spec, key, lambda s, r, k: create_one(p, s, t_auth, r, k)) if key else None
         return model_response(await (made or create_one(p, spec, t_auth)), 201)
 
     express.derive(app.routes, create)
