@@ -19,7 +19,7 @@ from dsec.client import Client
 from dsec.service import free_port
 
 from ..conftest import LAYERS
-from .conftest import _env, start, stop_all, wait_healthy
+from .conftest import _env, remove_run_dir, start, stop_all, wait_healthy
 
 pytestmark = [pytest.mark.root, pytest.mark.e2e]
 
@@ -345,3 +345,62 @@ def _load(
                     outcomes[e.code] += 1
                 except Exception as e:  # a connection cut mid-request
                     outcomes[type(e).__name__] += 1
+
+
+def test_a_sandbox_no_reservation_accounts_for_is_stopped(tmp_path, python_image):
+    """What an edge runs that the control plane never accounted for (its create's apiserver
+    died after the edge made it, or the answer was lost on the way) is an orphan: nobody knows
+    of it and its quota is not counted. The apiserver stops it after `orphan_after_s`, and
+    leaves every accounted sandbox alone. The orphan here is made by asking the edge directly
+    (with the cluster token), as a create whose apiserver died would have left it."""
+    data = tmp_path / "data"
+    run_id = secrets.token_hex(4)
+    env = _env(tmp_path, f"dsec-e2e-{run_id}")
+    env.update(
+        DSEC_EDGE_FNCALL_IMAGE="",
+        DSEC_APISERVER_ORPHAN_AFTER_S="1.5",
+        DSEC_APISERVER_RECONCILE_INTERVAL_S="0.5",
+    )
+    api_port, edge_port = free_port(), free_port()
+    url = f"http://127.0.0.1:{api_port}"
+    procs = {
+        "api": start(
+            ["apiserver", "--port", str(api_port), "--data-dir", str(data)], env, tmp_path / "api.log"
+        )
+    }
+    try:
+        deadline = time.monotonic() + 30
+        while not (data / "cluster-token").exists() or not (data / "admin-token").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        cluster = (data / "cluster-token").read_text().strip()
+        admin = (data / "admin-token").read_text().strip()
+        procs["edge"] = start(
+            ["edge", "--apiserver", url, "--name", "or", "--port", str(edge_port), "--data-dir", str(data),
+             "--run-dir", f"/run/dsec-e2e-{run_id}-or", "--token", cluster],
+            env, tmp_path / "edge.log",
+        )  # fmt: skip
+        wait_healthy(url, edges=1)
+        edge = httpx.Client(
+            base_url=f"http://127.0.0.1:{edge_port}",
+            headers={"Authorization": f"Bearer {cluster}"},
+            timeout=60,
+        )
+        with Client(url, admin) as c, edge:
+            kept = c.create("python", memory_mb=64)
+            r = edge.post("/v1/sandboxes", json={"image": "python", "memory_mb": 64})
+            assert r.status_code == 201, r.text
+            orphan = r.json()["id"]
+            t0 = time.monotonic()
+            while orphan in {s["id"] for s in edge.get("/v1/sandboxes").json()["sandboxes"]}:
+                assert time.monotonic() - t0 < 20, "the orphan was not stopped"
+                time.sleep(0.2)
+            assert time.monotonic() - t0 >= 1.5  # not before orphan_after_s
+            time.sleep(2.0)  # several more rounds: the accounted sandbox stays
+            assert [i.id for i in c.list()] == [kept.id]
+            assert kept.exec("echo ok").stdout == "ok\n"
+            kept.stop()
+        assert "no reservation accounted for it" in (tmp_path / "api.log").read_text()
+    finally:
+        stop_all(procs)
+    remove_run_dir(f"/run/dsec-e2e-{run_id}-or")

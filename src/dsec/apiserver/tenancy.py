@@ -53,6 +53,11 @@ class ApiServerSettings(BaseSettings):
     #: A reservation younger than this is never taken for a leftover (a sandbox just made may
     #: not be listed yet). A create still in flight is never released, however long it takes.
     reservation_grace_s: float = 30.0
+    #: A sandbox an edge reports that no reservation accounts for this long (across reconciler
+    #: rounds) is an orphan and is stopped: its create's apiserver died after the edge made it,
+    #: or the answer never reached that apiserver. An edge lists a sandbox only once its create
+    #: is done, and the apiserver accounts for it right then, so this only has to outlast that.
+    orphan_after_s: float = Field(30.0, gt=0)
     #: An edge silent this long is given up: no placements, its sandboxes answer sandbox_lost
     #: and their quota is released (what survives is stopped when it answers again).
     edge_lost_after_s: float = Field(5.0, ge=1.0, le=3600.0)

@@ -177,6 +177,13 @@ class Admission:
                     released.append(key)
         return sorted(released)
 
+    def unaccounted(self, sandbox_ids: set[str]) -> set[str]:
+        """Those of `sandbox_ids` that no reservation accounts for (none keyed by the id)."""
+        if not sandbox_ids:
+            return set()
+        rows = self._read("SELECT key FROM reservations WHERE owner IS NULL")
+        return sandbox_ids - {r[0] for r in rows}
+
     # ------------------------------------------------------------------ idempotency keys
 
     def begin_idempotent(

@@ -16,7 +16,7 @@ from dsec.apiserver.placement import EdgeView
 from dsec.apiserver.tenancy import (
     Visibility,
 )
-from dsec.edgeapi import EdgeAPI
+from dsec.edgeapi import EdgeAPI, edge_of
 from dsec.models import (
     EdgeStatus,
     SandboxInfo,
@@ -131,12 +131,19 @@ def watch_node_loss(st: ApiServerState) -> None:
 
 
 async def _reconcile_quota(
-    st: ApiServerState, interval_s: float, grace_s: float, lost_memory_s: float = 86400.0
+    st: ApiServerState,
+    interval_s: float,
+    grace_s: float,
+    lost_memory_s: float = 86400.0,
+    *,
+    orphan_after_s: float = 30.0,
 ) -> None:
     """Release reservations of sandboxes no edge reports any more (TTL reaping, crashes) and
     those of creates whose apiserver died mid-way. A create in flight keeps its reservation
     however long it takes: only its own success (re-keyed to the sandbox) or failure
-    (released) ends it."""
+    (released) ends it. The other way round, stop what edges report that no reservation
+    accounts for (`_stop_orphans`)."""
+    suspects: dict[str, float] = {}
     while True:
         try:
             st.iam.release_orphaned()
@@ -146,20 +153,50 @@ async def _reconcile_quota(
         except Exception:
             log.exception("releasing the reservations of dead apiservers failed; retrying")
         await asyncio.sleep(interval_s)
-        live: set[str] = set()
+        live: dict[str, str] = {}  # sandbox -> its project
         complete = True
         asked_at = time.time()  # a create that completes while the edges answer is not in `live`
         for e in st.directory.all():
             try:
-                live |= {i.id for i in await e.list({}, None, None)}
+                live.update((i.id, i.spec.project) for i in await e.list({}, None, None))
             except Exception:
                 complete = False
         try:
             if complete:
-                st.iam.reconcile(live, older_than_s=grace_s, as_of=asked_at)
+                st.iam.reconcile(set(live), older_than_s=grace_s, as_of=asked_at)
             await _reconcile_fork_layers(st, grace_s)
+            await _stop_orphans(st, live, suspects, orphan_after_s)
         except errors.DsecError as e:  # (the IAM's database is away: next round)
             log.warning("reconciling quota failed, retrying in %.0f s: %s", interval_s, e)
+
+
+async def _stop_orphans(
+    st: ApiServerState, live: dict[str, str], suspects: dict[str, float], after_s: float
+) -> None:
+    """Stop sandboxes the edges report that no reservation has accounted for over `after_s`
+    (`suspects`: since when each was first seen so, kept across rounds). They are what a
+    create left when its apiserver died after the edge made the sandbox, or when the edge's
+    answer never reached it: nobody was told of them and their quota is not counted, so they
+    would run unaccounted for ever. An edge lists a sandbox only once its create is done and
+    the apiserver accounts for it (re-keys its reservation) right then; a fresh read of the
+    IAM just before the stop rules out one accounted for meanwhile."""
+    now = time.monotonic()
+    unaccounted = st.iam.unaccounted(set(live))
+    for sid in list(suspects):
+        if sid not in unaccounted:
+            del suspects[sid]
+    doomed = [sid for sid in unaccounted if now - suspects.setdefault(sid, now) >= after_s]
+    if not doomed:
+        return
+    for sid in sorted(st.iam.unaccounted(set(doomed))):
+        suspects.pop(sid, None)
+        try:
+            await st.directory.edge_for(sid, None).stop(sid, None)
+        except errors.DsecError as e:
+            log.warning("stopping orphan sandbox %s failed (retried next round): %s", sid, e)
+            continue
+        log.warning("stopped sandbox %s: no reservation accounted for it for %.0f s (orphan)", sid, after_s)
+        st.events.publish("stopped", id=sid, edge=edge_of(sid), project=live[sid], reason="orphan")
 
 
 async def _reconcile_fork_layers(st: ApiServerState, grace_s: float) -> None:

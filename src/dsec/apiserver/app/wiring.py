@@ -105,7 +105,11 @@ def create_api_app(
         capacity.start()
         reconcile = asyncio.create_task(
             _reconcile_quota(
-                st, settings.reconcile_interval_s, settings.reservation_grace_s, settings.lost_memory_s
+                st,
+                settings.reconcile_interval_s,
+                settings.reservation_grace_s,
+                settings.lost_memory_s,
+                orphan_after_s=settings.orphan_after_s,
             )
         )
         try:
