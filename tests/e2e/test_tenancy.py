@@ -242,10 +242,6 @@ def _slow_image(svc: Service, tenant: Tenant) -> tuple[str, list[str]]:
     r = tenant.http.post(f"/v1/sandboxes/{sid}/snapshot", json={})
     assert r.status_code == 201, r.text
     tenant.http.delete(f"/v1/sandboxes/{sid}")
-    # A stop's quota release runs right after its response is written; a create on another
-    # connection can come first, and then the slow create below would be refused (429) and a
-    # probe admitted in its place. Give the release the moment it takes.
-    time.sleep(0.5)
     return r.json()["id"], [f"/work/big{i}" for i in range(1, SLOW_FILES + 1)]
 
 
@@ -256,21 +252,40 @@ def test_a_slow_create_keeps_its_reservation(svc: Service) -> None:
     done: dict[str, Any] = {}
 
     def slow() -> None:
-        t0 = time.monotonic()
-        r = tenant.http.post(
-            "/v1/sandboxes",
-            json={
-                "image": image,
-                "memory_mb": 256,
-                "project": project,
-                "protected_paths": protected,
-                "disk_mb": 4096,
-            },
-        )
+        # The setup's stop releases its quota right after its response is written, and a
+        # create on another connection can come first: refused (429) then. No probe is sent
+        # before this create is admitted (below), so the quota is nobody else's: try again.
+        deadline = time.monotonic() + 30
+        while True:
+            t0 = time.monotonic()
+            r = tenant.http.post(
+                "/v1/sandboxes",
+                json={
+                    "image": image,
+                    "memory_mb": 256,
+                    "project": project,
+                    "protected_paths": protected,
+                    "disk_mb": 4096,
+                    "labels": {"test": "slow"},
+                },
+            )
+            if r.status_code != 429 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         done.update(status=r.status_code, body=r.json(), seconds=time.monotonic() - t0)
 
     t = threading.Thread(target=slow)
     t.start()
+    # Probe only once the slow create holds its reservation: its sandbox is listed from when
+    # it runs, before its protected paths are moved to the vault (the slow part). A probe sent
+    # at once could reach the apiserver first (a loaded host, another connection) and take the
+    # quota as it should, the slow create being the one refused.
+    listed = None
+    while t.is_alive() and listed is None:
+        r = tenant.http.get("/v1/sandboxes", params={"project": project, "label": "test=slow"})
+        listed = next((i["id"] for i in r.json()["sandboxes"]), None)
+        time.sleep(0.01)
+    probing = time.monotonic()
     extra: list[str] = []
     refused = 0
     while t.is_alive():
@@ -281,13 +296,16 @@ def test_a_slow_create_keeps_its_reservation(svc: Service) -> None:
             assert r.json()["error"]["code"] == "quota_exceeded", r.text
             refused += 1
         time.sleep(0.05)
+    probed_s = time.monotonic() - probing
     t.join()
     for sid in extra:
         tenant.http.delete(f"/v1/sandboxes/{sid}")
-    assert extra == [], f"{len(extra)} sandboxes admitted past a 1-sandbox quota during a slow create"
     assert done["status"] == 201, done
+    assert done["body"]["id"] == listed, (done["body"]["id"], listed)
+    assert extra == [], f"{len(extra)} sandboxes admitted past a 1-sandbox quota during a slow create"
     # the test means something only if the create outlived the reconciler's grace by far
-    assert done["seconds"] > 3 * GRACE_S, f"the create took only {done['seconds']:.2f} s"
+    # while it was probed
+    assert probed_s > 3 * GRACE_S, f"the create was probed for only {probed_s:.2f} s"
     assert refused > 0
     # after the create, its reservation is the sandbox's: still counted, never reconciled away
     time.sleep(4 * GRACE_S)
