@@ -193,6 +193,8 @@ class ContainerBackend(Backend):
             t3 = time.perf_counter()
         except BaseException:
             self._seccomp_learn.pop(plan.id, None)
+            if container is None:
+                container = self._started_init(plan.id, d, ids)
             if container is not None:
                 await self.destroy(container)  # gives its range back
             else:
@@ -204,6 +206,21 @@ class ContainerBackend(Backend):
             "runtime_start": (t2 - t1) * 1000,
             "ready": (t3 - t2) * 1000,
         }
+        return container
+
+    def _started_init(self, sandbox_id: str, d: Path, ids: IdRange) -> Container | None:
+        """The init the runtime started, when the create ends before it was attached (it was
+        cancelled while `crun run` ran: the cancellation waits for it). It is then ended like
+        any sandbox's init and reaped here: `crun delete` alone left it a zombie of the edge."""
+        try:
+            pid = int((d / "pid").read_text())
+            if pid not in self.cgroups.procs(sandbox_id):  # gone (its pid maybe reused)
+                return None
+            container = self._attach(sandbox_id, d, pid, None)
+        except (OSError, ValueError):
+            return None
+        container.id_base, container.id_range = ids.base, ids
+        ids.bind(container.pid, container.start_time)
         return container
 
     def _layers(self, d: Path, plan: SandboxPlan, base: int) -> list[str]:

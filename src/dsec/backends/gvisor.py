@@ -224,14 +224,23 @@ class GvisorBackend(ContainerBackend):
             (d / "keeper").write_text(str(pid))
             try:
                 await self._until_ready(edge_end, pid, pidfd, d)
-            except BaseException:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                with contextlib.suppress(ChildProcessError):
-                    await asyncio.get_running_loop().run_in_executor(None, os.waitpid, pid, 0)
-                _awaited.discard(pid)
+            except BaseException:  # a failed start, or a cancelled one (its caller went away)
+                await asyncio.get_running_loop().run_in_executor(None, self._kill_start, pid, plan.id)
                 raise
         return pid
+
+    def _kill_start(self, keeper: int, sandbox_id: str) -> None:
+        """End a start that did not finish (failed, or cancelled: its caller went away).
+        Mid-start the keeper's child is `runsc run`, and the sentry and the gofer are its:
+        everything below the keeper goes first (the keeper alone would leave them running),
+        then the keeper, then what they left to this process is reaped."""
+        victims = self._kill_sandbox(keeper, sandbox_id)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(keeper, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(keeper, 0)  # nothing watches its pidfd yet (_attach does, once started)
+        _awaited.discard(keeper)
+        _reap(victims, sandbox_id)
 
     async def _until_ready(self, edge_end: socket.socket, pid: int, pidfd: int, d: Path) -> None:
         """The shim's first pong, or the keeper's exit status (runsc's, when it failed)."""
@@ -247,6 +256,9 @@ class GvisorBackend(ContainerBackend):
             done, _ = await asyncio.wait(
                 waiting, timeout=READY_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
             )
+        except BaseException:  # cancelled: the caller reaps the keeper (_kill_start), not this
+            exited.cancel()
+            raise
         finally:
             loop.remove_reader(edge_end.fileno())
         pong = b""
@@ -291,35 +303,36 @@ class GvisorBackend(ContainerBackend):
     async def destroy(self, handle: SandboxHandle) -> None:
         container = self._own(handle)
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self._kill_sandbox, container.pid, container.id)
+        victims = await loop.run_in_executor(None, self._kill_sandbox, container.pid, container.id)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(container.exited), 5.0)
+        await loop.run_in_executor(None, _reap, victims, container.id)
         container.release()
         await self._teardown(container.id, container.dir)
         self._give_back_ids(container, container.exited.done())
 
-    def _kill_sandbox(self, keeper: int, sandbox_id: str) -> None:
-        """SIGKILL the sentry and the gofer: the keeper's children, and whatever is in the
-        sandbox's cgroup (where they are even when the keeper was killed: they are then this
-        process's children, a subreaper's, and are reaped here). A keeper that is not ours
-        any more (its pid reused) is left alone."""
+    def _kill_sandbox(self, keeper: int, sandbox_id: str) -> set[int]:
+        """SIGKILL the sentry, the gofer and whatever they started: every process below the
+        keeper, and whatever is in the sandbox's cgroup (where they are even when the keeper
+        was killed); the processes killed. A keeper that is not ours any more (its pid
+        reused) is left alone.
+
+        Those the keeper does not reap (it died first, or exits as soon as its own children
+        are gone) are reparented to this process, a subreaper, and must be reaped here
+        (`_reap`) before `runsc delete`: it takes an unreaped sentry for a live one and
+        waits for it to exit, 120 s."""
         with contextlib.suppress(OSError):
             self.cgroups.thaw(sandbox_id)  # frozen tasks take SIGKILL only once thawed
-        victims = set(self.cgroups.procs(sandbox_id))
         cmdline = _read(f"/proc/{keeper}/cmdline")
-        if b"runsc-keep" in cmdline and sandbox_id.encode() in cmdline:
-            victims.update(children_of(keeper))
-        sigkill_each(victims)
-        deadline = time.monotonic() + 2.0
-        while victims and time.monotonic() < deadline:
-            for pid in list(victims):
-                try:
-                    if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                        victims.discard(pid)
-                except ChildProcessError:  # the keeper's to reap (or gone)
-                    victims.discard(pid)
-            if victims:
-                time.sleep(0.005)
+        ours = b"runsc-keep" in cmdline and sandbox_id.encode() in cmdline
+        victims: set[int] = set()
+        for _ in range(100):  # until a round finds nothing new (a fork may race the kill)
+            found = set(self.cgroups.procs(sandbox_id)) | (_descendants(keeper) if ours else set())
+            if found <= victims:
+                break
+            sigkill_each(found - victims)
+            victims |= found
+        return victims
 
     async def _teardown(self, sandbox_id: str, d: Path, *, use_runtime: bool = True) -> None:
         if use_runtime and any(self.runtime_root.glob(f"{sandbox_id}_sandbox:*")):
@@ -380,6 +393,45 @@ def _traversable(d: Path, *, own: Path) -> None:
             f"{p} is not searchable by others (mode {mode & 0o777:o}): gVisor's sentry runs as an "
             "unprivileged host id and must reach the sandbox bundles below it; chmod o+x it"
         )
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below `pid` (children, theirs, and so on), as /proc shows them now."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        kids = children_of(todo.pop()) - found
+        found |= kids
+        todo.extend(kids)
+    return found
+
+
+def _reap(victims: set[int], sandbox_id: str, timeout_s: float = 5.0) -> None:
+    """Wait until each killed process is gone: reaped here when it is this process's child
+    (or becomes one, reparented), by its own parent otherwise."""
+    me = os.getpid()
+    deadline = time.monotonic() + timeout_s
+    while victims:
+        for pid in list(victims):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    victims.discard(pid)
+            except ChildProcessError:  # not ours: gone, someone else's, or its parent's to reap
+                parent = _ppid(pid)
+                if parent is None or (parent != me and parent not in victims):
+                    victims.discard(pid)
+        if not victims or time.monotonic() > deadline:
+            break
+        time.sleep(0.005)
+    if victims:
+        log.warning("gvisor sandbox %s: processes %s outlived their kill", sandbox_id, sorted(victims))
+
+
+def _ppid(pid: int) -> int | None:
+    """The parent of a live (or zombie) process, None once it is gone."""
+    stat = _read(f"/proc/{pid}/stat")
+    fields = stat.rpartition(b")")[2].split()
+    return int(fields[1]) if len(fields) > 1 else None
 
 
 def _read(path: str) -> bytes:

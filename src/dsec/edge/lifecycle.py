@@ -211,14 +211,17 @@ class EdgeLifecycle(EdgePart):
             )  # fmt: skip
             # The sandbox's first trajectory reservation (an fsync) overlaps the runtime start
             # instead of delaying its first operation (~1 ms off the first exec).
-            prepared = asyncio.ensure_future(self.trajlog.prepare(sid))
+            prepared = asyncio.ensure_future(self._prepare_trajlog(sid))
             try:
                 handle = await backend.create(plan)
-            finally:
-                try:
-                    await prepared
-                except errors.DsecError as e:  # the first record() retries and reports it
-                    log.warning("trajectory log: could not prepare %s: %s", sid, e)
+            except BaseException:
+                await prepared
+                raise
+            try:
+                await prepared
+            except BaseException:  # cancelled once started: nothing else would stop it
+                await backend.destroy(handle)
+                raise
             if layers_ready is not None:
                 try:
                     await asyncio.shield(layers_ready)
@@ -256,6 +259,12 @@ class EdgeLifecycle(EdgePart):
         handle.timings_ms["total"] = (time.perf_counter() - t0) * 1000
         self._watch_exit(sb)
         return sb.info(self.name)
+
+    async def _prepare_trajlog(self, sid: str) -> None:
+        try:
+            await self.trajlog.prepare(sid)
+        except errors.DsecError as e:  # the first record() retries and reports it
+            log.warning("trajectory log: could not prepare %s: %s", sid, e)
 
     def _track_denials(self, sb: Sandbox) -> None:
         ses = audit_session(sb.handle.pid)

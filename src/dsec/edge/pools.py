@@ -78,11 +78,15 @@ class WarmPools:
         self._sem = asyncio.Semaphore(parallel)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._closed = False
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._refill_loop(), name="dsec-pools")
 
     async def close(self) -> list[str]:
+        """Stop refilling (a create in flight is cancelled and cleans up after itself); the
+        ready sandboxes, for the caller to stop."""
+        self._closed = True  # the loop ends even where a cancellation got lost (see _refill_loop)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -157,8 +161,14 @@ class WarmPools:
     async def _refill_loop(self) -> None:
         pause = 1.0
         while True:
+            # Not wait_for: on Python 3.11 it swallows a cancellation that comes as the wait
+            # ends (a claim wakes the loop just before the edge closes), and close() waited
+            # for a loop that went on refilling.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), pause)
+                async with asyncio.timeout(pause):
+                    await self._wake.wait()
+            if self._closed:
+                return
             self._wake.clear()
             now = time.monotonic()
             pause = 1.0

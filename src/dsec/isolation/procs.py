@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -101,10 +102,31 @@ async def wait_quick(pid: int, pidfd: int) -> int:
         _awaited.discard(pid)
 
 
-async def run_process_quick(argv: Sequence[str], log_fd: int, inherit: Sequence[int] = ()) -> int:
-    """Run a helper program with stdout and stderr on `log_fd` and wait for it; its exit code."""
+async def run_process_quick(
+    argv: Sequence[str], log_fd: int, inherit: Sequence[int] = (), *, grace_s: float = 5.0
+) -> int:
+    """Run a helper program with stdout and stderr on `log_fd` and wait for it; its exit code.
+
+    Cancelled, it still waits for the helper to end (`grace_s`, then kills it) and reaps it
+    before the cancellation goes on: a helper left running raced the cleanup that follows
+    (`crun delete` while `crun run` still ran) and stayed a zombie of this process."""
     pid, pidfd = spawn_quick(argv, log_fd, log_fd, inherit)
-    return await wait_quick(pid, pidfd)
+    waiting = asyncio.ensure_future(wait_quick(pid, pidfd))
+    waiting.add_done_callback(_retrieved)  # a second cancellation leaves it to reap alone
+    try:
+        return await asyncio.shield(waiting)
+    except asyncio.CancelledError:
+        _, pending = await asyncio.wait({waiting}, timeout=grace_s)
+        if pending:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            await asyncio.wait({waiting})
+        raise
+
+
+def _retrieved(fut: asyncio.Future[int]) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 def resolve_once(fut: asyncio.Future[None]) -> None:
