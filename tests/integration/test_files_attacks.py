@@ -260,20 +260,25 @@ async def test_fifos_and_sockets_are_refused_by_type_without_blocking(edge):
 
 
 async def test_idle_reaper_leaves_a_busy_sandbox_alone(edge):
-    """ttl_idle_s passes while an exec (or a file op, or a stream) still runs: not idle."""
-    for action in ("stop", "pause"):
-        sb = await edge.create(SandboxSpec(image="python", ttl_idle_s=1, ttl_action=action))
-        task = asyncio.create_task(run(edge, sb.id, "sleep 3; echo done"))
-        await asyncio.sleep(2)
-        assert await edge.reap_idle() == []
+    """ttl_idle_s passes while an exec (or a file op, or a stream) still runs: not idle.
+    One sandbox per ttl_action, side by side on the same timeline (each reap_idle() call
+    sees both)."""
+    sbs = [
+        await edge.create(SandboxSpec(image="python", ttl_idle_s=1, ttl_action=action))
+        for action in ("stop", "pause")
+    ]
+    tasks = [asyncio.create_task(run(edge, sb.id, "sleep 3; echo done")) for sb in sbs]
+    await asyncio.sleep(2)
+    assert await edge.reap_idle() == []
+    for task in tasks:
         r = await task
         assert (r.stdout, r.exit_code) == ("done\n", 0)
-        # the end of the exec counts as activity: not reaped the moment it returns
-        assert await edge.reap_idle() == []
-        st = edge.get(sb.id)
-        assert st.state.value == "running"
-        await asyncio.sleep(1.2)
-        assert await edge.reap_idle() == [sb.id]
+    # the end of the exec counts as activity: not reaped the moment it returns
+    assert await edge.reap_idle() == []
+    for sb in sbs:
+        assert edge.get(sb.id).state.value == "running"
+    await asyncio.sleep(1.2)
+    assert sorted(await edge.reap_idle()) == sorted(sb.id for sb in sbs)
 
 
 async def test_reaper_skips_a_sandbox_with_a_file_operation_in_flight(edge):

@@ -7,6 +7,7 @@ tests/integration/test_microvm_guest.py tests the guest pieces alone."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import signal
@@ -142,44 +143,56 @@ async def test_the_file_api_works_through_the_guest(edge):
     """The edge cannot mount a guest's disk: every file operation is a process inside, with
     the host implementation's results and errors."""
     sb = await edge.create(VM)
-    await edge.write_file(sb.id, "/work/deep/a b.txt", b"hello\nworld\n", 0o640)
-    assert await edge.read_file(sb.id, "/work/deep/a b.txt") == b"hello\nworld\n"
-    assert await edge.edit_file(sb.id, "/work/deep/a b.txt", "world", "there") == len("hello\nthere\n")
-    st = await edge.stat_file(sb.id, "/work/deep/a b.txt")
-    assert (st.type, st.size, st.mode, st.uid, st.name) == ("file", 12, 0o640, 0, "a b.txt")
-    assert await _run(edge, sb.id, "cat '/work/deep/a b.txt'; stat -c %a '/work/deep/a b.txt'") == (
-        "hello\nthere\n640\n"
+    # Two more VMs used at the end (specs no pool keeps: each a boot), booting meanwhile.
+    small_vm = asyncio.ensure_future(
+        edge.create(SandboxSpec(image="python", backend="microvm", memory_mb=256, disk_mb=8))
     )
-    await _run(edge, sb.id, "mkdir /work/deep/sub && ln -s /etc/hostname /work/deep/link")
-    names = [(e.name, e.type) for e in await edge.list_dir(sb.id, "/work/deep")]
-    assert names == [("a b.txt", "file"), ("link", "symlink"), ("sub", "dir")]
-    with pytest.raises(errors.EditMismatch):
-        await edge.edit_file(sb.id, "/work/deep/a b.txt", "nowhere", "x")
-    with pytest.raises(errors.FileNotFound):
-        await edge.read_file(sb.id, "/work/missing")
-    with pytest.raises(errors.InvalidRequest, match="is a directory"):
-        await edge.read_file(sb.id, "/work/deep")
-    with pytest.raises(errors.InvalidRequest, match="is a directory"):
-        await edge.write_file(sb.id, "/work/deep", b"x")
-    with pytest.raises(errors.Conflict, match="recursive"):
-        await edge.delete_file(sb.id, "/work/deep")
-    tar = await edge.download_tar(sb.id, "/work/deep")
-    await edge.upload_tar(sb.id, "/work/copy", tar)
-    assert await edge.read_file(sb.id, "/work/copy/a b.txt") == b"hello\nthere\n"
-    await edge.delete_file(sb.id, "/work/deep", recursive=True)
-    with pytest.raises(errors.FileNotFound):
-        await edge.stat_file(sb.id, "/work/deep")
-    # a file larger than a read returns is a clear 413, and the guest's disk quota an ENOSPC 4xx
-    await _run(edge, sb.id, "head -c 70000000 /dev/zero > /work/big")
-    with pytest.raises(errors.PayloadTooLarge):
-        await edge.read_file(sb.id, "/work/big")
-    small = await edge.create(SandboxSpec(image="python", backend="microvm", memory_mb=256, disk_mb=8))
-    with pytest.raises(errors.QuotaExceeded):
-        await edge.write_file(small.id, "/work/x", b"x" * (16 << 20))
-    # a sandbox of another user: new files are that user's
-    user = await edge.create(SandboxSpec(image="python", backend="microvm", memory_mb=256, user="1000:1000"))
-    await edge.write_file(user.id, "/tmp/mine", b"x")
-    assert (await edge.stat_file(user.id, "/tmp/mine")).uid == 1000
+    user_vm = asyncio.ensure_future(
+        edge.create(SandboxSpec(image="python", backend="microvm", memory_mb=256, user="1000:1000"))
+    )
+    try:
+        await edge.write_file(sb.id, "/work/deep/a b.txt", b"hello\nworld\n", 0o640)
+        assert await edge.read_file(sb.id, "/work/deep/a b.txt") == b"hello\nworld\n"
+        assert await edge.edit_file(sb.id, "/work/deep/a b.txt", "world", "there") == len("hello\nthere\n")
+        st = await edge.stat_file(sb.id, "/work/deep/a b.txt")
+        assert (st.type, st.size, st.mode, st.uid, st.name) == ("file", 12, 0o640, 0, "a b.txt")
+        assert await _run(edge, sb.id, "cat '/work/deep/a b.txt'; stat -c %a '/work/deep/a b.txt'") == (
+            "hello\nthere\n640\n"
+        )
+        await _run(edge, sb.id, "mkdir /work/deep/sub && ln -s /etc/hostname /work/deep/link")
+        names = [(e.name, e.type) for e in await edge.list_dir(sb.id, "/work/deep")]
+        assert names == [("a b.txt", "file"), ("link", "symlink"), ("sub", "dir")]
+        with pytest.raises(errors.EditMismatch):
+            await edge.edit_file(sb.id, "/work/deep/a b.txt", "nowhere", "x")
+        with pytest.raises(errors.FileNotFound):
+            await edge.read_file(sb.id, "/work/missing")
+        with pytest.raises(errors.InvalidRequest, match="is a directory"):
+            await edge.read_file(sb.id, "/work/deep")
+        with pytest.raises(errors.InvalidRequest, match="is a directory"):
+            await edge.write_file(sb.id, "/work/deep", b"x")
+        with pytest.raises(errors.Conflict, match="recursive"):
+            await edge.delete_file(sb.id, "/work/deep")
+        tar = await edge.download_tar(sb.id, "/work/deep")
+        await edge.upload_tar(sb.id, "/work/copy", tar)
+        assert await edge.read_file(sb.id, "/work/copy/a b.txt") == b"hello\nthere\n"
+        await edge.delete_file(sb.id, "/work/deep", recursive=True)
+        with pytest.raises(errors.FileNotFound):
+            await edge.stat_file(sb.id, "/work/deep")
+        # a file larger than a read returns is a clear 413, and the guest's disk quota an ENOSPC 4xx
+        await _run(edge, sb.id, "head -c 70000000 /dev/zero > /work/big")
+        with pytest.raises(errors.PayloadTooLarge):
+            await edge.read_file(sb.id, "/work/big")
+        small = await small_vm
+        with pytest.raises(errors.QuotaExceeded):
+            await edge.write_file(small.id, "/work/x", b"x" * (16 << 20))
+        # a sandbox of another user: new files are that user's
+        user = await user_vm
+        await edge.write_file(user.id, "/tmp/mine", b"x")
+        assert (await edge.stat_file(user.id, "/tmp/mine")).uid == 1000
+    finally:  # (on a failure too: the edge stops what it made)
+        for vm in (small_vm, user_vm):
+            with contextlib.suppress(BaseException):
+                await vm
 
 
 async def test_fork_copies_the_disk_at_one_consistent_point(edge):

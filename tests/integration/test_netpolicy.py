@@ -181,16 +181,20 @@ async def unlinked(edge: Any, backend: str, sid: str) -> None:
         assert r.stdout.split() == ["lo"], r
 
 
+# Every target is tried at once (one thread each), each with its own 3 s timeout: a dropped
+# connect costs 3 s for the whole batch instead of 3 s per target; the per-target outcome
+# (ok / refused / timed out / unresolved) is the same as trying them one after another.
 CLIENT = """
-import json, socket
+import json, socket, threading
+targets = json.loads(%r)
 out = {}
-for host, port in json.loads(%r):
+def probe(host, port):
     key = f"{host}:{port}"
     try:
         addr = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
     except OSError as e:
         out[key] = "resolve:" + type(e).__name__
-        continue
+        return
     s = socket.socket()
     s.settimeout(3)
     try:
@@ -200,7 +204,12 @@ for host, port in json.loads(%r):
         out[key] = type(e).__name__
     finally:
         s.close()
-print(json.dumps(out))
+threads = [threading.Thread(target=probe, args=(h, p)) for h, p in targets]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps({f"{h}:{p}": out[f"{h}:{p}"] for h, p in targets}))
 """
 
 

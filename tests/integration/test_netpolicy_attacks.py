@@ -324,7 +324,10 @@ while time.time() < end:
         time.sleep(0.01)
     except OSError:
         break
-time.sleep(float(sys.argv[2]))
+# hold the socket (never reading) until the test has looked, at most argv[2] s
+hold = time.time() + float(sys.argv[2])
+while time.time() < hold and not os.path.exists("/tmp/noread-done"):
+    time.sleep(0.05)
 try:
     s.send(frame)
     state = "open"
@@ -342,9 +345,19 @@ async def test_dns_tcp_client_that_never_reads(
     on that connection instead of holding it (and its descriptor) forever."""
     sid, pid = await sandbox(edge, backend)
     await attach(edge, pnet, sid, pid, NetworkPolicy(allow=[NetRule(to="allowed.test")]))
-    task = asyncio.ensure_future(run(edge, sid, NO_READ, pnet.gw_ip, "6"))
-    await asyncio.sleep(6.5)
-    assert gw_dns_connections(pnet) == 0
+    t0 = time.monotonic()
+    task = asyncio.ensure_future(run(edge, sid, NO_READ, pnet.gw_ip, "30"))
+    # The forwarder has served the connection (a denied name answered) ...
+    while (await pnet.counters(sid))["dns_denied"] == 0:
+        assert time.monotonic() < t0 + 6.5 and not task.done(), "the client was never served"
+        await asyncio.sleep(0.05)
+    # ... and closes it by the time the client last looked before (6.5 s), while the client
+    # still holds its end (it waits for /tmp/noread-done), so the close is the forwarder's.
+    while gw_dns_connections(pnet) != 0:
+        assert time.monotonic() < t0 + 6.5, "the forwarder holds a client that never reads"
+        await asyncio.sleep(0.05)
+    assert not task.done()
+    await run(edge, sid, "import pathlib; pathlib.Path('/tmp/noread-done').touch(); print('{}')")
     out = await task
     assert out["sent"] > 0, out
 
