@@ -140,7 +140,9 @@ async def _close_after_a_claim(edge_dirs, backend: str, delay: float, zombies: s
             if os.environ.get("DSEC_TEST_SKIP_ABSENT_BACKENDS") == "1":
                 pytest.skip(f"backend {backend} is not available here: {why}")
             pytest.fail(f"backend {backend} is not available here: {why}")
-        await e.configure_pool(PoolSpec(image="python", memory_mb=256, backend=backend, min_size=1, max_size=2))
+        await e.configure_pool(
+            PoolSpec(image="python", memory_mb=256, backend=backend, min_size=1, max_size=2)
+        )
         pool = next(iter(e.pools.pools.values()))
         await wait_for(lambda: bool(pool.ready), timeout=60)
         sb = await e.create(SandboxSpec(image="python", memory_mb=256, backend=backend))
