@@ -429,8 +429,7 @@ class IAM(Admission, ShippedTrajectories, CapacityStore):
         lock. In SQLite the common case costs one pragma and no read (see db.py)."""
         if not self._db.others_wrote():
             return
-        row = self._db.execute("SELECT value FROM meta WHERE key = 'auth_epoch'").fetchone()
-        epoch = row[0] if row is not None else 0
+        epoch = self._db.read_int("SELECT value FROM meta WHERE key = 'auth_epoch'") or 0
         if epoch != self._auth_epoch:
             self._auth_epoch = epoch
             self._auth_cache.clear()
