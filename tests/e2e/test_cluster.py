@@ -16,6 +16,7 @@ import pytest
 
 from dsec import errors
 from dsec.client import Client
+from dsec.cluster.local import remove_edge_leftovers
 from dsec.service import free_port
 
 from ..conftest import LAYERS
@@ -268,6 +269,7 @@ def test_kill_9_of_edge_and_apiserver_under_load_loses_nothing(tmp_path, python_
 
     edge_port = free_port()
     procs = {"api": apiserver()}
+    passed = False
     try:
         deadline = time.monotonic() + 30
         while not (data / "cluster-token").exists() or not (data / "admin-token").exists():
@@ -318,11 +320,15 @@ def test_kill_9_of_edge_and_apiserver_under_load_loses_nothing(tmp_path, python_
                 assert seqs <= logged, (sid, sorted(seqs - logged), t.stats)
             c.stop_many([s.id for s in sbs])
             assert c.list() == []
+        passed = True
     finally:
         for p in procs.values():
             p.terminate()
         for p in procs.values():
             p.wait(60)
+        if not passed:  # leave nothing either (the checks below are skipped)
+            remove_edge_leftovers("fk")
+            remove_run_dir(f"/run/dsec-e2e-{run_id}-fk")
     time.sleep(0.5)
     shutil.rmtree(f"/run/dsec-e2e-{run_id}-fk", ignore_errors=True)
     assert not glob.glob("/sys/fs/cgroup/*/dsec/fk-*")
@@ -403,4 +409,5 @@ def test_a_sandbox_no_reservation_accounts_for_is_stopped(tmp_path, python_image
         assert "no reservation accounted for it" in (tmp_path / "api.log").read_text()
     finally:
         stop_all(procs)
-    remove_run_dir(f"/run/dsec-e2e-{run_id}-or")
+        remove_edge_leftovers("or")
+        remove_run_dir(f"/run/dsec-e2e-{run_id}-or")
