@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import secrets
+import shutil
 import statistics
 import tempfile
 import time
@@ -54,6 +55,7 @@ async def main(rounds: int, n: int, concurrent: int) -> None:
             await edge.stop(sb.id)
         finally:
             await edge.close()
+            shutil.rmtree(settings.run_dir, ignore_errors=True)  # (its tmpfs is gone with the edge)
     print(f"| acknowledged | exec p50 ms | exec p95 ms | {concurrent} at once, execs/s (median) |")
     print("|---|---|---|---|")
     for durable in (False, True):
