@@ -238,6 +238,24 @@ def fake_edges(n: int, seed: int = 14) -> builtins.list[FakeEdge]:
     return [FakeEdge(f"fake{i:04d}", *rng.choice(SHAPES)) for i in range(n)]
 
 
+def _bench_app(
+    iam: IAM, fakes: builtins.list[FakeEdge], n: int, placements: builtins.list[float]
+) -> tuple[Any, EdgeDirectory, str]:
+    """The apiserver app over `fakes`, its IAM holding the bench's project (room for `n`
+    creates) and trainer; placement decisions timed into `placements`. (app, its edge
+    directory, the trainer's token)."""
+    iam.bootstrap()
+    iam.create_project(
+        PROJECT,
+        quota=Quota(max_sandboxes=n, max_cpu=n * SPEC["cpu"], max_memory_mb=int(n * SPEC["memory_mb"])),
+    )
+    _, token = iam.create_principal("bench-trainer", [PROJECT])
+    app = create_api_app(iam=iam, cluster_token=secrets.token_urlsafe(16), local_edges=list(fakes))
+    directory: EdgeDirectory = app.state.dsec.directory
+    _timed_candidates(directory, placements)
+    return app, directory, token
+
+
 def rss_bytes() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -335,15 +353,7 @@ async def run_one(
     iam = IAM(iam_db)
     fakes = fake_edges(edges)
     try:
-        iam.bootstrap()
-        iam.create_project(
-            PROJECT,
-            quota=Quota(max_sandboxes=n, max_cpu=n * SPEC["cpu"], max_memory_mb=int(n * SPEC["memory_mb"])),
-        )
-        _, token = iam.create_principal("bench-trainer", [PROJECT])
-        app = create_api_app(iam=iam, cluster_token=secrets.token_urlsafe(16), local_edges=list(fakes))
-        directory: EdgeDirectory = app.state.dsec.directory
-        _timed_candidates(directory, res.placements)
+        app, directory, token = _bench_app(iam, fakes, n, res.placements)
         async with app.router.lifespan_context(app):  # the watcher and the reconciler run
             res.rss_edges = rss_bytes()
             transport = httpx.ASGITransport(app=app)
@@ -410,15 +420,7 @@ async def _serve(iam_db: str, edges: int, n: int, port: int) -> None:
     fakes = fake_edges(edges)
     placements: builtins.list[float] = []
     try:
-        iam.bootstrap()
-        iam.create_project(
-            PROJECT,
-            quota=Quota(max_sandboxes=n, max_cpu=n * SPEC["cpu"], max_memory_mb=int(n * SPEC["memory_mb"])),
-        )
-        _, token = iam.create_principal("bench-trainer", [PROJECT])
-        app = create_api_app(iam=iam, cluster_token=secrets.token_urlsafe(16), local_edges=list(fakes))
-        directory: EdgeDirectory = app.state.dsec.directory
-        _timed_candidates(directory, placements)
+        app, directory, token = _bench_app(iam, fakes, n, placements)
         config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
         server = uvicorn.Server(config)
         gc.freeze()  # (as dsec.service.serve)
@@ -502,22 +504,12 @@ async def run_http(iam_db: str, label: str, edges: int, n: int, concurrency: int
 
 @contextmanager
 def throwaway_postgres() -> Iterator[Any]:
-    """A PostgreSQL server of its own (Debian's, as tests/conftest.py starts it); yields its
+    """A PostgreSQL server of its own (as tests/conftest.py starts it); yields its
     `create_database(name)` (a new database's URL), then stops and removes it."""
-    from dsec.cluster.postgres import PostgresServer
+    from dsec.cluster.postgres import throwaway_server
 
-    root = Path(tempfile.mkdtemp(prefix="dsec-bench-pg-", dir="/tmp"))
-    os.chmod(root, 0o755)  # the postgres user must reach its data directory
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = PostgresServer(root / "pg", port=port)
-    server.start()
-    try:
+    with throwaway_server("dsec-bench-pg-") as server:
         yield server.create_database
-    finally:
-        server.remove()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def _mib(b: float) -> str:

@@ -167,27 +167,14 @@ async def edge_restart_round_trip(
 def postgres_server() -> Iterator[object]:
     """A real PostgreSQL (Debian's) for the session, in a directory of its own, on a free
     port of 127.0.0.1; stopped and removed afterwards."""
-    import socket
-    import tempfile
-
-    from dsec.cluster.postgres import PostgresServer, find_bin_dir
+    from dsec.cluster.postgres import find_bin_dir, throwaway_server
 
     try:
         find_bin_dir()
     except Exception as e:
         pytest.skip(f"PostgreSQL is not installed: {e}")
-    root = Path(tempfile.mkdtemp(prefix="dsec-pg-", dir="/tmp"))
-    os.chmod(root, 0o755)  # the postgres user must reach its data directory
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = PostgresServer(root / "pg", port=port)
-    server.start()
-    try:
+    with throwaway_server() as server:
         yield server
-    finally:
-        server.remove()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

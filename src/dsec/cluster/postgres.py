@@ -12,7 +12,9 @@ import secrets
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from dsec.cluster.process import stop_server
@@ -163,3 +165,20 @@ class PostgresServer:
     def remove(self) -> None:
         self.stop()
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def throwaway_server(prefix: str = "dsec-pg-") -> Iterator[PostgresServer]:
+    """A PostgreSQL server of its own in a new directory under /tmp, on a free port of
+    127.0.0.1 (for tests and benchmarks); stopped and removed afterwards."""
+    from dsec.cluster.registry import free_port
+
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    os.chmod(root, 0o755)  # the postgres user must reach its data directory
+    server = PostgresServer(root / "pg", port=free_port())
+    try:
+        server.start()
+        yield server
+    finally:
+        server.remove()
+        shutil.rmtree(root, ignore_errors=True)
