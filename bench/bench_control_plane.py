@@ -621,7 +621,13 @@ if __name__ == "__main__":
     if a.serve:
         import uvloop  # (as uvicorn serves `dsec apiserver`: its loop="auto")
 
-        uvloop.run(_serve(a.iam_db, a.edges, a.sandboxes, a.port))
+        if prof := os.environ.get("DSEC_BENCH_PROFILE"):  # the apiserver child's cProfile, to a file
+            import cProfile
+
+            serve = "uvloop.run(_serve(a.iam_db, a.edges, a.sandboxes, a.port))"
+            cProfile.run(serve, f"{prof}.{os.getpid()}")
+        else:
+            uvloop.run(_serve(a.iam_db, a.edges, a.sandboxes, a.port))
         sys.exit(0)
     if a.quick:
         a.edges, a.sandboxes, a.watch = 100, 5000, 3.0

@@ -908,7 +908,7 @@ def test_migrates_a_v1_database(db_path: Path) -> None:
         assert again.get_project("team").quota.max_snapshots == 1
     db = sqlite3.connect(str(db_path))
     try:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == 9
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 10
         assert db.execute("SELECT COUNT(*) FROM lost_sandboxes").fetchone()[0] == 0  # (v5)
         assert db.execute("SELECT COUNT(*) FROM idempotency").fetchone()[0] == 0  # (v6)
         assert db.execute("SELECT COUNT(*) FROM trajectory_shipped").fetchone()[0] == 0  # (v7)
@@ -1029,3 +1029,135 @@ def test_postgres_openers_migrate_once_and_refuse_a_newer_schema(pg_url: str) ->
     with pytest.raises(errors.InvalidRequest, match="upgrade dsec") as ei:
         IAM(pg_url)
     assert ":***@" in ei.value.message and pg_url.split(":")[2].split("@")[0] not in ei.value.message
+
+
+# ---------------------------------------------------------------- PostgreSQL's server-side admission
+
+
+def _counting_transactions(iam: IAM) -> list[int]:
+    """Count the write transactions `iam` opens statement by statement (the slow path)."""
+    opened = [0]
+    begin = iam._db.begin_write
+
+    def counted() -> None:
+        opened[0] += 1
+        begin()
+
+    iam._db.begin_write = counted  # type: ignore[method-assign]
+    return opened
+
+
+def test_postgres_admits_and_settles_a_create_in_one_call_each(pg_url: str) -> None:
+    """A keyed create's claim + reservation, and its rekey + the key's end, are one server-side
+    function call each on PostgreSQL (no transaction opened statement by statement); what
+    they leave is what the statement-by-statement path leaves."""
+    with IAM(pg_url) as iam:
+        iam.bootstrap()
+        iam.create_project("p", quota=Quota(max_sandboxes=2, max_cpu=1.0, max_memory_mb=256))
+        opened = _counting_transactions(iam)
+        assert iam.begin_idempotent("alice", "k1", reserve=("pending-1", "p", 0.5, 64)) == ("new", None)
+        iam.reserve("pending-2", "p", 0.25, 64, pending=True)
+        assert iam.reservations() == {"pending-1": "p", "pending-2": "p"}
+        iam.rekey("pending-1", "sb-1", ends=("alice", "k1", '{"id": "sb-1"}'))
+        iam.rekey("pending-2", "sb-2")
+        assert opened == [0]
+        assert iam.reservations() == {"sb-1": "p", "sb-2": "p"}
+        assert iam.usage("p") == Usage(sandboxes=2, cpu=0.75, memory_mb=128)
+        assert iam.begin_idempotent("alice", "k1", reserve=("pending-3", "p", 0.5, 64)) == (
+            "done",
+            '{"id": "sb-1"}',
+        )
+        # Past the quota: the function leaves it to the Python, which words the refusal.
+        with pytest.raises(errors.QuotaExceeded, match="project 'p' is out of sandboxes: 2 of 2"):
+            iam.begin_idempotent("alice", "k2", reserve=("pending-4", "p", 0.1, 1))
+        assert opened[0] >= 2
+        assert iam.reservations() == {"sb-1": "p", "sb-2": "p"}
+        assert iam.begin_idempotent("alice", "k2") == ("new", None)  # (not claimed by the refusal)
+
+
+def _admission_step(iam: IAM, op: tuple[Any, ...]) -> Any:
+    """Do `op` (reserve, begin, rekey, release and their arguments); what it answered, or the
+    refusal (its class, message and details)."""
+    kind, *args = op
+    try:
+        if kind == "reserve":
+            return iam.reserve(*args[:4], pending=args[4])
+        if kind == "begin":
+            return iam.begin_idempotent(args[0], args[1], reserve=tuple(args[2:]))  # type: ignore[arg-type]
+        if kind == "rekey":
+            return iam.rekey(args[0], args[1], ends=args[2])
+        return iam.release(args[0])
+    except errors.DsecError as e:
+        return (type(e).__name__, e.message, e.details)
+
+
+def _random_admission_op(rng: Any, i: int, keys: list[str]) -> tuple[Any, ...]:
+    project = rng.choice(["org", "a", "b", "b1", "ghost"])
+    cpu = rng.choice([0, 0.1, 0.25, 0.3, 0.5, 0.7, 1.0005])
+    mem = rng.choice([0, 1, 64, 100, 150])
+    roll = rng.random()
+    if roll < 0.3:
+        return ("reserve", rng.choice([*keys[-5:], f"r{i}"]), project, cpu, mem, rng.random() < 0.5)
+    if roll < 0.6:
+        key = f"pending-{i}" if rng.random() < 0.9 or not keys else rng.choice(keys)
+        return ("begin", rng.choice(["alice", "bob"]), f"k{rng.randrange(40)}", key, project, cpu, mem)
+    if roll < 0.8 and keys:
+        result = rng.choice([None, f'{{"i": {i}}}'])
+        ends = rng.choice([None, ("alice", f"k{rng.randrange(40)}", result)])
+        return ("rekey", rng.choice(keys), rng.choice([f"sb-{i}", *keys[-3:]]), ends)
+    return ("release", rng.choice([*keys, "none"]))
+
+
+def test_postgres_server_side_admission_agrees_with_the_python(postgres_server: Any) -> None:
+    """The same sequence of reservations, keyed claims, rekeys and releases over a nested
+    project tree (each limit met exactly and passed by one unit, then a random walk under
+    tight CPU, memory and count limits and a CPU limit whose millicores are a rounding tie)
+    gives the same answers and the same books with PostgreSQL's functions as with the
+    statement-by-statement path (what SQLite runs)."""
+    import random
+    import secrets
+
+    names = [f"dsec_agree_{secrets.token_hex(3)}_{i}" for i in range(2)]
+    urls = [postgres_server.create_database(n) for n in names]
+    try:
+        fast, slow = IAM(urls[0]), IAM(urls[1])
+        slow._db.has_functions = False  # type: ignore[misc]
+        try:
+            for iam in (fast, slow):
+                iam.bootstrap()
+                iam.create_project("org", quota=Quota(max_sandboxes=9, max_cpu=3.0, max_memory_mb=900))
+                iam.create_project("a", parent="org", quota=Quota(max_cpu=1.0005))  # a tie: 1000.5 m
+                iam.create_project("b", parent="org", quota=Quota(max_memory_mb=300))
+                iam.create_project("b1", parent="b", quota=Quota(max_sandboxes=3, max_cpu=0.7))
+                iam.create_project("c", parent="org", quota=Quota(max_cpu=0.7, max_memory_mb=300))
+            ops: list[tuple[Any, ...]] = [
+                ("reserve", "c-1", "c", 0.3, 150, False),
+                ("begin", "alice", "kc", "c-2", "c", 0.3, 150),
+                ("reserve", "c-3", "c", 0.1, 0, True),
+                ("reserve", "c-4", "c", 0.001, 0, False),
+                ("release", "c-3"),
+                ("reserve", "c-5", "c", 0.1, 1, False),
+                ("release", "c-1"),
+                ("reserve", "c-6", "c", 0.301, 0, False),
+                ("reserve", "c-7", "c", 0.3, 150, False),
+            ]
+            rng = random.Random(1234)
+            keys: list[str] = []
+            opened = _counting_transactions(fast)
+            fast_paths = 0
+            for i in range(400 + len(ops)):
+                op = ops[i] if i < len(ops) else _random_admission_op(rng, i, keys)
+                before = opened[0]
+                assert _admission_step(fast, op) == _admission_step(slow, op), (i, op)
+                fast_paths += opened[0] == before and op[0] != "release"
+                added = {"reserve": op[1:2], "begin": op[3:4], "rekey": op[1:3]}.get(op[0], ())
+                keys += [k for k in added if k not in keys]
+                assert fast.reservations() == slow.reservations(), (i, op)
+                assert fast.usages() == slow.usages(), (i, op)
+            assert fast_paths > 20  # (the functions took the common cases, not the fallback)
+        finally:
+            fast.close()
+            slow.close()
+    finally:
+        for n in names:
+            postgres_server.drop_database(n)

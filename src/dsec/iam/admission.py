@@ -28,6 +28,7 @@ class Admission:
     _unended: dict[tuple[str, str], str | None]
     _lock: threading.Lock
     _db: Database
+    _closed: bool
 
     if TYPE_CHECKING:
 
@@ -49,8 +50,27 @@ class Admission:
         """
         _check_reservation(key, cpu, memory_mb)
         owner = self._owner() if pending else None
+        if self._fast_begin(None, None, owner, (key, project, cpu, memory_mb)):
+            return
         with self._write() as db:
             self._reserve(db, key, project, _milli(cpu), memory_mb, owner)
+
+    def _fast_begin(
+        self, principal: str | None, key: str | None, owner: str | None, reserve: Pending
+    ) -> bool:
+        """The common case of `begin_idempotent` (a new key, or none) and `reserve` (a new
+        reservation key, within quota) as one server-side function call (`dsec_begin_create`,
+        PostgreSQL): one round trip instead of six. False: nothing was written and the
+        statement-by-statement path decides (and words any refusal)."""
+        if not self._db.has_functions:
+            return False
+        rkey, project, cpu, memory_mb = reserve
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("IAM is closed")
+            return not self._db.call_int(
+                _BEGIN_CREATE, (principal, key, owner, time.time(), rkey, project, _milli(cpu), memory_mb)
+            )
 
     def _reserve(
         self, db: Database, key: str, project: str, cpu_m: int, memory_mb: int, owner: str | None
@@ -98,6 +118,17 @@ class Admission:
         in the same transaction (as `end_idempotent`; one commit for both)."""
         if not new_key:
             raise InvalidRequest("new reservation key must be a non-empty string (the sandbox id)")
+        if self._db.has_functions and old_key != new_key:
+            # One round trip (`dsec_settle_create`) when the reservation moves as asked.
+            principal, ikey, result = ends if ends is not None else (None, None, None)
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("IAM is closed")
+                settled = not self._db.call_int(
+                    _SETTLE_CREATE, (old_key, new_key, time.time(), principal, ikey, result)
+                )
+            if settled:
+                return
         with self._write() as db:
             if old_key != new_key:
                 self._rekey(db, old_key, new_key)
@@ -201,6 +232,8 @@ class Admission:
         owner = self._owner()
         if reserve is not None:
             _check_reservation(reserve[0], reserve[2], reserve[3])
+            if self._fast_begin(principal, key, owner, reserve):
+                return "new", None
         with self._write() as db:
             claimed = db.execute(  # (a key seen before is read only when this finds it)
                 "INSERT INTO idempotency (principal, key, state, owner, created_at)"
@@ -457,6 +490,86 @@ class Admission:
                     released.append(key)
         return sorted(released)
 
+
+# --- the same on the server, one round trip (PostgreSQL; see `Database.has_functions`) ---------
+#
+# Each does only the common case, exactly as the Python above would, and otherwise returns 1
+# having written nothing, for the Python to do (and to word its refusal or conflict). Each runs
+# as a statement of its own, so a transaction of its own, and takes the write lock that every
+# IAM write transaction takes first. (In a VOLATILE function each query takes a fresh snapshot:
+# what the lock's previous holder committed is seen.)
+
+_BEGIN_CREATE = b"SELECT dsec_begin_create($1, $2, $3, $4, $5, $6, $7, $8)"
+_SETTLE_CREATE = b"SELECT dsec_settle_create($1, $2, $3, $4, $5, $6)"
+
+PG_FUNCTIONS = (
+    # begin_idempotent(principal, key, reserve=...) on a new key (principal NULL: reserve alone)
+    # with the reservation admitted by every project of the chain; 1 for anything else.
+    f"""CREATE OR REPLACE FUNCTION dsec_begin_create(
+        p_principal TEXT, p_key TEXT, p_owner TEXT, p_now DOUBLE PRECISION,
+        p_rkey TEXT, p_project TEXT, p_cpu_m BIGINT, p_memory_mb BIGINT) RETURNS INTEGER
+    LANGUAGE plpgsql VOLATILE AS $fn$
+    DECLARE
+        r RECORD;
+        chain TEXT[] := ARRAY[]::TEXT[];
+        cpu_limit DOUBLE PRECISION;
+    BEGIN
+        PERFORM pg_advisory_xact_lock(@WRITE_LOCK@);
+        IF p_principal IS NOT NULL
+           AND EXISTS (SELECT 1 FROM idempotency WHERE principal = p_principal AND key = p_key) THEN
+            RETURN 1;
+        END IF;
+        IF EXISTS (SELECT 1 FROM reservations WHERE key = p_rkey) THEN
+            RETURN 1;
+        END IF;
+        FOR r IN {_ANCESTORS_SQL.replace("CAST(? AS TEXT)", "p_project").strip()} LOOP
+            -- _admit: integer units, millicores for CPU; a limit whose millicores are a
+            -- rounding tie is left to Python's round()
+            cpu_limit := r.max_cpu * {_MILLI};
+            IF (r.max_sandboxes IS NOT NULL AND r.used_sandboxes + 1 > r.max_sandboxes)
+               OR (r.max_memory_mb IS NOT NULL AND r.used_memory_mb + p_memory_mb > r.max_memory_mb)
+               OR (cpu_limit IS NOT NULL AND (abs(cpu_limit - floor(cpu_limit) - 0.5) < 1e-6
+                                              OR r.used_cpu_m + p_cpu_m > round(cpu_limit))) THEN
+                RETURN 1;
+            END IF;
+            chain := chain || r.name;
+        END LOOP;
+        IF cardinality(chain) = 0 THEN
+            RETURN 1;
+        END IF;
+        IF p_principal IS NOT NULL THEN
+            INSERT INTO idempotency (principal, key, state, owner, created_at)
+            VALUES (p_principal, p_key, 'pending', p_owner, p_now);
+        END IF;
+        INSERT INTO reservations (key, project, cpu_m, memory_mb, created_at, owner)
+        VALUES (p_rkey, p_project, p_cpu_m, p_memory_mb, p_now, p_owner);
+        UPDATE projects SET used_sandboxes = used_sandboxes + 1, used_cpu_m = used_cpu_m + p_cpu_m,
+            used_memory_mb = used_memory_mb + p_memory_mb WHERE name = ANY(chain);
+        RETURN 0;
+    END $fn$""",
+    # rekey(old, new, ends=...) when `old` moves to a free `new`; 1 for anything else.
+    """CREATE OR REPLACE FUNCTION dsec_settle_create(
+        p_old TEXT, p_new TEXT, p_now DOUBLE PRECISION,
+        p_principal TEXT, p_key TEXT, p_result TEXT) RETURNS INTEGER
+    LANGUAGE plpgsql VOLATILE AS $fn$
+    BEGIN
+        PERFORM pg_advisory_xact_lock(@WRITE_LOCK@);
+        UPDATE reservations SET key = p_new, owner = NULL, created_at = p_now
+        WHERE key = p_old AND NOT EXISTS (SELECT 1 FROM reservations WHERE key = p_new);
+        IF NOT FOUND THEN
+            RETURN 1;
+        END IF;
+        IF p_principal IS NULL THEN
+            RETURN 0;
+        ELSIF p_result IS NULL THEN
+            DELETE FROM idempotency WHERE principal = p_principal AND key = p_key;
+        ELSE
+            UPDATE idempotency SET state = 'done', result = p_result, owner = NULL
+            WHERE principal = p_principal AND key = p_key;
+        END IF;
+        RETURN 0;
+    END $fn$""",
+)
 
 Pending = tuple[str, str, float, int]  # a pending reservation: key, project, cpu, memory_mb
 Ends = tuple[str, str, str | None]  # an idempotency key's end: principal, key, result

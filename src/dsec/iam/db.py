@@ -24,6 +24,9 @@ cannot infer one). What differs is here:
 * The schema: SQLite's `user_version`, PostgreSQL's row in `meta`; types mapped (REAL is
   double precision, INTEGER is bigint). Migrations run at start under the write lock, so
   several apiservers starting at once migrate once.
+* Round trips: PostgreSQL also gets the IAM's server-side functions (`has_functions`,
+  `call_int`: a create's admission and its settling, one round trip each instead of six
+  and four; see admission.py). SQLite, in-process, has no round trips to save.
 """
 
 from __future__ import annotations
@@ -65,6 +68,15 @@ class Database(ABC):
     @abstractmethod
     def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None: ...
 
+    #: Whether the server runs the IAM's functions (`migrate`'s `functions`): PostgreSQL's
+    #: do, in one round trip, what SQLite does statement by statement in-process.
+    has_functions = False
+
+    def call_int(self, sql: bytes, params: Sequence[Any]) -> int:
+        """Run one statement (`$1`-style placeholders) as a transaction of its own; the integer
+        in its first column. Only where `has_functions`."""
+        raise NotImplementedError
+
     def read_int(self, sql: str) -> int | None:
         """The integer in the first column of the first row of a constant query (no
         parameters); None when it has no row (or the value is NULL)."""
@@ -86,9 +98,16 @@ class Database(ABC):
         """Whether another connection may have committed since the last call."""
 
     @abstractmethod
-    def migrate(self, schema: Sequence[str], added: Sequence[tuple[str, str, str]], version: int) -> None:
+    def migrate(
+        self,
+        schema: Sequence[str],
+        added: Sequence[tuple[str, str, str]],
+        version: int,
+        functions: Sequence[str] = (),
+    ) -> None:
         """Create what is missing of `schema`, add the `added` (table, column, declaration)
-        columns an older database lacks, and record `version`; refuse a newer database."""
+        columns an older database lacks, (re)create the server-side `functions` where the
+        database has them (PostgreSQL), and record `version`; refuse a newer database."""
 
     # pending creates' owners
 
@@ -179,7 +198,13 @@ class SqliteDatabase(Database):
         self._data_version = version
         return True
 
-    def migrate(self, schema: Sequence[str], added: Sequence[tuple[str, str, str]], version: int) -> None:
+    def migrate(
+        self,
+        schema: Sequence[str],
+        added: Sequence[tuple[str, str, str]],
+        version: int,
+        functions: Sequence[str] = (),
+    ) -> None:
         db = self.db
         self.begin_write()
         try:
@@ -361,15 +386,19 @@ class PostgresDatabase(Database):
             self._drop()
             raise Unavailable(f"lost the IAM database's connection ({e}); retry") from e
 
-    def _simple(self, sql: bytes) -> Any:
-        """A constant statement (no parameters) straight through libpq's PQexec: none of
-        psycopg's per-statement Python (cursor, query conversion, prepared-statement books,
-        its wait loop), which is most of a statement's client CPU (12.6 -> 3.6 us). PQexec
-        blocks, as the psycopg calls here do (IAM's calls are synchronous)."""
+    def _simple(self, sql: bytes, params: Sequence[Any] | None = None) -> Any:
+        """A statement straight through libpq (PQexec; PQexecParams with `params`, sent as
+        text): none of psycopg's per-statement Python (cursor, query conversion,
+        prepared-statement books, its wait loop), which is most of a statement's client CPU
+        (12.6 -> 3.6 us). It blocks, as the psycopg calls here do (IAM's calls are
+        synchronous)."""
         conn = self._connection()
         pgconn = conn.pgconn
         try:
-            res = pgconn.exec_(sql)
+            if params is None:
+                res = pgconn.exec_(sql)
+            else:
+                res = pgconn.exec_params(sql, [_text_param(v) for v in params])
         except self._psycopg.OperationalError as e:  # (its connection closed)
             self._drop()
             raise Unavailable(f"lost the IAM database's connection ({e}); retry") from e
@@ -391,6 +420,12 @@ class PostgresDatabase(Database):
         value = res.get_value(0, 0) if res.ntuples and res.nfields else None
         return None if value is None else int(value)
 
+    has_functions = True
+
+    def call_int(self, sql: bytes, params: Sequence[Any]) -> int:
+        res = self._simple(sql, params)
+        return int(res.get_value(0, 0))
+
     def begin_write(self) -> None:
         # One round trip: a simple query may hold two statements (the lock is a constant).
         self._simple(_BEGIN_WRITE)
@@ -405,7 +440,13 @@ class PostgresDatabase(Database):
     def others_wrote(self) -> bool:
         return True  # (one read of the epoch row: see the module)
 
-    def migrate(self, schema: Sequence[str], added: Sequence[tuple[str, str, str]], version: int) -> None:
+    def migrate(
+        self,
+        schema: Sequence[str],
+        added: Sequence[tuple[str, str, str]],
+        version: int,
+        functions: Sequence[str] = (),
+    ) -> None:
         self.begin_write()
         try:
             self.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BIGINT NOT NULL)")
@@ -424,6 +465,8 @@ class PostgresDatabase(Database):
             self.execute(
                 "ALTER TABLE owners ADD COLUMN IF NOT EXISTS renewed_at DOUBLE PRECISION NOT NULL DEFAULT 0"
             )
+            for stmt in functions:  # (CREATE OR REPLACE: this version's body, every start)
+                self._simple(stmt.replace("@WRITE_LOCK@", str(_WRITE_LOCK)).encode())
             self.execute(
                 "INSERT INTO meta (key, value) VALUES ('schema_version', ?)"
                 " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
@@ -521,6 +564,15 @@ class PostgresDatabase(Database):
                 self._lock_conn.close()
         self._drop()
         self.pool.close()
+
+
+def _text_param(value: Any) -> bytes | None:
+    """A parameter in PostgreSQL's text format (None: NULL)."""
+    if value is None:
+        return None
+    if isinstance(value, float):
+        return repr(value).encode()  # (round-trips exactly)
+    return str(value).encode()
 
 
 def _owner_key(owner: str) -> tuple[int, int]:

@@ -29,7 +29,9 @@ _MILLI = 1000
 # 8: edge_drains (an admin's drains, seen by every apiserver)
 # 9: bursts, burst_prewarms, capacity_edges, capacity_leader (elastic capacity shared by
 #    apiservers: dsec.iam.capacity)
-_SCHEMA_VERSION = 9
+# 10: PostgreSQL's functions dsec_begin_create, dsec_settle_create (dsec.iam.admission: a
+#     create's admission and settling in one round trip each); nothing new in SQLite
+_SCHEMA_VERSION = 10
 _REVOKED = "revoked:"  # prefix of a revoked principal's token_hash: no SHA-256 hex matches it
 
 _SCHEMA = (

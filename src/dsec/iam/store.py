@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec.errors import AuthError, Conflict, Forbidden, InvalidRequest, NotFound
-from dsec.iam.admission import Admission
+from dsec.iam.admission import PG_FUNCTIONS, Admission
 from dsec.iam.capacity import CapacityStore
 from dsec.iam.db import LEASE_S, Database, Row, open_database
 from dsec.iam.schema import (
@@ -105,7 +105,7 @@ class IAM(Admission, ShippedTrajectories, CapacityStore):
         self.url = self._db.url
         self._closed = False
         try:
-            self._db.migrate(_SCHEMA, _ADDED_COLUMNS, _SCHEMA_VERSION)
+            self._db.migrate(_SCHEMA, _ADDED_COLUMNS, _SCHEMA_VERSION, PG_FUNCTIONS)
         except BaseException:
             self._db.close()
             raise
