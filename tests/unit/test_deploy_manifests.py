@@ -23,7 +23,9 @@ import kubernetes_validate
 import pytest
 import yaml
 from fastapi import FastAPI
+from pydantic import ValidationError
 
+from dsec.apiserver.tenancy import ApiServerSettings
 from dsec.config import EdgeSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -434,6 +436,12 @@ def test_trial_registry_allows_deletes_and_every_edge_uses_it() -> None:
     # the edges' settings take that URL (the repository is its path)
     assert EdgeSettings(name="e1", registry=str(url)).registry == str(url)
     assert "dsec-registry.dsec.svc" in env_of(edge)["DSEC_PLATFORM_ADDRESSES"]["value"]
+    # the apiservers read the layers of images no edge holds from the same registry
+    api = container(one("Deployment", "dsec-apiserver"), "apiserver")
+    assert env_of(api)["DSEC_APISERVER_REGISTRY"]["value"] == str(url)
+    assert ApiServerSettings(registry=str(url)).registry == str(url)
+    with pytest.raises(ValidationError, match="registry URL"):
+        ApiServerSettings(registry="registry:5000")
 
 
 # --- systemd ---------------------------------------------------------------------------------

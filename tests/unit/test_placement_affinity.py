@@ -4,6 +4,7 @@ an edge that went silent, drains or is released since the last poll is never dra
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from typing import Any
@@ -119,3 +120,103 @@ async def test_the_index_is_made_once_per_poll_not_per_create(monkeypatch: pytes
     assert made == 2
     d.views["e0"].status = None  # a status replaced outside a poll (a registration): remade
     assert "e0" not in _names(d) and made == 3
+
+
+async def _push_manifest(url: str, image: str, refs: list[str]) -> None:
+    """An image's manifest in a real registry: a config and one blob per layer, each layer
+    descriptor annotated with its ref (as `dsec image push` writes them)."""
+    from dsec.layers import distribution as dist
+
+    client = dist.RegistryClient(url)
+    try:
+        cfg, cfg_size = await client.push_blob_bytes(b'{"image": {}}')
+        layers = []
+        for ref in refs:
+            digest, size = await client.push_blob_bytes(ref.encode())
+            layers.append({
+                "mediaType": dist.LAYER_TYPE, "digest": digest, "size": size,
+                "annotations": {dist.ANN_REF: ref, dist.ANN_TREE: "sha256:" + "0" * 64},
+            })  # fmt: skip
+        await client.put_manifest(dist.image_tag(image), {
+            "schemaVersion": 2, "mediaType": dist.MANIFEST_TYPE,
+            "config": {"mediaType": dist.CONFIG_TYPE, "digest": cfg, "size": cfg_size},
+            "layers": layers,
+        })  # fmt: skip
+    finally:
+        await client.aclose()
+
+
+async def test_an_image_no_edge_holds_goes_where_most_of_its_layers_are(registry_url: str) -> None:
+    """An image just pushed (no edge holds it) built on layers some edges cache: placement
+    reads its layers from the registry's manifest (a real registry) and tries the edges that
+    hold more of them first. One read for a burst; an image the registry lacks, or a registry
+    that is away or slow, costs only the preference."""
+    from dsec.layers.distribution import RegistryClient
+
+    await _push_manifest(registry_url, "swe", LAYERS)
+    most, some = LayerEdge("most", capacity=1000, layers=2), LayerEdge("some", layers=1)
+    d = await _directory(LayerEdge("none"), some, most)
+    assert "swe" not in d.image_layers  # no edge holds it: the edges cannot tell its layers
+    client = RegistryClient(registry_url, timeout=5.0)
+    try:
+        assert await client.layer_refs("swe") == frozenset(LAYERS)
+        assert await client.layer_refs("nothing-here") is None
+        before = client.counts["GET manifest"]
+        d.registry_layers = client.layer_refs
+        for _ in range(20):  # a burst: the first create reads, the others wait on that read
+            await asyncio.gather(*(_place(State(d), SandboxSpec(image="swe")) for _ in range(5)))  # type: ignore[arg-type]
+        assert client.counts["GET manifest"] == before + 1
+        assert len(most.created) == 100  # the edge holding 2 of its 3 layers took them all
+        for _ in range(3):
+            assert _names(d) == ["most", "some", "none"]
+        # an image the registry lacks: no preference, and not asked again within the minute
+        await _place(State(d), SandboxSpec(image="nothing-here"))  # type: ignore[arg-type]
+        await _place(State(d), SandboxSpec(image="nothing-here"))  # type: ignore[arg-type]
+        assert client.counts["GET manifest"] == before + 2
+    finally:
+        await client.aclose()
+
+    async def away(_image: str) -> frozenset[str] | None:
+        raise errors.Unavailable("registry cannot be reached")
+
+    async def slow(_image: str) -> frozenset[str] | None:
+        await asyncio.sleep(30)
+        return frozenset(LAYERS)
+
+    for reader in (away, slow):
+        d = await _directory(LayerEdge("most", layers=2), LayerEdge("none"))
+        d.registry_layers = reader
+        t = time.monotonic()
+        info = await asyncio.wait_for(_place(State(d), SandboxSpec(image="swe")), 5)  # type: ignore[arg-type]
+        assert info.edge in ("most", "none") and time.monotonic() - t < 2.5
+        await d.close()  # (ends the slow read)
+        assert not d._reading
+
+
+async def test_the_apiservers_registry_setting_feeds_placement(tmp_path: Any, registry_url: str) -> None:
+    """DSEC_APISERVER_REGISTRY (what `dsec cluster up` and the manifests set): a create through
+    the API of an image only the registry has goes to the edge holding most of its layers."""
+    import httpx
+
+    from dsec.apiserver.app import create_api_app
+    from dsec.apiserver.tenancy import ApiServerSettings
+    from dsec.iam import IAM
+
+    await _push_manifest(registry_url, "swe", LAYERS)
+    edges = [LayerEdge("none"), LayerEdge("some", layers=1), LayerEdge("most", capacity=1000, layers=2)]
+    iam = IAM(tmp_path / "iam.db")
+    admin = iam.bootstrap()
+    settings = ApiServerSettings(registry=registry_url)
+    app = create_api_app(iam=iam, cluster_token="c", local_edges=edges, settings=settings)  # type: ignore[arg-type]
+    directory = app.state.dsec.directory
+    try:
+        await directory.poll_once()
+        headers = {"authorization": f"Bearer {admin}"}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            for _ in range(5):
+                r = await c.post("/v1/sandboxes", json={"image": "swe"}, headers=headers)
+                assert r.status_code == 201, r.text
+                assert r.json()["edge"] == "most"
+    finally:
+        await directory.registry_layers.__self__.aclose()  # (the app's lifespan would)
+        iam.close()

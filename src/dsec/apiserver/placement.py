@@ -3,7 +3,9 @@
 The watcher polls each edge's status (health, capacity, live sandboxes per
 image and project, cached layers, images, pool stock) and, once per poll, files
 the edges per (backend, image) in tiers: those holding the image, then those with
-a registry by how many of its layers they hold. Placement reads that index (a
+a registry by how many of its layers they hold (an image's layers as an edge that holds
+it lists them; for an image no edge holds, as the registry's manifest names them, read
+before its first placement: `learn_from_registry`). Placement reads that index (a
 create does not scan every edge), asks only the edges it draws whether they are
 able now, and within a tier picks the least loaded of k random candidates; an
 edge at `SPILL_AT` load goes last. Each apiserver overlays its own recent
@@ -325,6 +327,11 @@ class EdgeDirectory:
         # that hold more of them are preferred when none holds the image (see candidates)
         self.image_layers: dict[str, tuple[frozenset[str], float]] = {}
         self._layer_sets: dict[int, tuple[EdgeStatus, frozenset[str], frozenset[str]]] = {}
+        # An image's layers as the registry's manifest names them (None: it lacks the image),
+        # for images no edge holds (see learn_from_registry); None: no registry is known
+        self.registry_layers: Callable[[str], Awaitable[frozenset[str] | None]] | None = None
+        self._from_registry: dict[str, tuple[frozenset[str], float]] = {}  # (like image_layers)
+        self._reading: dict[str, asyncio.Future[None]] = {}
         self._task: asyncio.Task[None] | None = None
         self._lag: asyncio.Task[None] | None = None
         self.stalled_until = 0.0  # no edge is given up before this (see _watch_lag)
@@ -436,7 +443,7 @@ class EdgeDirectory:
                 self._changed()  # (healthy again: back in the index)
 
     async def close(self) -> None:
-        for task in (self._task, self._lag):
+        for task in (self._task, self._lag, *self._reading.values()):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -480,6 +487,8 @@ class EdgeDirectory:
         candidates). Edges that have not answered are left out; draining ones are kept (a
         drain is lifted between polls) and skipped when drawn."""
         layers = self.image_layers.get(image, (frozenset(), 0.0))[0]
+        if not layers:
+            layers = self._from_registry.get(image, (frozenset(), 0.0))[0]
         holders: list[EdgeView] = []
         by_share: dict[int, list[EdgeView]] = {}
         for v in self.views.values():
@@ -536,6 +545,36 @@ class EdgeDirectory:
                     self.image_layers[str(i["name"])] = (frozenset(str(r) for r in i.get("layers", ())), now)
 
         await asyncio.gather(*(one(v, names) for v, names in ask.values()))
+
+    async def learn_from_registry(self, image: str, *, ttl_s: float = 60.0, wait_s: float = 1.0) -> None:
+        """Before placing `image`: when no edge has told its layers (none holds it) and the
+        registry's manifest was not read in the last `ttl_s`, read it, so that edges holding
+        more of its layers come first (an image built on a base they hold). Concurrent creates
+        share one read and wait at most `wait_s` for it; a registry that fails, is slow or
+        lacks the image leaves no preference (the edge's pull says what is wrong)."""
+        if self.registry_layers is None or self.image_layers.get(image, ((), 0.0))[0]:
+            return
+        known = self._from_registry.get(image)
+        if known is not None and time.monotonic() - known[1] < ttl_s:
+            return
+        reading = self._reading.get(image)
+        if reading is None:
+            reading = self._reading[image] = asyncio.ensure_future(self._read_layers(image))
+            reading.add_done_callback(lambda _: self._reading.pop(image, None))
+        await asyncio.wait({reading}, timeout=wait_s)  # (not cancelled: a later create has it)
+
+    async def _read_layers(self, image: str, keep: int = 4096) -> None:
+        assert self.registry_layers is not None
+        try:
+            layers = await self.registry_layers(image) or frozenset()
+        except Exception as e:
+            log.debug("the registry's layers of image %r could not be read: %s", image, e)
+            layers = frozenset()
+        if len(self._from_registry) >= keep:  # (names come from callers: bounded)
+            self._from_registry.clear()
+        self._from_registry[image] = (layers, time.monotonic())
+        if layers:
+            self._changed()  # (the index is remade with them)
 
     def _refuse(self, spec: SandboxSpec) -> None:
         """Why no edge can take `spec` (candidates found none): the first filter that failed."""

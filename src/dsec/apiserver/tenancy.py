@@ -23,12 +23,13 @@ from urllib.parse import parse_qs
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from dsec import errors
 from dsec.http.routes import Guard, bearer
 from dsec.iam import IAM
+from dsec.layers.distribution import split_url
 from dsec.models import EdgeStatus
 
 Scope = set[str] | None  # a principal's visible projects; None: all (an admin)
@@ -89,10 +90,24 @@ class ApiServerSettings(BaseSettings):
     capacity_edge_wait_s: float = Field(180.0, ge=1)
     #: How often idle edges are looked for.
     capacity_interval_s: float = Field(1.0, gt=0)
+    #: The OCI registry the edges pull images from (their DSEC_EDGE_REGISTRY). Placement reads
+    #: from it the layers of an image no edge holds, so edges that hold more of them (its base)
+    #: come first. None: such an image gets no layer preference.
+    registry: str | None = None
     #: A token that may read /metrics (for Prometheus) without being an IAM principal.
     metrics_token: str | None = None
     #: ...or a file holding it (read at start).
     metrics_token_file: Path | None = None
+
+    @field_validator("registry")
+    @classmethod
+    def _registry_url(cls, v: str | None) -> str | None:
+        if v:
+            try:
+                split_url(v)
+            except errors.DsecError as e:
+                raise ValueError(e.message) from None
+        return v or None
 
     def metrics_secret(self) -> str | None:
         if self.metrics_token:

@@ -113,13 +113,16 @@ PYTHON = [sys.executable, "-m", "dsec.cli"]
 def _base_env(state: ClusterState) -> dict[str, str]:
     """Every process's environment: ours, what `up` was given, the cluster's token, database
     and directory (an apiserver whose node provider is `local` adds edges to it)."""
-    return {
+    env = {
         **os.environ,
         **state.env,
         "DSEC_CLUSTER_TOKEN": state.cluster_token,
         "DSEC_DATABASE": state.database,
         "DSEC_APISERVER_CLUSTER_DIR": state.dir,
     }
+    if state.registry:  # (placement reads the layers of images no edge holds from it)
+        env["DSEC_APISERVER_REGISTRY"] = state.registry
+    return env
 
 
 def _start_edge(state: ClusterState) -> Member:

@@ -282,6 +282,19 @@ class RegistryClient:
 
     # ---- images
 
+    async def layer_refs(self, name: str) -> frozenset[str] | None:
+        """The layer refs of image `name`, as its manifest's annotations name them (its config
+        is not fetched): what placement ranks edges by when no edge holds the image. None when
+        the registry lacks it."""
+        got = await self.get_manifest(image_tag(name))
+        if got is None:
+            return None
+        try:
+            return frozenset(str(LayerRef.parse(d["annotations"][ANN_REF])) for d in got[0]["layers"])
+        except (KeyError, TypeError, ValueError, errors.InvalidRequest) as e:
+            what = f"image {name!r} in {self._where()}"
+            raise errors.LayerCorrupted(f"{what}: malformed manifest ({e!r})") from None
+
     async def pull_manifest(self, name: str) -> Pulled | None:
         """An image's manifest and config, checked for shape; None when the registry lacks it."""
         got = await self.get_manifest(image_tag(name))

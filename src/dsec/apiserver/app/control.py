@@ -40,6 +40,7 @@ async def _visibility(st: ApiServerState, scope: set[str] | None) -> Visibility:
 
 
 async def _candidates(st: ApiServerState, spec: SandboxSpec) -> Sequence[EdgeView]:
+    await st.directory.learn_from_registry(spec.image)  # (at once when edges told its layers)
     try:
         return st.directory.candidates(spec)
     except errors.ImageNotFound:

@@ -61,6 +61,7 @@ from dsec.http.routes import (
     sandbox_router,
 )
 from dsec.iam import IAM, Principal
+from dsec.layers.distribution import RegistryClient
 from dsec.models import (
     FnCallRequest,
     FnCallResult,
@@ -92,6 +93,10 @@ def create_api_app(
         directory.add(e)
     for name, url in (remote_edges or {}).items():
         directory.add(HttpEdge(name, url, cluster_token))
+    registry = None
+    if settings.registry:  # (layers of images no edge holds: see EdgeDirectory.learn_from_registry)
+        registry = RegistryClient(settings.registry, timeout=5.0)
+        directory.registry_layers = registry.layer_refs
     st = ApiServerState(iam, directory, cluster_token, Metrics(), EventBus())
     watch_node_loss(st)
     capacity = Capacity(directory, iam, settings, provider, st.events.publish)
@@ -122,6 +127,8 @@ def create_api_app(
             if on_shutdown is not None:
                 await on_shutdown()
             await directory.close()
+            if registry is not None:
+                await registry.aclose()
 
     app = FastAPI(
         title="dsec",
