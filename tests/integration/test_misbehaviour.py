@@ -26,11 +26,14 @@ async def test_disk_quota_bytes_and_inodes_give_enospc_inside(edge, backend):
     sb = await edge.create(SandboxSpec(image="python", backend=backend, disk_mb=8, disk_inodes=2048))
     if backend == "microvm":  # its first sandbox of this shape saved a template VM: not the sandbox's
         free_before = shutil.disk_usage("/").free
-    r = await edge.exec(sb.id, ExecRequest(cmd="head -c 20000000 /dev/zero > /work/big; echo rc=$?"))
+    r = await edge.exec(sb.id, ExecRequest(cmd="head -c 200000000 /dev/zero > /work/big; echo rc=$?"))
     assert "rc=1" in r.stdout and "No space left on device" in r.stderr
     assert r.misbehaviour == {}  # the shell exited 0: its `echo` ran after the failed write
-    r = await edge.exec(sb.id, ExecRequest(cmd="head -c 20000000 /dev/zero > /work/big2"))
+    r = await edge.exec(sb.id, ExecRequest(cmd="head -c 200000000 /dev/zero > /work/big2"))
     assert r.exit_code != 0 and r.misbehaviour.get("disk_full") == 1
+    # 400 MB asked for, 8 MB allowed: the node's disk did not take them (what else writes to
+    # it meanwhile, other tests on a loaded host, stays well under the margin)
+    assert free_before - shutil.disk_usage("/").free < 150_000_000
     await edge.exec(sb.id, ExecRequest(cmd="rm -f /work/big /work/big2"))
     r = await edge.exec(
         sb.id,
@@ -40,7 +43,6 @@ async def test_disk_quota_bytes_and_inodes_give_enospc_inside(edge, backend):
     assert r.misbehaviour.get("disk_full") == 1  # out of inodes this time
     t = edge.get(sb.id).telemetry
     assert t["disk_full"] >= 1 and 1500 < t["disk_used_inodes"] <= 2048
-    assert abs(shutil.disk_usage("/").free - free_before) < 50_000_000  # the node never filled
 
 
 async def test_oom_pids_timeouts_and_truncation_are_counted(edge, backend):
