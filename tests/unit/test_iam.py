@@ -360,9 +360,9 @@ def test_an_idempotency_claim_and_its_reservation_are_one_transaction(iam: IAM) 
     assert iam.reservations() == {"pending-1": "p"}  # (the refused row was rolled back)
     assert iam.begin_idempotent("alice", "k2") == ("new", None)  # (free: a retry claims it)
     iam.end_idempotent("alice", "k2", None)
-    # busy (this process is making it) and done reserve nothing
+    # busy (this process is making it: a retry that came back here) and done reserve nothing
     state, _ = iam.begin_idempotent("alice", "k1", reserve=("pending-3", "p", 0.5, 64))
-    assert state == "taken_over" and "pending-3" not in iam.reservations()  # (same owner: its own)
+    assert state == "busy" and "pending-3" not in iam.reservations()
     iam.rekey("pending-1", "sb-1", ends=("alice", "k1", '{"id": "sb-1"}'))  # one commit for both
     assert iam.reservations() == {"sb-1": "p"}
     assert iam.begin_idempotent("alice", "k1", reserve=("pending-4", "p", 0.5, 64)) == (
@@ -370,6 +370,32 @@ def test_an_idempotency_claim_and_its_reservation_are_one_transaction(iam: IAM) 
         '{"id": "sb-1"}',
     )
     assert iam.reservations() == {"sb-1": "p"}
+
+
+def test_a_key_being_made_is_busy_everywhere_and_taken_over_once_its_maker_died(db: Path | str) -> None:
+    """A retry of a create still in flight waits for it ("busy"), whether it came back to the
+    apiserver process making it or went to another; once the maker died without ending the
+    key, the next one takes it over (and looks for what it made)."""
+    a, b = IAM(db), IAM(db)
+    try:
+        a.bootstrap()
+        assert a.begin_idempotent("alice", "k", reserve=("pending-1", "default", 0.5, 64)) == ("new", None)
+        for retry in (a, b):  # (same process: it was "taken over" by itself, made twice)
+            assert retry.begin_idempotent("alice", "k", reserve=("pending-2", "default", 0.5, 64)) == (
+                "busy",
+                None,
+            )
+        a.rekey("pending-1", "sb-1", ends=("alice", "k", '{"id": "sb-1"}'))
+        assert b.begin_idempotent("alice", "k") == ("done", '{"id": "sb-1"}')
+        assert a.begin_idempotent("alice", "k2") == ("new", None)
+        a.close()  # died mid-create: its key was never ended
+        assert b.begin_idempotent("alice", "k2") == ("taken_over", None)
+        assert b.begin_idempotent("alice", "k2") == ("busy", None)  # (now b makes it)
+        b.end_idempotent("alice", "k2", None)
+        assert b.begin_idempotent("alice", "k2") == ("new", None)
+    finally:
+        a.close()
+        b.close()
 
 
 def test_a_failed_rekey_does_not_end_the_idempotency_key(iam: IAM) -> None:

@@ -26,6 +26,7 @@ class Admission:
     _owner_id: str | None
     _abandoned: set[str]
     _unended: dict[tuple[str, str], str | None]
+    _making: set[tuple[str, str]]
     _lock: threading.Lock
     _db: Database
     _closed: bool
@@ -128,12 +129,16 @@ class Admission:
                     _SETTLE_CREATE, (old_key, new_key, time.time(), principal, ikey, result)
                 )
             if settled:
+                if ends is not None:
+                    self._making.discard(ends[:2])
                 return
         with self._write() as db:
             if old_key != new_key:
                 self._rekey(db, old_key, new_key)
             if ends is not None:
                 _end_idempotent(db, *ends)
+        if ends is not None:
+            self._making.discard(ends[:2])
 
     @staticmethod
     def _rekey(db: Database, old_key: str, new_key: str) -> None:
@@ -221,14 +226,21 @@ class Admission:
         self, principal: str, key: str, *, reserve: Pending | None = None
     ) -> tuple[str, str | None]:
         """Claim `key` of `principal` for a create: ("new", None) when this call makes it,
-        ("done", result) when an earlier call made it, ("busy", None) while another live
-        apiserver process makes it, ("taken_over", None) when the one that began it died
-        (what it made, if anything, carries the key's label: look for it first).
+        ("done", result) when an earlier call made it, ("busy", None) while another call makes
+        it (in this process, or another live apiserver process), ("taken_over", None) when
+        the one that began it died or ended without ending the key (what it made, if
+        anything, carries the key's label: look for it first).
 
         `reserve`: (reservation key, project, cpu, memory_mb): when the state is "new", also
         reserve that create's quota, pending (as `reserve(..., pending=True)`), in the same
         transaction: one commit for both, and when the quota refuses (QuotaExceeded) the key
         is not claimed either."""
+        state, result = self._begin_idempotent(principal, key, reserve)
+        if state in ("new", "taken_over"):
+            self._making.add((principal, key))  # (until its end: see below)
+        return state, result
+
+    def _begin_idempotent(self, principal: str, key: str, reserve: Pending | None) -> tuple[str, str | None]:
         owner = self._owner()
         if reserve is not None:
             _check_reservation(reserve[0], reserve[2], reserve[3])
@@ -251,7 +263,12 @@ class Admission:
             ).fetchone()
             if row["state"] == "done":
                 return "done", row["result"]
-            if row["owner"] != owner and self._db.owner_alive(row["owner"] or ""):
+            if row["owner"] == owner:
+                # This process's own: still being made here (a retry that came back to the
+                # same apiserver: wait for it), or its create ended without ending the key.
+                if (principal, key) in self._making:
+                    return "busy", None
+            elif self._db.owner_alive(row["owner"] or ""):
                 return "busy", None
             db.execute(
                 "UPDATE idempotency SET owner = ? WHERE principal = ? AND key = ?", (owner, principal, key)
@@ -272,6 +289,7 @@ class Admission:
     def _end_idempotent(self, principal: str, key: str, result: str | None) -> None:
         with self._write() as db:
             _end_idempotent(db, principal, key, result)
+        self._making.discard((principal, key))
 
     def forget_idempotency(self, older_than_s: float) -> None:
         with self._write() as db:
@@ -497,7 +515,9 @@ class Admission:
 # having written nothing, for the Python to do (and to word its refusal or conflict). Each runs
 # as a statement of its own, so a transaction of its own, and takes the write lock that every
 # IAM write transaction takes first. (In a VOLATILE function each query takes a fresh snapshot:
-# what the lock's previous holder committed is seen.)
+# what the lock's previous holder committed is seen.) Every apiserver's migration replaces them
+# with its own: a change to what they take or do is a new schema version (schema.py), so that
+# apiservers of two versions never share a database.
 
 _BEGIN_CREATE = b"SELECT dsec_begin_create($1, $2, $3, $4, $5, $6, $7, $8)"
 _SETTLE_CREATE = b"SELECT dsec_settle_create($1, $2, $3, $4, $5, $6)"

@@ -101,6 +101,7 @@ class IAM(Admission, ShippedTrajectories, CapacityStore):
         self._owner_id: str | None = None  # set on this process's first pending reservation
         self._abandoned: set[str] = set()  # pending reservations of creates that ended (Admission.abandon)
         self._unended: dict[tuple[str, str], str | None] = {}  # idempotency keys to end (end_idempotent)
+        self._making: set[tuple[str, str]] = set()  # idempotency keys this process is making
         self._db = open_database(db, busy_timeout_s=busy_timeout_s, lease_s=owner_lease_s)
         self.url = self._db.url
         self._closed = False
