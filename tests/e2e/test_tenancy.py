@@ -224,15 +224,16 @@ def test_prewarm_and_pool_configuration_are_admin_only(svc: Service) -> None:
         assert not [p for p in admin.get("/v1/pools").json()["pools"] if p["spec"]["memory_mb"] == 96]
 
 
-def _slow_image(svc: Service, tenant: Tenant) -> tuple[str, list[str]]:
-    """A snapshot whose creates are slow: protected paths are moved to the vault at create."""
+def _slow_image(svc: Service, tenant: Tenant, dirs: int = SLOW_FILES) -> tuple[str, list[str]]:
+    """A snapshot whose creates are slow: protected paths (`dirs` directories of 8,000 files)
+    are moved to the vault at create."""
     sid = tenant.create(disk_mb=4096, memory_mb=1024)
     r = tenant.http.post(
         f"/v1/sandboxes/{sid}/exec",
         json={
             # many files, not big ones: a big file is copied into the vault by a reflink where
             # the file system has them (0.06 s for 400 MiB here), a file at a time is not
-            "cmd": f"python3 -c 'import os\nfor i in range(1, {SLOW_FILES} + 1):\n"
+            "cmd": f"python3 -c 'import os\nfor i in range(1, {dirs} + 1):\n"
             f'    os.mkdir(f"/work/big{{i}}")\n    for j in range(8000): '
             f'open(f"/work/big{{i}}/{{j}}", "w").write(str(j))\'',
             "timeout": 300,
@@ -242,7 +243,7 @@ def _slow_image(svc: Service, tenant: Tenant) -> tuple[str, list[str]]:
     r = tenant.http.post(f"/v1/sandboxes/{sid}/snapshot", json={})
     assert r.status_code == 201, r.text
     tenant.http.delete(f"/v1/sandboxes/{sid}")
-    return r.json()["id"], [f"/work/big{i}" for i in range(1, SLOW_FILES + 1)]
+    return r.json()["id"], [f"/work/big{i}" for i in range(1, dirs + 1)]
 
 
 def test_a_slow_create_keeps_its_reservation(svc: Service) -> None:
@@ -312,6 +313,40 @@ def test_a_slow_create_keeps_its_reservation(svc: Service) -> None:
     r = tenant.http.post("/v1/sandboxes", json={"image": "python", "memory_mb": 64, "project": project})
     assert r.status_code == 429, r.text
     tenant.http.delete(f"/v1/sandboxes/{done['body']['id']}")
+    tenant.http.delete(f"/v1/snapshots/{image}")
+
+
+async def test_a_cancelled_create_leaves_no_sandbox(svc: Service) -> None:
+    """An SDK create cancelled while the apiserver is making its sandbox (a trainer's step
+    deadline, `asyncio.wait_for`): the apiserver finishes it, and the SDK undoes it (the same
+    create again by its idempotency key, then a stop), so nothing is left running or counted
+    against the project's quota."""
+    import asyncio
+
+    from dsec.client import AsyncClient
+
+    tenant = Tenant(svc, f"cancel-{secrets.token_hex(3)}", {"max_sandboxes": 1})
+    image, protected = _slow_image(svc, tenant, dirs=2)
+    query = {"project": tenant.project, "label": "test=cancel"}
+
+    def listed() -> list[str]:
+        return [i["id"] for i in tenant.http.get("/v1/sandboxes", params=query).json()["sandboxes"]]
+
+    client = AsyncClient(svc.url, tenant.token)
+    spec = {"project": tenant.project, "protected_paths": protected, "disk_mb": 4096, "memory_mb": 256}
+    task = asyncio.create_task(client.create(image, labels={"test": "cancel"}, **spec))  # type: ignore[arg-type]
+    # Cancel once the apiserver is making it: its sandbox is listed from when it runs, before
+    # its protected paths are moved to the vault (the slow part).
+    while not task.done() and not await asyncio.to_thread(listed):
+        await asyncio.sleep(0.01)
+    assert not task.done(), "the create ended before it could be cancelled: make it slower"
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await client.aclose()  # (waits for the undo)
+    assert await asyncio.to_thread(listed) == []
+    sid = tenant.create()  # its one-sandbox quota is free again
+    tenant.http.delete(f"/v1/sandboxes/{sid}")
     tenant.http.delete(f"/v1/snapshots/{image}")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from datetime import datetime
 from pathlib import Path
@@ -26,11 +27,14 @@ from dsec.models import (
     FileStat,
     NetworkPolicy,
     SandboxInfo,
+    SandboxSpec,
     SessionInfo,
     SessionResult,
     SnapshotInfo,
     Trajectory,
 )
+
+log = logging.getLogger("dsec.client")
 
 
 class AsyncClient(_base.AsyncEndsOnExit):
@@ -69,6 +73,9 @@ class AsyncClient(_base.AsyncEndsOnExit):
                 else None
             )
             self._conns.append((httpx.AsyncClient(transport=transport, **kwargs), wire))
+        self._undoing: set[asyncio.Task[None]] = set()  # cancelled creates being undone (create)
+
+    UNDO_WAIT_S = 30.0  # how long aclose waits for cancelled creates to be undone
 
     @property
     def _http(self) -> httpx.AsyncClient:
@@ -139,10 +146,38 @@ class AsyncClient(_base.AsyncEndsOnExit):
         `ttl_action="pause"` makes the idle TTL pause instead of stop. `network=` an egress
         allowlist (``{"allow": [{"to": "pypi.org", "ports": [443]}]}``; none: loopback only).
         `protected_paths=` paths moved out of reach of the sandbox's processes (see verify()).
-        `backend=` the backend that runs it (the isolation tier; the default is container)."""
+        `backend=` the backend that runs it (the isolation tier; the default is container).
+
+        Cancelled while in flight (a step deadline, `asyncio.wait_for`), a create without
+        `idempotency_key` is undone: the apiserver may still make the sandbox, so the SDK
+        sends it again with the same key (which answers with what it made, or makes it now)
+        and stops that, in the background; `aclose()` waits for it. With your own key it is
+        left to you: send the create again with the key to find it."""
         full = _base.build_spec(_base.snapshot_image(snapshot) or image, spec)
-        info = await self._call(_base.create(full, idempotency_key))
+        if idempotency_key is not None:
+            info = await self._call(_base.create(full, idempotency_key))
+            return AsyncSandbox(self, info.id, info)
+        key = _base.new_idempotency_key()
+        try:
+            info = await self._call(_base.create(full, key))
+        except asyncio.CancelledError:
+            self._undo_create(full, key)
+            raise
         return AsyncSandbox(self, info.id, info)
+
+    def _undo_create(self, spec: SandboxSpec, key: str) -> None:
+        """Stop what the cancelled create of `key` made (see create)."""
+
+        async def undo() -> None:
+            try:
+                info = await self._call(_base.create(spec, key))
+                await self._call(_base.stop(info.id))
+            except errors.DsecError as e:  # (refused, say: then it made nothing)
+                log.info("undoing a cancelled create (Idempotency-Key %s): %s", key, e)
+
+        task = asyncio.get_running_loop().create_task(undo(), name="dsec-undo-create")
+        self._undoing.add(task)
+        task.add_done_callback(self._undoing.discard)
 
     async def create_many(
         self, n: int, image: str = "python", *, concurrency: int = 64, **spec: Unpack[SpecOptions]
@@ -311,6 +346,11 @@ class AsyncClient(_base.AsyncEndsOnExit):
     # ------------------------------------------------------------------ lifetime
 
     async def aclose(self) -> None:
+        """Close the connections, once cancelled creates are undone (at most `UNDO_WAIT_S`)."""
+        if self._undoing:
+            await asyncio.wait(set(self._undoing), timeout=self.UNDO_WAIT_S)
+            for task in list(self._undoing):
+                task.cancel()
         for http, wire in self._conns:
             if wire is not None:
                 await wire.aclose()

@@ -206,10 +206,14 @@ def _wire_error(item: Any, status: int = 500) -> errors.DsecError:
     return errors.error_from_wire(status, {"error": item} if isinstance(item, dict) else item)
 
 
+def new_idempotency_key() -> str:
+    return str(uuid.uuid4())
+
+
 def create(spec: wire.SandboxSpec, idempotency_key: str | None = None) -> Call[wire.SandboxInfo]:
     """With an idempotency key (the SDK makes one per call) the create is retried, to any
     apiserver, and still makes one sandbox."""
-    key = idempotency_key or str(uuid.uuid4())
+    key = idempotency_key or new_idempotency_key()
     req = Request(
         "POST", "/v1/sandboxes", json=_dump(spec), headers={"Idempotency-Key": key}, idempotent=True
     )
