@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast, overload
 
 from dsec import errors
+from dsec.aio import wait_for
 from dsec.edgeapi import EdgeAPI, edge_of
 from dsec.models import EdgeStatus, SandboxSpec
 
@@ -151,7 +152,7 @@ class GuardedEdge:
             # It cannot be reached (a dead process refuses at once): the watcher's verdict
             # comes within lost_after_s; until then this is no answer yet.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(view.gone.wait(), view.lost_after_s + 2)
+                await wait_for(view.gone.wait(), view.lost_after_s + 2)
             if view.lost:
                 raise self._lost(args[0] if args else None) from None
             raise
@@ -381,7 +382,7 @@ class EdgeDirectory:
 
         async def one(view: EdgeView) -> None:
             try:
-                view._status = await asyncio.wait_for(view.api.status(), timeout)  # (indexed below)
+                view._status = await wait_for(view.api.status(), timeout)  # (indexed below)
                 view.last_ok = time.monotonic()
                 view.failures = 0
                 view.recent.clear()
@@ -536,7 +537,7 @@ class EdgeDirectory:
 
         async def one(v: EdgeView, names: list[str]) -> None:
             try:
-                images = await asyncio.wait_for(v.api.images(), min(1.0, self.lost_after_s / 3))
+                images = await wait_for(v.api.images(), min(1.0, self.lost_after_s / 3))
             except Exception as e:  # (not known: no layer preference for it until next time)
                 log.debug("edge %s images failed: %s", v.api.name, e)
                 return

@@ -27,6 +27,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from dsec.aio import wait_for
 from dsec.backends.shim import ShimChannel
 from dsec.errors import InternalError, UnsupportedOperation
 from dsec.isolation.cgroups import ExecGroup
@@ -286,7 +287,7 @@ class Backend(ABC):
             if handle.pidfd >= 0:
                 signal.pidfd_send_signal(handle.pidfd, signal.SIGKILL)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(handle.exited), 5.0)
+            await wait_for(asyncio.shield(handle.exited), 5.0)
         handle.release()
         return handle.exited.done()
 

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsec.aio import wait_for
 from dsec.backends.shim import Launch, ShimChannel, launch_strings
 from dsec.errors import CapacityExhausted, InternalError, InvalidRequest
 
@@ -271,7 +272,7 @@ class GuestChannel(ShimChannel):
         """Send the guest's setup ('M') and wait for its answer."""
         self._setup = self._loop.create_future()
         self._frame(b"M", 0, body)
-        err = await asyncio.wait_for(self._setup, timeout)
+        err = await wait_for(self._setup, timeout)
         if err:
             raise InternalError(f"the guest could not set up the sandbox: {os.strerror(err)}")
 
@@ -279,7 +280,7 @@ class GuestChannel(ShimChannel):
         """Have the guest flush its writable disk and hold its writers (or let them go)."""
         self._quiesced = self._loop.create_future()
         self._frame(b"Q", 0, b"\x01" if freeze else b"\x00")
-        err = await asyncio.wait_for(self._quiesced, timeout)
+        err = await wait_for(self._quiesced, timeout)
         if err:
             raise InternalError(
                 f"the guest could not {'freeze' if freeze else 'thaw'} its disk: {os.strerror(err)}"
@@ -292,7 +293,7 @@ class GuestChannel(ShimChannel):
         else:
             self._killed = fut
         self._frame(kind, 0, body)
-        err = await asyncio.wait_for(fut, timeout)
+        err = await wait_for(fut, timeout)
         if err:
             raise InternalError(f"the guest could not {what}: {os.strerror(err)}")
 
@@ -313,7 +314,7 @@ class GuestChannel(ShimChannel):
         with open(os.devnull, "rb") as null, open(os.devnull, "wb") as sink:
             ident, _, exited = await self._spawn(body, (null.fileno(), out, sink.fileno()), limit)
         try:
-            status = await asyncio.wait_for(exited, timeout)
+            status = await wait_for(exited, timeout)
         except TimeoutError:
             self.signal(ident, 9)
             raise InternalError(f"archiving the writable disk took over {timeout:.0f} s") from None

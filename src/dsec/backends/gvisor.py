@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsec.aio import wait_for
 from dsec.backends.base import (
     BackendHost,
     BackendUnavailable,
@@ -271,7 +272,7 @@ class GvisorBackend(ContainerBackend):
             return
         if not exited.done():  # the keeper exits with runsc's status
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(exited), 5.0)
+                await wait_for(asyncio.shield(exited), 5.0)
         ready.cancel()
         msg = (d / "runtime.log").read_text(errors="replace").strip()[-2000:]
         if exited.done() and not exited.cancelled():
@@ -305,7 +306,7 @@ class GvisorBackend(ContainerBackend):
         loop = asyncio.get_running_loop()
         victims = await loop.run_in_executor(None, self._kill_sandbox, container.pid, container.id)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(container.exited), 5.0)
+            await wait_for(asyncio.shield(container.exited), 5.0)
         await loop.run_in_executor(None, _reap, victims, container.id)
         container.release()
         await self._teardown(container.id, container.dir)
@@ -375,7 +376,7 @@ class GvisorBackend(ContainerBackend):
         finally:
             for fd in devnull:
                 os.close(fd)
-        await asyncio.wait_for(exited, 10.0)
+        await wait_for(exited, 10.0)
 
 
 def _traversable(d: Path, *, own: Path) -> None:

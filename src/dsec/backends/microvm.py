@@ -77,6 +77,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsec.aio import wait_for
 from dsec.backends import base, qemu
 from dsec.backends.base import (
     Backend,
@@ -487,7 +488,7 @@ class MicrovmBackend(Backend):
                 ram=(ram, True),
             )  # fmt: skip
             try:
-                await asyncio.wait_for(guest.channel.hello, READY_TIMEOUT_S)
+                await wait_for(guest.channel.hello, READY_TIMEOUT_S)
                 await guest.qmp.ignore_shared()
                 await guest.qmp.save(state)
             finally:

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsec.aio import wait_for
 from dsec.backends.debian import FetchError, fetch_tree
 from dsec.backends.guestchannel import GuestChannel
 from dsec.isolation.procs import spawn_quick, wait_quick
@@ -346,7 +347,7 @@ class Qmp:
         reader, writer = await asyncio.open_unix_connection(sock=sock)
         q = cls(reader, writer, sock)
         try:
-            await asyncio.wait_for(reader.readline(), timeout)  # the greeting
+            await wait_for(reader.readline(), timeout)  # the greeting
             await q.cmd("qmp_capabilities")
         except BaseException:  # QEMU died, or the create was cancelled (an edge closing)
             q.close()

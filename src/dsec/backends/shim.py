@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dsec.aio import wait_for
 from dsec.errors import CapacityExhausted, InternalError, InvalidRequest
 
 _HDR = struct.Struct("<IiiHHB")
@@ -115,7 +116,7 @@ class ShimChannel:
         self._pongs[ident] = fut
         self._send_ping(ident)
         try:
-            await asyncio.wait_for(fut, timeout)
+            await wait_for(fut, timeout)
         finally:
             self._pongs.pop(ident, None)
 
@@ -158,7 +159,7 @@ class ShimChannel:
         self._exited[ident] = exited
         try:
             self._send(b"W" + struct.pack("<I", ident), [src, dst])
-            await asyncio.wait_for(started, timeout)
+            await wait_for(started, timeout)
         except BaseException:
             self._started.pop(ident, None)
             self._exited.pop(ident, None)

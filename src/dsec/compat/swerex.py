@@ -50,6 +50,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 
 from dsec import errors
+from dsec.aio import wait_for
 from dsec.edgeapi import EdgeAPI
 from dsec.iam import Principal
 from dsec.models import (
@@ -564,7 +565,7 @@ def swerex_router() -> APIRouter:  # noqa: C901 - one closure per endpoint
         for sig in ["INT"] * max(action.n_retry, 1) + ["KILL"]:
             await signal_group(ctx, s, sig)
             try:
-                await asyncio.wait_for(s.idle.wait(), max(action.timeout, 0.05))
+                await wait_for(s.idle.wait(), max(action.timeout, 0.05))
             except TimeoutError:
                 continue
             return BashObservation(output="", exit_code=0, expect_string=PS1)

@@ -48,6 +48,7 @@ from pathlib import PurePosixPath
 from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 from dsec import errors
+from dsec.aio import wait_for
 from dsec.isolation import linux
 from dsec.isolation.procs import fd_ready
 from dsec.models import FileStat
@@ -604,7 +605,7 @@ async def charged_fill(channel: ShimChannel, fd: int, path: str, data: bytes) ->
             await _feed(w, data, exited, deadline)
             os.close(w)
             w = -1
-            status = await asyncio.wait_for(asyncio.shield(exited), max(0.1, deadline - time.monotonic()))
+            status = await wait_for(asyncio.shield(exited), max(0.1, deadline - time.monotonic()))
         except TimeoutError:
             channel.signal(ident, signal.SIGKILL)
             raise errors.Unavailable(

@@ -38,6 +38,7 @@ from importlib import resources
 from typing import Any
 
 from dsec import errors
+from dsec.aio import wait_for
 from dsec.backends.base import SandboxHandle
 from dsec.backends.shim import Launch
 from dsec.edge.process import PipeReader, Spawned, spawn
@@ -160,7 +161,7 @@ class Worker:
 
     async def _line(self, fut: asyncio.Future[bytes], timeout: float) -> bytes:
         try:
-            return await asyncio.wait_for(fut, timeout)
+            return await wait_for(fut, timeout)
         except TimeoutError:
             self._fail("the runner did not answer in time")
             raise WorkerLost(self.broken or "") from None
@@ -384,7 +385,7 @@ class FnCallPool:
             if others:
                 self._retire(image, others[0][0], "another project needs a worker")
         try:
-            return await asyncio.wait_for(fut, ACQUIRE_TIMEOUT_S)
+            return await wait_for(fut, ACQUIRE_TIMEOUT_S)
         except TimeoutError:
             raise errors.Unavailable(
                 f"every fncall worker for {image!r} stayed busy for {ACQUIRE_TIMEOUT_S:.0f} s; retry later"

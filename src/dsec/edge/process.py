@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from dsec.aio import wait_for
 from dsec.backends.base import SandboxHandle
 from dsec.backends.shim import Launch
 from dsec.errors import InternalError, InvalidRequest, QuotaExceeded
@@ -255,14 +256,14 @@ async def run_process(
                 timed_out = not outputs.truncated
                 await loop.run_in_executor(None, proc.group.kill)
                 with contextlib.suppress(TimeoutError):
-                    status = await asyncio.wait_for(asyncio.shield(proc.exited), 5.0)
+                    status = await wait_for(asyncio.shield(proc.exited), 5.0)
             else:
                 status = proc.exited.result()
                 if not (out.eof.done() and err.eof.done()):
                     # Output already written sits in the pipes; background children may keep
                     # them open, so wait for EOF only briefly.
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(asyncio.gather(out.eof, err.eof), 0.01)
+                        await wait_for(asyncio.gather(out.eof, err.eof), 0.01)
             outputs.drain()
     finally:
         outputs.close()

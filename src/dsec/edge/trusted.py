@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from dsec import errors
+from dsec.aio import wait_for
 from dsec.backends.base import SandboxHandle
 from dsec.edge.files import (
     MAX_ARCHIVE,
@@ -582,14 +583,14 @@ async def _wait(
                 timed_out = not outputs.truncated
                 await loop.run_in_executor(None, group.kill)  # the command and all it started
                 try:
-                    await asyncio.wait_for(asyncio.shield(exited), _KILL_WAIT_S)
+                    await wait_for(asyncio.shield(exited), _KILL_WAIT_S)
                 except TimeoutError:  # the helper itself hangs (it never should): it is ours to kill
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
             # Whatever the command left running goes with it: it must not outlive the call.
             await loop.run_in_executor(None, group.kill)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.gather(outputs.out.eof, outputs.err.eof), 0.5)
+                await wait_for(asyncio.gather(outputs.out.eof, outputs.err.eof), 0.5)
             outputs.drain()
     finally:
         if not exited.done():

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from dsec import errors
+from dsec.aio import wait_for
 from dsec.apiserver.app.control import _visibility
 from dsec.apiserver.app.state import ApiServerState, _PrincipalFn
 from dsec.apiserver.edges import HttpEdge
@@ -178,7 +179,7 @@ def _install_edge_routes(app: FastAPI, st: ApiServerState, principal: _Principal
                 yield b": connected\n\n"
                 while True:
                     try:
-                        ev = await asyncio.wait_for(q.get(), 15.0)
+                        ev = await wait_for(q.get(), 15.0)
                         yield f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n".encode()
                     except TimeoutError:
                         yield b": keep-alive\n\n"

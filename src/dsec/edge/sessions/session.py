@@ -14,6 +14,7 @@ import struct
 import time
 from dataclasses import dataclass
 
+from dsec.aio import wait_for
 from dsec.backends.base import SandboxHandle
 from dsec.backends.shim import Launch
 from dsec.edge.process import PipeReader, Spawned, exit_code, feed_pipe, kill_except, release_group, spawn
@@ -227,24 +228,24 @@ class BashSession(Session):
         status: int | None = None
         try:
             try:
-                status = await asyncio.wait_for(asyncio.shield(proc.exited), timeout)
+                status = await wait_for(asyncio.shield(proc.exited), timeout)
             except TimeoutError:
                 timed_out = True
                 # Kill what the code runs, give the shell a moment to save its state, then all.
                 keep = await loop.run_in_executor(None, _host_pid, proc.group, proc.pid)
                 await loop.run_in_executor(None, kill_except, proc.group, keep)
                 with contextlib.suppress(TimeoutError):
-                    status = await asyncio.wait_for(asyncio.shield(proc.exited), 1.0)
+                    status = await wait_for(asyncio.shield(proc.exited), 1.0)
                 if status is None:
                     await loop.run_in_executor(None, proc.group.kill)
                     with contextlib.suppress(TimeoutError):
-                        status = await asyncio.wait_for(asyncio.shield(proc.exited), 5.0)
+                        status = await wait_for(asyncio.shield(proc.exited), 5.0)
             if not out.eof.done():
                 # What the shell wrote is in the pipe; its background jobs may hold the pipe
                 # open, so wait for EOF only briefly. Then the pipe is closed: what they
                 # write later goes nowhere, never into a later run.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(out.eof), 0.01)
+                    await wait_for(asyncio.shield(out.eof), 0.01)
             out.drain()
             if status is not None:  # the shell wrote its dump before it exited
                 self.dump = dump.take()
@@ -322,7 +323,7 @@ class PythonSession(Session):
                 if left <= 0:
                     return False
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(reply.changed.wait(), left)
+                    await wait_for(reply.changed.wait(), left)
             return True
 
         timed_out = False

@@ -11,6 +11,7 @@ import struct
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from dsec.aio import wait_for
 from dsec.isolation.netpolicy.dnsmsg import DnsError, a_records, parse_query, reply_without_answer
 from dsec.isolation.netpolicy.kernel import NftError, socket_in_netns
 from dsec.isolation.netpolicy.limits import DNS_PORT, DNS_UPSTREAM_TIMEOUT, NetLimits
@@ -121,8 +122,8 @@ class DnsForwarder:
         self.tcp_open += 1
         try:
             for _ in range(lim.dns_tcp_queries):
-                n = struct.unpack("!H", await asyncio.wait_for(reader.readexactly(2), lim.dns_tcp_idle))[0]
-                data = await asyncio.wait_for(reader.readexactly(n), lim.dns_tcp_idle)
+                n = struct.unpack("!H", await wait_for(reader.readexactly(2), lim.dns_tcp_idle))[0]
+                data = await wait_for(reader.readexactly(n), lim.dns_tcp_idle)
                 while not sb.dns_bucket.take():  # over budget: this connection waits, nothing else
                     sb.dns["dns_limited"] += 1
                     await asyncio.sleep(sb.dns_bucket.wait_s())
@@ -132,7 +133,7 @@ class DnsForwarder:
                 if not reply:
                     break
                 writer.write(struct.pack("!H", len(reply)) + reply)
-                await asyncio.wait_for(writer.drain(), lim.dns_tcp_idle)  # a client that does not read
+                await wait_for(writer.drain(), lim.dns_tcp_idle)  # a client that does not read
         except (asyncio.IncompleteReadError, TimeoutError, ConnectionError, struct.error):
             pass
         finally:
@@ -203,7 +204,7 @@ class DnsForwarder:
         last: BaseException = OSError("no upstream DNS server")
         for host, port in self.upstreams:
             try:
-                raw = await asyncio.wait_for(
+                raw = await wait_for(
                     self._tcp_exchange(host, port, q) if tcp else self._udp_exchange(host, port, q),
                     DNS_UPSTREAM_TIMEOUT,
                 )
