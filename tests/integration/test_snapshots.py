@@ -55,7 +55,9 @@ async def test_snapshot_restores_and_never_contains_scrubbed_paths(edge):
 
 
 async def test_fork_children_are_independent(edge):
-    sb = await edge.create(SandboxSpec(image="python"))
+    # (made by a keyed create: its label is the parent's alone, not its children's)
+    labels = {"team": "a", "dsec.idempotency": "0" * 32}
+    sb = await edge.create(SandboxSpec(image="python", labels=labels))
     await sh(
         edge,
         sb.id,
@@ -77,7 +79,7 @@ async def test_fork_children_are_independent(edge):
     await sh(edge, sb.id, "echo parent > /work/data/f3")
     assert await sh(edge, kids[1].id, "cat /work/data/f1 /work/data/f2 /work/data/f3") == "1\n2\n3\n"
     assert await sh(edge, sb.id, "cat /work/data/f1 /work/data/f2") == "1\n2\n"
-    assert kids[0].spec.labels["dsec.fork-of"] == sb.id
+    assert kids[0].spec.labels == {"team": "a", "dsec.fork-of": sb.id}
     # the shared layer goes away with the last child
     shared = edge.sandboxes[kids[0].id].record.extra_lower
     for k in kids:

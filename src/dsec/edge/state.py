@@ -50,6 +50,7 @@ from dsec.models import (
     SandboxSpec,
     SandboxState,
     SnapshotInfo,
+    inherited_labels,
 )
 
 log = logging.getLogger("dsec.edge")
@@ -190,7 +191,7 @@ class EdgeState(EdgePart):
             await sb.backend.kill_user_processes(sb.handle)
             roots = await sb.backend.restore(sb.handle, d, group_name=self.execs._group_name(sb))
         else:
-            labels = {**spec.labels, **(labels or {}), "dsec.restored-from": checkpoint_id}
+            labels = inherited_labels({**spec.labels, **(labels or {})}, restored_from=checkpoint_id)
             spec = spec.model_copy(update={"labels": labels})
             if backend.restores_at_create:  # a new VM from the checkpoint's memory and disk
                 info = await self.life._create(spec, None, t0, restore_from=d)
@@ -379,7 +380,7 @@ class EdgeState(EdgePart):
         scratch = self.settings.edge_run_dir / "fork-disks"
         scratch.mkdir(mode=0o700, exist_ok=True)
         disks = [scratch / f"{sb.id}-{secrets.token_hex(6)}.img" for _ in range(n)]
-        labels = {**sb.record.spec.labels, "dsec.fork-of": sb.id}
+        labels = inherited_labels(sb.record.spec.labels, fork_of=sb.id)
         child = sb.record.spec.model_copy(update={"labels": labels})
         try:
             await sb.backend.copy_writable_disk(sb.handle, disks)
@@ -466,7 +467,7 @@ class EdgeState(EdgePart):
                 layer_bytes = await asyncio.get_running_loop().run_in_executor(None, disk_usage, tree)
             ready = asyncio.ensure_future(copy.wait())
             ready.add_done_callback(copy_done)
-            labels = {**spec.labels, "dsec.fork-of": sandbox_id}
+            labels = inherited_labels(spec.labels, fork_of=sandbox_id)
             child = spec.model_copy(update={"labels": labels})
             results = await asyncio.gather(
                 *(

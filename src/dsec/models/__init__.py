@@ -46,8 +46,10 @@ from dsec.models.requests import (
     RegisterEdge,
 )
 from dsec.models.sandbox import (
+    IDEMPOTENCY_LABEL,
     MAX_ENV_BYTES,
     MAX_ENV_VARS,
+    PLATFORM_LABEL_PREFIX,
     BackendInfo,
     Checkpoint,
     CheckpointRequest,
@@ -79,6 +81,7 @@ from dsec.models.sandbox import (
     SnapshotRequest,
     Step,
     check_env,
+    inherited_labels,
 )
 from dsec.models.trajectory import (
     Entry,
@@ -89,9 +92,11 @@ from dsec.models.trajectory import (
 )
 
 __all__ = [
+    "IDEMPOTENCY_LABEL",
     "MAX_ENV_BYTES",
     "MAX_ENV_VARS",
     "MAX_RULES",
+    "PLATFORM_LABEL_PREFIX",
     "POOL_PROJECT",
     "PROJECT_DOC",
     "WORKER_BACKEND",
@@ -156,4 +161,5 @@ __all__ = [
     "TrajectoryStats",
     "Usage",
     "check_env",
+    "inherited_labels",
 ]

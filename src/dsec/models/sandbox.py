@@ -13,6 +13,22 @@ from dsec.models.network import NetworkPolicy
 MiB = 1024 * 1024
 ShortStr = Annotated[str, Field(max_length=256)]
 LabelDict = Annotated[dict[str, str], Field(max_length=64)]
+# Label keys under this prefix are the platform's (dsec.fork-of, dsec.restored-from, ...): the
+# apiserver refuses them in what a user sends.
+PLATFORM_LABEL_PREFIX = "dsec."
+# What a keyed create made carries (a digest of principal and key): a create taken over from a
+# dead apiserver looks for it. It belongs to that sandbox alone: forks and restores drop it.
+IDEMPOTENCY_LABEL = "dsec.idempotency"
+
+
+def inherited_labels(labels: dict[str, str], **platform: str) -> dict[str, str]:
+    """A fork's or a restore's labels: its source's, less the idempotency label, plus
+    `platform` (keyword names with '_' for '-', under PLATFORM_LABEL_PREFIX)."""
+    out = {k: v for k, v in labels.items() if k != IDEMPOTENCY_LABEL}
+    out.update({PLATFORM_LABEL_PREFIX + k.replace("_", "-"): v for k, v in platform.items()})
+    return out
+
+
 # The kernel takes at most ~2 MiB of argv + environment in all (and 128 KiB per string): bound
 # the environment well inside that, so too much is a clear 4xx here and not a failure at exec.
 MAX_ENV_VARS = 4096

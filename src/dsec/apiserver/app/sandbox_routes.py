@@ -25,6 +25,8 @@ from dsec.http.routes import (
 )
 from dsec.iam import IAM, Principal
 from dsec.models import (
+    IDEMPOTENCY_LABEL,
+    PLATFORM_LABEL_PREFIX,
     BatchCreate,
     BatchStop,
     Checkpoint,
@@ -42,7 +44,21 @@ from dsec.models import (
 log = logging.getLogger("dsec.apiserver")
 
 IDEMPOTENCY_KEY = re.compile(r"[A-Za-z0-9._-]{1,128}")
-IDEMPOTENCY_LABEL = "dsec.idempotency"  # what a keyed create made carries: a digest of principal and key
+
+
+def _check_user_labels(labels: dict[str, str]) -> None:
+    """Refuse label keys of the platform's (PLATFORM_LABEL_PREFIX) in what a user sends: a
+    planted `dsec.idempotency` could be adopted by another's create taken over."""
+    if not labels:
+        return
+    reserved = sorted(k for k in labels if k.startswith(PLATFORM_LABEL_PREFIX))
+    if reserved:
+        raise errors.InvalidRequest(
+            f"label {reserved[0]!r} is reserved: keys starting with {PLATFORM_LABEL_PREFIX!r} are set by "
+            "dsec; rename it",
+            reason="reserved_label",
+            labels=reserved,
+        )
 
 
 class _Keyed:
@@ -104,7 +120,14 @@ async def _create_once(
                 *(e.list({IDEMPOTENCY_LABEL: label}, None, None) for e in st.directory.all()),
                 return_exceptions=True,
             )
-            found = [i for lst in lists if isinstance(lst, list) for i in lst]
+            # (the label is the platform's: users cannot set it; forks and restores drop it)
+            found = [
+                i
+                for lst in lists
+                if isinstance(lst, list)
+                for i in lst
+                if i.spec.project == spec.project and i.spec.labels.get(IDEMPOTENCY_LABEL) == label
+            ]
             if found:
                 info = found[0]
                 iam.reserve(info.id, info.spec.project, info.spec.cpu, info.spec.memory_mb)
@@ -205,6 +228,7 @@ def _install_sandbox_routes(
         t0 = time.perf_counter()
         p = principal(request)
         t_auth = time.perf_counter() - t0
+        _check_user_labels(spec.labels)
         key = request.headers.get("idempotency-key")  # (then: one sandbox however often sent)
         made = _create_once(st, p, spec, key, lambda s, r, k: create_one(p, s, t_auth, r, k)) if key else None
         return model_response(await (made or create_one(p, spec, t_auth)), 201)
@@ -216,6 +240,7 @@ def _install_sandbox_routes(
         t0 = time.perf_counter()
         p = principal(request)
         iam.authorize(p, body.spec.project)
+        _check_user_labels(body.spec.labels)
         t_auth = time.perf_counter() - t0
         results = await asyncio.gather(
             *(create_one(p, body.spec, t_auth) for _ in range(body.count)), return_exceptions=True
@@ -426,6 +451,7 @@ def _install_checkpoint_routes(app: FastAPI, st: ApiServerState, principal: _Pri
     async def restore(cid: str, body: RestoreRequest, request: Request) -> Response:
         """Restore into a new sandbox (admitted like a create) or into a running one."""
         p = principal(request)
+        _check_user_labels(body.labels)
         scope = iam.visible_projects(p)
         edge = edge_for(cid, scope)
         if body.sandbox_id is not None:
