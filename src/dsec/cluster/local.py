@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import ipaddress
+import itertools
 import json
 import os
 import secrets
@@ -108,6 +109,7 @@ class ClusterState:
 
 
 PYTHON = [sys.executable, "-m", "dsec.cli"]
+PLATFORM_ENV = "DSEC_PLATFORM_ADDRESSES"  # (dsec.isolation.netpolicy: what no sandbox may reach)
 
 
 def _base_env(state: ClusterState) -> dict[str, str]:
@@ -157,6 +159,12 @@ def _start_edge(state: ClusterState) -> Member:
         subprocess.run(["cp", "-al", str(seed), str(home / "layers")], check=True)
     edge_env = {**_base_env(state), "DSEC_EDGE_LAYERS_DIR": str(home / "layers")}
     edge_env.pop("DSEC_DATABASE")
+    # No sandbox, whatever its policy, may reach the cluster's other members (apiservers,
+    # PostgreSQL, the registry, the other edges: all on the bridge's subnet) nor the machine
+    # that hosts them (it plays every other host: its own addresses, sshd and all).
+    edge_env[PLATFORM_ENV] = " ".join(
+        filter(None, [edge_env.get(PLATFORM_ENV, ""), state.subnet, *_host_addresses()])
+    )
     if state.registry:
         edge_env["DSEC_EDGE_REGISTRY"] = state.registry
     args = ["edge", *[a for api in state.apiservers for a in ("--apiserver", api.url)],
@@ -255,6 +263,13 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     if check and r.returncode != 0:
         raise Unavailable(f"ip {' '.join(args)} failed: {r.stderr.strip()}")
     return r
+
+
+def _host_addresses() -> list[str]:
+    """This machine's IPv4 addresses outside loopback (a sandbox's loopback is its own)."""
+    out = _ip("-4", "-o", "addr").stdout.split()
+    addrs = {ipaddress.IPv4Interface(w).ip for prev, w in itertools.pairwise(out) if prev == "inet"}
+    return sorted(str(a) for a in addrs if not a.is_loopback)
 
 
 def _free_subnet() -> ipaddress.IPv4Network:
