@@ -1,9 +1,12 @@
-"""dsec.aio.wait_for: a timeout like asyncio.wait_for's, and a cancel never swallowed."""
+"""dsec.aio.wait_for: a timeout like asyncio.wait_for's, and on every Python 3.11 a cancel never
+swallowed, a timeout in a task being cancelled still a TimeoutError, and a future's result that
+arrives with the timeout not dropped."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -33,6 +36,40 @@ async def test_a_cancel_as_the_awaited_finishes_is_not_lost() -> None:
         assert not await _cancelled_as_it_finishes(asyncio.wait_for)
 
 
+async def test_a_timeout_in_a_task_being_cancelled_is_a_timeout() -> None:
+    """Cleanup after a cancel that waits with a timeout (`with suppress(TimeoutError)`) gets its
+    TimeoutError and goes on; the task still ends cancelled."""
+    steps: list[str] = []
+
+    async def child() -> None:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            try:
+                await wait_for(asyncio.sleep(10), 0.02)
+            except TimeoutError:
+                steps.append("timed out")
+            steps.append("cleaned up")
+            raise
+
+    task = asyncio.create_task(child())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert steps == ["timed out", "cleaned up"]
+
+
+async def test_a_result_arriving_with_the_timeout_is_kept() -> None:
+    """A worker handed over through a future in the very iteration the timeout fires: returned,
+    not dropped (asyncio.wait_for's behaviour, which a pool relies on)."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    loop.call_later(0.01, fut.set_result, "worker")
+    loop.call_soon(time.sleep, 0.05)  # the loop stalls past both deadlines
+    assert await wait_for(fut, 0.02) == "worker"
+
+
 async def test_a_timeout_cancels_what_it_waited_for() -> None:
     sleeping = asyncio.ensure_future(asyncio.sleep(10))
     with pytest.raises(TimeoutError):
@@ -43,3 +80,5 @@ async def test_a_timeout_cancels_what_it_waited_for() -> None:
     done = asyncio.get_running_loop().create_future()
     done.set_result(7)
     assert await wait_for(done, 0) == 7  # (already done: no time needed, as asyncio's)
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0  # (nothing of its cancels left behind)

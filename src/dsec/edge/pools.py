@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from dsec.aio import wait_for
 from dsec.models import PoolInfo, PoolSpec, SandboxSpec
 from dsec.models.pools import POOL_SHAPE
 
@@ -161,12 +162,11 @@ class WarmPools:
     async def _refill_loop(self) -> None:
         pause = 1.0
         while True:
-            # Not wait_for: on Python 3.11 it swallows a cancellation that comes as the wait
-            # ends (a claim wakes the loop just before the edge closes), and close() waited
-            # for a loop that went on refilling.
+            # (dsec.aio's: asyncio's wait_for on Python 3.11 swallows a cancellation that comes
+            # as the wait ends, a claim waking the loop just before the edge closes, and close()
+            # waited for a loop that went on refilling)
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(pause):
-                    await self._wake.wait()
+                await wait_for(self._wake.wait(), pause)
             if self._closed:
                 return
             self._wake.clear()

@@ -238,6 +238,9 @@ class Admission:
         state, result = self._begin_idempotent(principal, key, reserve)
         if state in ("new", "taken_over"):
             self._making.add((principal, key))  # (until its end: see below)
+            # This call ends the key now: an end deferred by an earlier call (the database was
+            # away) must not end it under this one (nor clear it from _making)
+            self._unended.pop((principal, key), None)
         return state, result
 
     def _begin_idempotent(self, principal: str, key: str, reserve: Pending | None) -> tuple[str, str | None]:

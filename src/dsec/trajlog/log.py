@@ -71,6 +71,7 @@ from pathlib import Path
 from typing import Any
 
 from dsec import errors
+from dsec.aio import wait_for
 from dsec.models.trajectory import Entry
 from dsec.privatefs import open_private, private_file
 
@@ -652,8 +653,7 @@ class TrajectoryLog:
             if len(self._waiting) < self._wait_max and not self._closing and not self._flush_waiters:
                 self._ready.clear()  # linger: let the batch fill, at most flush_interval_s
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self.flush_interval_s):
-                        await self._ready.wait()
+                    await wait_for(self._ready.wait(), self.flush_interval_s)
             n = min(len(self._waiting), self.batch_size)
             batch = [self._waiting.popleft() for _ in range(n)]
             self._committing = batch
