@@ -398,6 +398,20 @@ def test_a_key_being_made_is_busy_everywhere_and_taken_over_once_its_maker_died(
         b.close()
 
 
+def test_an_end_deferred_by_an_earlier_call_does_not_end_a_retry(iam: IAM) -> None:
+    """A create whose key's end was deferred (the database was away), then the client's retry
+    claims the key again: the reconciler's deferred end must not end the retry's key."""
+    assert iam.begin_idempotent("alice", "k") == ("new", None)
+    iam._unended[("alice", "k")] = None  # (what end_idempotent(defer=True) leaves when it fails)
+    state, _ = iam.begin_idempotent("alice", "k")  # the retry (same process): it makes it now
+    assert state == "busy"
+    iam.end_idempotent("alice", "k", None)  # the first call ends; the retry begins again
+    iam._unended[("alice", "k")] = None
+    assert iam.begin_idempotent("alice", "k") == ("new", None)
+    iam.release_orphaned()  # the reconciler's round
+    assert iam.begin_idempotent("alice", "k") == ("busy", None)  # still the retry's
+
+
 def test_a_failed_rekey_does_not_end_the_idempotency_key(iam: IAM) -> None:
     iam.reserve("sb-1", "default", 1, 1)
     iam.begin_idempotent("alice", "k", reserve=("pending-1", "default", 1, 1))
