@@ -74,6 +74,7 @@ class AsyncClient(_base.AsyncEndsOnExit):
             )
             self._conns.append((httpx.AsyncClient(transport=transport, **kwargs), wire))
         self._undoing: set[asyncio.Task[None]] = set()  # cancelled creates being undone (create)
+        self._closing = False
 
     UNDO_WAIT_S = 30.0  # how long aclose waits for cancelled creates to be undone
 
@@ -167,13 +168,16 @@ class AsyncClient(_base.AsyncEndsOnExit):
 
     def _undo_create(self, spec: SandboxSpec, key: str) -> None:
         """Stop what the cancelled create of `key` made (see create)."""
+        if self._closing:  # (its connections are going: say what may be left)
+            log.warning("a create cancelled as its client closed may have made a sandbox (key %s)", key)
+            return
 
         async def undo() -> None:
             try:
                 info = await self._call(_base.create(spec, key))
                 await self._call(_base.stop(info.id))
-            except errors.DsecError as e:  # (refused, say: then it made nothing)
-                log.info("undoing a cancelled create (Idempotency-Key %s): %s", key, e)
+            except Exception as e:  # (refused, say: then it made nothing)
+                log.warning("undoing a cancelled create (Idempotency-Key %s): %s", key, e)
 
         task = asyncio.get_running_loop().create_task(undo(), name="dsec-undo-create")
         self._undoing.add(task)
@@ -347,6 +351,7 @@ class AsyncClient(_base.AsyncEndsOnExit):
 
     async def aclose(self) -> None:
         """Close the connections, once cancelled creates are undone (at most `UNDO_WAIT_S`)."""
+        self._closing = True
         if self._undoing:
             await asyncio.wait(set(self._undoing), timeout=self.UNDO_WAIT_S)
             for task in list(self._undoing):
