@@ -42,7 +42,14 @@ async def wait_for(aw: Awaitable[T], timeout: float | None) -> T:
         result = await aw
     except asyncio.CancelledError:
         if fired and task.uncancel() <= entry:  # our cancel alone
-            if asyncio.isfuture(aw) and aw.done() and not aw.cancelled():
+            # (a gather ends with the CancelledError our cancel gave its children: that is the
+            # timeout, not a result)
+            if (
+                asyncio.isfuture(aw)
+                and aw.done()
+                and not aw.cancelled()
+                and not isinstance(aw.exception(), asyncio.CancelledError)
+            ):
                 return aw.result()  # type: ignore[no-any-return]
             raise TimeoutError from None
         raise

@@ -77,6 +77,11 @@ async def test_a_timeout_cancels_what_it_waited_for() -> None:
     assert sleeping.cancelled()
     assert await wait_for(asyncio.sleep(0, "done"), 1) == "done"
     assert await wait_for(asyncio.sleep(0, "no limit"), None) == "no limit"
+    # a gather: our cancel ends it with its children's CancelledError, which is the timeout
+    never = asyncio.get_running_loop().create_future()
+    with pytest.raises(TimeoutError):
+        await wait_for(asyncio.gather(never, asyncio.sleep(10)), 0.01)
+    assert never.cancelled()
     done = asyncio.get_running_loop().create_future()
     done.set_result(7)
     assert await wait_for(done, 0) == 7  # (already done: no time needed, as asyncio's)
