@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -142,3 +143,16 @@ def service(
             yield svc
         finally:
             os.environ.pop("DSEC_CONFIG", None)
+
+
+def cluster_up(d: Path, apiservers: int = 2, edges: int = 2) -> dict[str, Any]:
+    """`dsec cluster up --json` in `d` (no fncall workers: they are not what these tests
+    look at); its JSON, or the test fails with the command's stderr."""
+    env = {**os.environ, "DSEC_EDGE_FNCALL_IMAGE": ""}
+    up = subprocess.run(
+        [*DSEC, "cluster", "up", "--apiservers", str(apiservers), "--edges", str(edges), "--dir", str(d),
+         "--json"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert up.returncode == 0, up.stderr[-3000:]
+    return dict(json.loads(up.stdout))

@@ -36,6 +36,8 @@ from typing import Any
 import httpx
 import pytest
 
+from .conftest import cluster_up
+
 pytestmark = [pytest.mark.root, pytest.mark.e2e]
 
 DSEC = [sys.executable, "-m", "dsec.cli"]
@@ -125,16 +127,10 @@ def cluster(python_image: str) -> Iterator[Cluster]:
     root = Path(tempfile.mkdtemp(prefix="dsec-attack-", dir="/tmp"))
     os.chmod(root, 0o755)  # PostgreSQL's and the registry's users must reach their directories
     d = root / "cluster"
-    env = {**os.environ, "DSEC_EDGE_FNCALL_IMAGE": ""}
     sentinel = Sentinel()
     c: Cluster | None = None
     try:
-        up = subprocess.run(
-            [*DSEC, "cluster", "up", "--apiservers", "2", "--edges", "2", "--dir", str(d), "--json"],
-            capture_output=True, text=True, env=env, timeout=300,
-        )  # fmt: skip
-        assert up.returncode == 0, up.stderr[-3000:]
-        state = json.loads(up.stdout)
+        state = cluster_up(d)
         raw = json.loads((d / "cluster.json").read_text())
         c = Cluster(
             dir=d,

@@ -22,6 +22,8 @@ import pytest
 from dsec import errors
 from dsec.client import Client
 
+from .conftest import cluster_up
+
 pytestmark = [pytest.mark.root, pytest.mark.e2e]
 
 DSEC = [sys.executable, "-m", "dsec.cli"]
@@ -54,13 +56,7 @@ def cluster_dir() -> Iterator[Path]:
 
 def test_cluster_up_runs_edges_as_hosts_and_down_removes_everything(cluster_dir):
     d = cluster_dir
-    env = {**os.environ, "DSEC_EDGE_FNCALL_IMAGE": ""}
-    up = subprocess.run(
-        [*DSEC, "cluster", "up", "--apiservers", "2", "--edges", "2", "--dir", str(d), "--json"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    assert up.returncode == 0, up.stderr[-3000:]
-    state = json.loads(up.stdout)
+    state = cluster_up(d)
     bridge = json.loads((d / "cluster.json").read_text())["bridge"]
     try:
         assert set(state) == {"apiservers", "edges", "token", "database", "registry"}
