@@ -60,6 +60,26 @@ EXCLUDED = {
 CHECKS = [not_a_server_error, response_schema_conformance]
 BOUNDED = {"count": 2, "n": 2, "min_size": 2, "max_size": 2}
 TIMEOUT_CAP = 5.0
+# Random strings rarely name a path that means something inside a sandbox, and random lists are
+# short: path-like fields sometimes get one of these, and string lists sometimes grow past every
+# 16-bit count (both found 500s: a workdir of /proc/self, an argv of 70,000 items).
+PATH_FIELDS = {"workdir", "cwd", "path", "dest", "src", "dir", "remote_path", "scrub", "protected_paths"}
+NASTY_PATHS = [
+    "/proc/self",
+    "/proc/1/root",
+    "/proc/self/fd/0",
+    "/dev/null",
+    "/dev/zero",
+    "/sys/fs/cgroup",
+    "/",
+    "/..",
+    "/work/../../etc",
+    "//",
+    "/etc/passwd/x",
+    "/tmp/" + "a" * 300,
+    "relative",
+]
+LONG_LIST = 70_000
 
 
 @dataclass
@@ -198,6 +218,12 @@ class Fuzzer:
                     v = "fuzz-" + v
                 elif k == "image" and isinstance(v, str) and self.rng.random() < 0.5:
                     v = "python"
+                elif k in PATH_FIELDS and isinstance(v, str) and self.rng.random() < 0.3:
+                    v = self.rng.choice(NASTY_PATHS)
+                elif k in PATH_FIELDS and isinstance(v, list) and self.rng.random() < 0.3:
+                    v = [self.rng.choice(NASTY_PATHS)]
+                elif isinstance(v, list) and v and isinstance(v[0], str) and self.rng.random() < 0.05:
+                    v = (v * (LONG_LIST // len(v) + 1))[:LONG_LIST]
                 out[k] = self._bound(v, path)
             return out
         if isinstance(value, list):
@@ -211,6 +237,9 @@ class Fuzzer:
             q = dict(case.query)
             if case.operation.path == "/v1/images/import" and isinstance(q.get("name"), str):
                 q["name"] = "fuzz-" + q["name"]
+            for k in PATH_FIELDS & q.keys():
+                if isinstance(q[k], str) and self.rng.random() < 0.3:
+                    q[k] = self.rng.choice(NASTY_PATHS)
             case.query = q
         if isinstance(case.body, dict | list):
             body = self._bound(case.body, case.operation.path)

@@ -62,6 +62,22 @@ REGRESSIONS: list[tuple[str, dict[str, Any], str]] = [
         "to convert to SQLite INTEGER' in the trajectory log -> 500 on every logged call (exec, verify, "
         "files PUT/edit, sessions)",
     ),
+    (
+        "workdir-on-another-mount-500",
+        {"method": "POST", "url": "/v1/sandboxes", "json": {"image": "python", "workdir": "/proc/self"}},
+        "a workdir on another mount (/proc): the worded path_escape was caught as an OSError and "
+        "re-mapped with no errno -> 'internal: /proc/self: None' 500 (round three)",
+    ),
+    (
+        "argv-of-70000-items-500",
+        {"method": "POST", "url": "/v1/sandboxes/{sid}/exec", "json": {"cmd": ["true", *["x"] * 70_000]}},
+        "more than 65,535 argv items overflowed the spawn message's 16-bit count: struct.error -> 500",
+    ),
+    (
+        "cwd-not-a-directory-500",
+        {"method": "POST", "url": "/v1/sandboxes/{sid}/exec", "json": {"cmd": "pwd", "cwd": "/dev/null"}},
+        "an exec whose cwd is not a directory: ENOTDIR from the spawn -> 'internal' 500",
+    ),
 ]
 
 

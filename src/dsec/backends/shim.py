@@ -20,6 +20,7 @@ from dsec.aio import wait_for
 from dsec.errors import CapacityExhausted, InternalError, InvalidRequest
 
 _HDR = struct.Struct("<IiiHHB")
+MAX_LAUNCH_STRINGS = 65_535  # argv + environment items (+ cwd) of one spawn message
 _REPLY = struct.Struct("<Ii")
 
 
@@ -42,6 +43,11 @@ def launch_strings(launch: Launch) -> tuple[list[str], list[str]]:
     strings = [launch.cwd, *launch.argv, *env_items]
     if any("\0" in s for s in strings):
         raise InvalidRequest("arguments, environment and cwd must not contain NUL bytes")
+    if len(strings) > MAX_LAUNCH_STRINGS:  # the messages count them in 16 bits
+        raise InvalidRequest(
+            f"{len(launch.argv)} arguments and {len(env_items)} environment variables: at most "
+            f"{MAX_LAUNCH_STRINGS} in all; pass large data through stdin or a file"
+        )
     return env_items, strings
 
 

@@ -139,6 +139,10 @@ def _map_error(e: OSError, path: str) -> errors.DsecError:
         return errors.InvalidRequest(f"a parent of {path} is not a directory")
     if e.errno == errno.EEXIST:
         return errors.FileExists_(f"{path} already exists")
+    if e.errno == errno.ENAMETOOLONG:
+        return errors.InvalidRequest(
+            f"{path[:80]}...: a name in it is longer than 255 bytes; use shorter names"
+        )
     if e.errno == errno.ENOSPC:
         return errors.QuotaExceeded(f"no space left writing {path}: the sandbox's disk_mb is full")
     if e.errno in (errno.EACCES, errno.EPERM):
@@ -247,6 +251,8 @@ class SandboxFiles:
                     os.chown(part, self.uid, self.gid, dir_fd=dfd, follow_symlinks=False)
             except FileExistsError:
                 pass
+            except errors.DsecError:  # already worded (some are OSErrors too: FileNotFound, PathEscape)
+                raise
             except OSError as e:
                 raise _map_error(e, nxt) from e
             cur = nxt

@@ -195,6 +195,11 @@ async def spawn(
                 f"cannot run {launch.argv[0]!r}: no such program or working directory "
                 f"{launch.cwd!r} in the sandbox"
             ) from e
+        if e.errno == errno.ENOTDIR:
+            raise InvalidRequest(
+                f"cannot run {launch.argv[0]!r}: the working directory {launch.cwd!r} (or a parent of "
+                "it, or of the program's path) is not a directory in the sandbox; give a directory as cwd"
+            ) from e
         if e.errno in (errno.EACCES, errno.ENOEXEC):
             raise InvalidRequest(f"cannot run {launch.argv[0]!r}: {e.strerror}") from e
         if e.errno == errno.EAGAIN:
