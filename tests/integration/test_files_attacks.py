@@ -44,9 +44,9 @@ async def test_file_writes_are_charged_to_the_sandbox_memory(edge):
             assert used is not None and used >= written * 0.9, (used, written)
     assert written <= 64 * MiB, written
     assert "memory" in ei.value.message
-    # the sandbox survives the refusal and keeps working; the failed file was emptied
-    r = await run(edge, sb.id, f"echo alive; stat -c %s /work/fill{written // len(chunk)}")
-    assert r.stdout.split() == ["alive", "0"], r
+    # the sandbox survives the refusal and keeps working; the failed file, new, is gone
+    r = await run(edge, sb.id, f"echo alive; ls /work/fill{written // len(chunk)}")
+    assert r.stdout.split() == ["alive"] and "No such file" in r.stderr, r
     # freeing its files gives the room back
     await run(edge, sb.id, "rm -f /work/fill*")
     await aw(edge.write_file(sb.id, "/work/again", chunk))
@@ -66,6 +66,48 @@ async def test_charged_write_never_kills_the_sandbox_processes(edge):
         await aw(edge.write_file(sb.id, "/work/big", b"z" * (64 * MiB)))
     r = await run(edge, sb.id, "pgrep -f 'bytearray' >/dev/null && echo holder-alive")
     assert r.stdout.strip() == "holder-alive"
+
+
+def _tar(files: list[tuple[str, int]]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name, size in files:
+            info = tarfile.TarInfo(name)
+            info.size = size
+            tf.addfile(info, io.BytesIO(b"\x5a" * size))
+    return buf.getvalue()
+
+
+async def test_an_upload_past_the_sandbox_memory_is_refused_before_it_is_unpacked(edge):
+    """Round three: a tar upload bigger than the memory its tmpfs files may take answered 400
+    with an empty reason, left a partial file, and the OOM killer took the sandbox's init. Now
+    it is a 429 quota_exceeded that names the limit, nothing is written, the sandbox lives on."""
+    sb = await edge.create(SandboxSpec(image="python", memory_mb=128, disk_mb=2048))
+    for files in ([("a.txt", 10), ("big.bin", 200 * MiB)], [("b.txt", 10), ("c", 60 * MiB), ("d", 60 * MiB)]):
+        with pytest.raises(errors.QuotaExceeded) as ei:
+            await edge.upload_tar(sb.id, "/work/up", _tar(files))
+        assert "memory_mb=128" in ei.value.message, ei.value.message
+    r = await run(edge, sb.id, "echo alive; ls -A /work/up 2>/dev/null")
+    assert r.stdout.split() == ["alive"], r
+    assert edge.get(sb.id).state == "running"
+    await edge.upload_tar(sb.id, "/work/up", _tar([("fits.bin", 32 * MiB)]))  # room is still there
+    r = await run(edge, sb.id, "stat -c %s /work/up/fits.bin")
+    assert r.stdout.strip() == str(32 * MiB), r
+
+
+async def test_a_failed_upload_removes_the_files_it_made_and_keeps_older_ones(edge):
+    """The unpack itself runs out of room (the disk, which no size check up front can see
+    once a process inside fills it meanwhile): the files the upload made are removed, the
+    ones that were there before stay, and the answer is quota_exceeded, not invalid_request."""
+    sb = await edge.create(SandboxSpec(image="python", memory_mb=512, disk_mb=64))
+    await aw(edge.write_file(sb.id, "/work/up/old.txt", b"keep me"))
+    with pytest.raises(errors.QuotaExceeded) as ei:
+        await edge.upload_tar(
+            sb.id, "/work/up", _tar([("old.txt", 4), ("new1", 40 * MiB), ("new2", 40 * MiB)])
+        )
+    assert "nothing it added was kept" in ei.value.message, ei.value.message
+    r = await run(edge, sb.id, "ls -A /work/up")
+    assert r.stdout.split() == ["old.txt"], r
 
 
 async def test_write_edit_and_small_files_still_work(edge):

@@ -11,6 +11,7 @@ import contextlib
 import io
 import tarfile
 from collections.abc import Callable, Coroutine
+from pathlib import PurePosixPath
 from typing import IO, Any
 
 from dsec import errors
@@ -88,16 +89,26 @@ class EdgeFiles:
         charged to it); the archive is checked off the event loop first."""
         sb = self._with_files(sandbox_id)
 
+        new_files: list[str] = []  # regular files the upload makes (removed again if it fails)
+
         def check(f: SandboxFiles | None = None) -> None:
+            size = 0
             try:
                 with tarfile.open(fileobj=io.BytesIO(data)) as tf:
-                    for n, _ in enumerate(tf, 1):
+                    for n, m in enumerate(tf, 1):
                         if n > MAX_ARCHIVE_ENTRIES:
                             raise errors.PayloadTooLarge(
                                 f"the archive holds more than {MAX_ARCHIVE_ENTRIES} entries; split the upload"
                             )
+                        size += m.size if m.isreg() else 0
+                        if m.isreg() and f is not None and (name := _member_path(path, m.name)):
+                            with contextlib.suppress(errors.DsecError, OSError):
+                                f.stat(name)
+                                continue
+                            new_files.append(name)
             except (tarfile.TarError, EOFError) as e:
                 raise errors.InvalidRequest(f"upload is not a readable tar archive: {e}") from e
+            _room_for(sb, size, path)
             if f is not None:
                 f._mkdirs(path)
 
@@ -111,9 +122,17 @@ class EdgeFiles:
                 cmd=["tar", "-x", "-C", path, "-f", "-"], cwd="/", timeout=600, max_output_bytes=65536
             )
             res = await self._run(sb, tar, stdin=data)
+            if res.exit_code != 0 and sb.guest is None:
+                await sb.files.run(lambda f: _remove(f, new_files))
         if res.exit_code != 0:
             msg = res.stderr.decode(errors="replace").strip()[-500:]
-            raise errors.InvalidRequest(f"unpacking the tar into {path} failed: {msg}")
+            if any(m in msg for m in _NO_ROOM) or res.exit_code == 128 + 9:  # (the OOM killer)
+                raise errors.QuotaExceeded(
+                    f"unpacking the tar into {path} ran out of room (disk_mb {sb.record.spec.disk_mb}, "
+                    f"memory_mb {sb.record.spec.memory_mb}); nothing it added was kept: free some, "
+                    "upload less, or create the sandbox with more"
+                )
+            raise errors.InvalidRequest(f"unpacking the tar into {path} failed: {msg or res.exit_code}")
 
     async def archive(self, sandbox_id: str, path: str) -> IO[bytes]:
         """A tar of `path` in an unlinked spool file (rewound; the caller closes it), built on
@@ -129,3 +148,43 @@ class EdgeFiles:
         spool = await self.archive(sandbox_id, path)
         with spool:
             return await off_loop(spool.read)
+
+
+# What GNU tar says when the sandbox's disk or memory is full (a short write, on a full tmpfs).
+_NO_ROOM = ("No space left", "Disk quota", "Wrote only", "Cannot allocate memory")
+
+# What a sandbox keeps free for its own processes when the platform writes files into memory.
+MEMORY_RESERVE = 16 << 20
+
+
+def _room_for(sb: Sandbox, nbytes: int, path: str) -> None:
+    """Refuse, before anything is written, files that would not fit in the sandbox's memory
+    when its writable layer lives there (a container's tmpfs upper): past memory_mb the
+    cgroup's OOM killer would take the sandbox's own processes, init included."""
+    if sb.guest is not None:  # a VM: its files are on a disk, a full one answers ENOSPC
+        return
+    used = sb.backend.cgroups.memory_bytes(sb.id)
+    if used is None:
+        return
+    limit = sb.record.spec.memory_mb << 20
+    room = limit - used - MEMORY_RESERVE
+    if nbytes > room:
+        raise errors.QuotaExceeded(
+            f"writing {nbytes >> 20} MiB to {path} would not fit: the sandbox's files live in its "
+            f"memory (memory_mb={sb.record.spec.memory_mb}, {used >> 20} MiB in use, "
+            f"{max(room, 0) >> 20} MiB free for files); free some, write less, or create it with more"
+        )
+
+
+def _member_path(dest: str, name: str) -> str | None:
+    """Where the sandbox's tar puts member `name` under `dest` (None: a name it refuses)."""
+    parts = [p for p in PurePosixPath(name).parts if p not in ("/", ".")]
+    if not parts or ".." in parts:
+        return None
+    return str(PurePosixPath(dest, *parts))
+
+
+def _remove(f: SandboxFiles, paths: builtins.list[str]) -> None:
+    for p in paths:
+        with contextlib.suppress(errors.DsecError, OSError):
+            f.delete(p)

@@ -319,6 +319,14 @@ class SandboxFiles:
             os.ftruncate(fd, 0)
             return os.dup(fd), False
 
+    def _unlink_same(self, path: str, fd: int) -> None:
+        """Remove `path` if it is still the file open as `fd` (nothing the sandbox put there since)."""
+        pp = PurePosixPath(path)
+        with self._open(str(pp.parent), os.O_PATH | os.O_DIRECTORY) as dfd:
+            st, mine = os.stat(pp.name, dir_fd=dfd, follow_symlinks=False), os.fstat(fd)
+            if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
+                os.unlink(pp.name, dir_fd=dfd)
+
     def write(self, path: str, data: bytes, mode: int = 0o644) -> None:
         """Write from this process (charged to the edge, not the sandbox): only for the
         platform's own small files (resolv.conf) and for tests without a sandbox."""
@@ -341,13 +349,16 @@ class SandboxFiles:
             self.write(path, data, mode)
             return
         path = _norm(path)
-        fd, _created = self.open_for_write(path, mode)
+        fd, created = self.open_for_write(path, mode)
         try:
             await charged_fill(self.channel, fd, path, data)
             os.fchmod(fd, mode & 0o7777)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)  # give back what a failed write took
+            if created:  # and leave no empty file behind
+                with contextlib.suppress(errors.DsecError, OSError):
+                    self._unlink_same(path, fd)
             raise
         finally:
             os.close(fd)
