@@ -644,3 +644,205 @@ def test_writes_of_an_apiserver_that_lost_the_lead_change_nothing(db: Path | str
             b.add_burst(nxt, max_active=10, keep=2)
         assert [x.id for x in b.list_bursts(None)] == ["burst-n1", "burst-n2"]
         assert b.list_bursts({"other"}) == []
+
+
+# --- aggregate quotas, per-project shares, cancel (issue #25 item 7) -----------------------------
+
+
+def _refused(r: httpx.Response, reason: str) -> None:
+    assert r.status_code == 429, r.text
+    err = r.json()["error"]
+    assert err["code"] == "quota_exceeded" and err["details"]["reason"] == reason, err
+
+
+async def test_bursts_count_against_the_project_quota_in_total(db: Path | str) -> None:
+    """Five bursts of two for a two-sandbox project: the first is pre-warmed, the other four are
+    refused, on either apiserver, also once the first is ready (its warm pool counts) and when an
+    admin announces them; a subproject's bursts count against its parent's quota; a cancelled
+    burst and a finished one whose stock the edges no longer keep count no more."""
+    edges = [FakeEdge("e0", 30), FakeEdge("e1", 20, used=10)]
+    a = await _env(db, edges)
+    b = await _env(db, edges, tokens=_tokens(a))
+    a.iam.create_project("small", quota=Quota(max_sandboxes=2))
+    a.iam.create_project("small-child", parent="small")
+    _, carol = a.iam.create_principal("carol", ["small"])
+    try:
+        body = {"project": "small", "count": 2, "memory_mb": 256}
+        r = await a.call("POST", "/v1/capacity", carol, body)
+        assert r.status_code == 200, r.text
+        first = r.json()["id"]
+        await a.settle()
+        assert a.burst(first).state == "ready" and sum(a.burst(first).prewarmed.values()) == 2
+        for e, token in ((a, carol), (b, carol), (a, a.admin), (b, carol)):
+            _refused(await e.call("POST", "/v1/capacity", token, body), "bursts_exceed_quota")
+        r = await b.call("POST", "/v1/capacity", carol, {**body, "project": "small-child", "count": 1})
+        _refused(r, "bursts_exceed_quota")
+        assert r.json()["error"]["details"]["project"] == "small"
+        assert [x.id for x in a.iam.list_bursts({"small", "small-child"})] == [first]
+
+        # pending bursts count their whole count, from the announcement on
+        r = await a.call("DELETE", f"/v1/capacity/{first}", carol)
+        assert r.status_code == 200 and r.json()["state"] == "cancelled", r.text
+        later = {**body, "count": 1, "when": 3600}
+        assert (await b.call("POST", "/v1/capacity", carol, later)).status_code == 200
+        assert (
+            await a.call("POST", "/v1/capacity", carol, {**later, "project": "small-child"})
+        ).status_code == 200
+        _refused(await b.call("POST", "/v1/capacity", carol, later), "bursts_exceed_quota")
+
+        # a finished burst's stock counts while the edges keep its boost (POOL_HOLD_S), no longer
+        for x in a.iam.list_bursts({"small", "small-child"}):
+            if x.state == "scheduled":
+                assert (await a.call("DELETE", f"/v1/capacity/{x.id}", carol)).status_code == 200
+        r = await a.call("POST", "/v1/capacity", carol, body)
+        assert r.status_code == 200, r.text
+        await a.settle()
+        _refused(await a.call("POST", "/v1/capacity", carol, {**body, "count": 1}), "bursts_exceed_quota")
+        with a.iam._write() as db_:
+            db_.execute("UPDATE burst_prewarms SET at = at - 301 WHERE burst = ?", (r.json()["id"],))
+        assert (await a.call("POST", "/v1/capacity", carol, body)).status_code == 200
+    finally:
+        await _close(a, b)
+
+
+async def test_a_projects_share_of_pending_bursts_leaves_room_for_others_and_admins(db: Path | str) -> None:
+    """The cluster-wide bound on pending bursts (3 here) has a per-project share (2): one tenant's
+    bursts cannot take it all from another, and an admin is bound by neither."""
+    opts: dict[str, Any] = {"capacity_max_bursts": 3, "capacity_max_bursts_per_project": 2}
+    a = await _env(db, [FakeEdge("e0", 30)], **opts)
+    b = await _env(db, [FakeEdge("e0", 30)], tokens=_tokens(a), **opts)
+    later = {"count": 1, "when": 3600}
+    try:
+        mine = []
+        for e in (a, b):
+            r = await e.call("POST", "/v1/capacity", e.alice, {"project": "team-a", **later})
+            assert r.status_code == 200, r.text
+            mine.append(r.json()["id"])
+        _refused(
+            await a.call("POST", "/v1/capacity", a.alice, {"project": "team-a", **later}),
+            "too_many_project_bursts",
+        )
+        assert (
+            await b.call("POST", "/v1/capacity", b.bob, {"project": "team-b", **later})
+        ).status_code == 200
+        _refused(
+            await a.call("POST", "/v1/capacity", a.bob, {"project": "team-b", **later}), "too_many_bursts"
+        )
+        ops = []
+        for project in ("team-a", "team-b"):  # the operator is never locked out
+            r = await b.call("POST", "/v1/capacity", b.admin, {"project": project, **later})
+            assert r.status_code == 200, r.text
+            ops.append(r.json()["id"])
+        # cancelled bursts are not pending: room again
+        for burst_id, token in [*((i, b.alice) for i in mine), *((i, b.admin) for i in ops)]:
+            assert (await b.call("DELETE", f"/v1/capacity/{burst_id}", token)).status_code == 200
+        assert (
+            await a.call("POST", "/v1/capacity", a.bob, {"project": "team-b", **later})
+        ).status_code == 200
+    finally:
+        await _close(a, b)
+
+
+async def test_a_cancelled_burst_gives_its_pool_sandboxes_back(db: Path | str) -> None:
+    """A tenant lists its bursts and cancels one (on an apiserver that does not act): each edge is
+    sent its pool's boost without that burst's share at once; another tenant's DELETE is 404 and
+    changes nothing; the acting apiserver sends the boosts again; a second DELETE is a no-op."""
+    edges = [FakeEdge("e0", 30), FakeEdge("e1", 20, used=10)]
+    e0, e1 = edges
+    a = await _env(db, edges)
+    b = await _env(db, edges, tokens=_tokens(a))
+    shape = {"project": "team-a", "memory_mb": 256, "cpu": 0.5}
+    try:
+        x = (await a.call("POST", "/v1/capacity", a.alice, {**shape, "count": 20})).json()["id"]
+        await a.settle()
+        y = (await a.call("POST", "/v1/capacity", a.alice, {**shape, "count": 10})).json()["id"]
+        await a.settle()
+        assert (e0.prewarms[-1][1], e1.prewarms[-1][1]) == (15 + 8, 5 + 2)
+        listed = (await b.call("GET", "/v1/capacity", b.alice)).json()["bursts"]
+        assert [(t["id"], t["state"]) for t in listed] == [(x, "ready"), (y, "ready")]
+
+        sent = (len(e0.prewarms), len(e1.prewarms))
+        for e in (a, b):
+            for path in (f"/v1/capacity/{x}", "/v1/capacity/burst-nosuch"):
+                r = await e.call("DELETE", path, e.bob)
+                assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", r.text
+        assert (len(e0.prewarms), len(e1.prewarms)) == sent and a.burst(x).state == "ready"
+
+        r = await b.call("DELETE", f"/v1/capacity/{x}", b.alice)
+        assert r.status_code == 200 and r.json()["state"] == "cancelled", r.text
+        assert any("cancelled by alice" in act for act in r.json()["actions"])
+        assert (e0.prewarms[-1][1], e1.prewarms[-1][1]) == (8, 2)  # Y's share alone
+        assert [(t.id, names) for t, names in a.iam.unreleased_bursts()] == [(x, ["e0", "e1"])]
+        await a.capacity.tick()  # the acting apiserver sends them again, and is done with it
+        assert (e0.prewarms[-1][1], e1.prewarms[-1][1]) == (8, 2) and len(e0.prewarms) == sent[0] + 2
+        assert a.iam.unreleased_bursts() == []
+        again = await a.call("DELETE", f"/v1/capacity/{x}", a.alice)
+        assert again.status_code == 200 and again.json()["state"] == "cancelled"
+        assert len(e0.prewarms) == sent[0] + 2
+
+        r = await a.call("DELETE", f"/v1/capacity/{y}", a.admin)
+        assert r.status_code == 200 and (e0.prewarms[-1][1], e1.prewarms[-1][1]) == (0, 0)
+        seen = {t["id"]: t["state"] for t in (await b.call("GET", "/v1/capacity", b.alice)).json()["bursts"]}
+        assert seen == {x: "cancelled", y: "cancelled"}
+        assert a.iam.prewarm_held("e0", 0) == 0 and a.iam.held_edges(0) == {}
+    finally:
+        await _close(a, b)
+
+
+class GatedEdge(FakeEdge):
+    """An edge the first prewarm reaches only once `gate` is set (a request slow on the
+    network): it applies what was read before it was sent."""
+
+    def __init__(self, name: str, slots: int) -> None:
+        super().__init__(name, slots)
+        self.gate = asyncio.Event()
+        self.sending = asyncio.Event()
+
+    async def prewarm(self, spec: PoolSpec, count: int, project: str | None = None) -> PoolInfo:
+        if not self.sending.is_set():
+            self.sending.set()
+            await self.gate.wait()
+        return await super().prewarm(spec, count, project)
+
+
+async def _until(cond: Any, what: str) -> None:
+    for _ in range(500):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(what)
+
+
+async def test_cancelling_a_burst_in_flight_ends_it_and_no_stale_prewarm_stays(db: Path | str) -> None:
+    """A burst whose prewarm is still on its way to the edge (read with the burst's share) is
+    cancelled on the other apiserver, which sends 0 first; the stale 6 lands after it. The burst's
+    task ends at its next write, and the acting apiserver sends the edge its boost again (0) after
+    that prewarm. A burst waiting on its node provider is ended by the acting apiserver's round.
+    Both stay cancelled."""
+    edge, stuck = GatedEdge("e0", 6), StuckProvider(slots=10)
+    a = await _env(db, [edge], stuck)
+    b = await _env(db, [edge], tokens=_tokens(a))
+    try:
+        r = await a.call("POST", "/v1/capacity", a.alice, {"project": "team-a", "count": 10})
+        first = r.json()["id"]
+        await asyncio.wait_for(edge.sending.wait(), 5)
+        r = await b.call("DELETE", f"/v1/capacity/{first}", b.alice)
+        assert r.status_code == 200, r.text
+        assert [n for _, n in edge.prewarms] == [0]
+        edge.gate.set()
+        await _until(lambda: a.capacity.running == {}, "the cancelled burst's task ended")
+        assert [n for _, n in edge.prewarms] == [0, 6] and stuck.asked == []  # 6: stale
+        await a.capacity.tick()
+        assert [n for _, n in edge.prewarms] == [0, 6, 0]
+        assert a.iam.unreleased_bursts() == [] and a.iam.prewarm_held("e0", 0) == 0
+
+        r = await a.call("POST", "/v1/capacity", a.alice, {"project": "team-a", "count": 10})
+        second = r.json()["id"]
+        await _until(lambda: stuck.asked == [1], "the burst asked its provider for an edge")
+        assert [n for _, n in edge.prewarms][-1] == 6 and second in a.capacity.running
+        assert (await b.call("DELETE", f"/v1/capacity/{second}", b.admin)).status_code == 200
+        await a.capacity.tick()
+        assert a.capacity.running == {} and [n for _, n in edge.prewarms][-2:] == [0, 0]
+        assert {x.id: x.state for x in a.iam.list_bursts(None)} == {first: "cancelled", second: "cancelled"}
+    finally:
+        await _close(a, b)

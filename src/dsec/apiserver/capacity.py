@@ -6,7 +6,11 @@ shape on the healthy edges that take placements, each given a share proportional
 room (sandbox slots, CPU and memory, less the pool sandboxes it holds or was promised); when
 they are short, it asks the node provider for enough edges of the size it knows, waits for
 them to register, and pre-warms the rest there. What was done is kept on the burst
-(`GET /v1/capacity`).
+(`GET /v1/capacity`). What a project has announced counts against its quota in total, and the
+cluster's bound on pending bursts has a per-project share (dsec.iam.capacity.add_burst; admins
+are bound by neither). `DELETE /v1/capacity/{id}` cancels a burst: its edges are sent their
+pools' boost without its share (`cancel`, and again by the acting apiserver after any prewarm it
+had in flight: `_release_cancelled`).
 
 Draining: a draining edge takes no new placements (`EdgeView.draining`, filtered by
 `EdgeDirectory.candidates`); its sandboxes keep working. An admin drains one for maintenance
@@ -58,6 +62,7 @@ from dsec.apiserver.placement import EdgeDirectory, EdgeView
 from dsec.apiserver.tenancy import ApiServerSettings
 from dsec.cluster.provider import NodeProvider
 from dsec.iam import IAM, Principal
+from dsec.iam.capacity import BurstCancelled
 from dsec.models import Burst, CapacityRequest, PoolSpec, SandboxSpec
 from dsec.models.capacity import MAX_LEAD_S
 from dsec.models.pools import POOL_SHAPE
@@ -65,7 +70,7 @@ from dsec.models.pools import POOL_SHAPE
 log = logging.getLogger("dsec.apiserver.capacity")
 
 POOL_HOLD_S = 300.0  # how long an edge keeps a prewarm's boost (dsec.edge.pools.prewarm)
-KEEP_BURSTS = 1000  # finished bursts kept for GET
+KEEP_BURSTS = 100  # finished bursts kept for GET, a project
 RELEASED_MEMORY_S = 3600.0  # an edge released this recently is kept drained if it registers again
 GROW_ROUNDS = 3  # how many times one burst asks the node provider for edges
 
@@ -145,6 +150,7 @@ class Capacity:
         self._managed: tuple[float, set[str]] = (0.0, set())
         self._tasks: set[asyncio.Task[None]] = set()
         self._burst_tasks: dict[str, asyncio.Task[None]] = {}
+        self._send_locks: dict[tuple[str, str], tuple[asyncio.Lock, int]] = {}  # (users)
         self._loop: asyncio.Task[None] | None = None
         self._pruned = 0.0
 
@@ -256,13 +262,64 @@ class Capacity:
         start = when - s.capacity_lead_s
         if start > now:
             burst.actions.append(f"pre-warming at {datetime.fromtimestamp(start).isoformat()}")
-        iam.add_burst(burst, max_active=s.capacity_max_bursts, keep=KEEP_BURSTS)
+        iam.add_burst(
+            burst,
+            # an admin is bound by neither the cluster's bound on pending bursts nor a project's
+            # share of it: a tenant that took them all cannot lock the operator out
+            max_active=None if p.admin else s.capacity_max_bursts,
+            max_project=None if p.admin else s.capacity_max_bursts_per_project,
+            keep=KEEP_BURSTS,
+            pooled_since=now - POOL_HOLD_S,  # a finished burst's stock counts while edges keep it
+        )
         if self.leading:
             self._take_up(burst, {})
         return burst
 
     def visible(self, scope: set[str] | None) -> list[Burst]:
         return self.iam.list_bursts(scope)
+
+    async def cancel(self, burst_id: str, p: Principal) -> Burst:
+        """Cancel a burst of one of `p`'s projects (another's: not_found). Its pool sandboxes
+        are given back: each edge it pre-warmed is sent its pool's boost without it, here at
+        once and again by the acting apiserver (which also ends the burst's task), so that a
+        prewarm that was in flight as it was cancelled does not keep them."""
+        burst, edges = self.iam.cancel_burst(burst_id, self.iam.visible_projects(p), p.name)
+        if edges:
+            await self._unboost(burst, edges)
+        self.publish("capacity", id=burst.id, project=burst.project, state=burst.state, shortfall=0)
+        return burst
+
+    async def _unboost(self, b: Burst, edges: Iterable[str]) -> list[str]:
+        """Send `edges` their `b`-shaped pool's boost as the bursts still holding it there ask
+        (`b` cancelled: without its share); the edges done (a failure is retried by the acting
+        apiserver; an edge gone or given up holds nothing to give back)."""
+        _, pool = self._shape(b)
+        done = []
+        for name in edges:
+            view = self.directory.views.get(name)
+            if view is None or view.lost:
+                done.append(name)
+                continue
+            try:
+                await self._send_boost(name, pool, b.project)
+            except errors.DsecError as e:
+                log.warning("burst %s: giving back its pool sandboxes on %s failed: %s", b.id, name, e)
+                continue
+            done.append(name)
+        return done
+
+    async def _release_cancelled(self) -> None:
+        """(The acting apiserver) end the tasks of cancelled bursts and send their edges the
+        pools' boost again, after any prewarm those tasks had in flight (see `_send_boost`)."""
+        for b, edges in self.iam.unreleased_bursts():
+            task = self._burst_tasks.get(b.id)
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            done = await self._unboost(b, edges)
+            if done and not self.iam.released(b.id, done):
+                raise _LostLead(b.id)
 
     def _take_up(self, b: Burst, progress: dict[str, Any]) -> None:
         if b.id in self._burst_tasks:
@@ -294,6 +351,8 @@ class Capacity:
             await self._fulfil(b, progress)
         except _LostLead:
             log.warning("burst %s: another apiserver acts on it now", b.id)
+        except BurstCancelled:
+            log.warning("burst %s was cancelled", b.id)
         except errors.Unavailable as e:  # (the database away: the next round resumes it)
             log.warning("burst %s paused: %s", b.id, e)
         except Exception as e:
@@ -324,14 +383,29 @@ class Capacity:
             and spec.backend in v.status.backends
         ]
 
+    async def _send_boost(self, name: str, pool: PoolSpec, project: str) -> None:
+        """Send edge `name` its pool's boost: every burst's share there, read and sent under one
+        lock per edge and pool, so that a send which read a share since cancelled is over before
+        the acting apiserver sends the boost without it."""
+        key = (name, _shape_key(pool))
+        lock, users = self._send_locks.get(key, (asyncio.Lock(), 0))
+        self._send_locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                view = self.directory.views.get(name)
+                if view is None:
+                    raise errors.NotFound(f"edge {name} is not registered here")
+                await view.api.prewarm(pool, self._held(name, pool), project)
+        finally:
+            lock, users = self._send_locks.pop(key)
+            if users > 1:
+                self._send_locks[key] = (lock, users - 1)
+
     async def _prewarm(self, b: Burst, progress: dict[str, Any], pool: PoolSpec, name: str) -> bool:
         """Send edge `name` its pool's boost: every burst's share there (`b`'s recorded first,
         so an apiserver that takes over sends it again rather than another share)."""
-        view = self.directory.views.get(name)
         try:
-            if view is None:
-                raise errors.NotFound(f"edge {name} is not registered here")
-            await view.api.prewarm(pool, self._held(name, pool), b.project)
+            await self._send_boost(name, pool, b.project)
         except errors.DsecError as e:
             b.actions.append(f"pre-warming {b.prewarmed.pop(name)} on {name} failed: {e.message}")
             self._save(b, progress)
@@ -464,6 +538,10 @@ class Capacity:
         self.leading = True
         for b, progress in self.iam.active_bursts():
             self._take_up(b, progress)
+        try:
+            await self._release_cancelled()
+        except _LostLead:
+            return  # (the next round steps down)
         if time.time() - self._pruned > 60:
             self._pruned = time.time()
             self.iam.forget_prewarms(time.time() - max(POOL_HOLD_S, 60.0))

@@ -79,8 +79,10 @@ class ApiServerSettings(BaseSettings):
     max_edges: int = Field(64, ge=1, le=10000)
     #: The largest burst one announcement may ask for (POST /v1/capacity).
     capacity_max_count: int = Field(10000, ge=1, le=100000)
-    #: Bursts pending at once (scheduled or being provisioned).
+    #: Bursts pending at once (scheduled or being provisioned), in the cluster and in any one
+    #: project (its share, so that one tenant cannot take them all); admins are bound by neither.
     capacity_max_bursts: int = Field(100, ge=1)
+    capacity_max_bursts_per_project: int = Field(10, ge=1)
     #: A burst's pools are pre-warmed this long before its time (at most 240 s: an edge keeps a
     #: prewarm's boost 300 s).
     capacity_lead_s: float = Field(120.0, ge=0, le=240)

@@ -4,7 +4,10 @@ acts on them. A part of `IAM` (store.py), which holds the database; what it uses
 IAM is declared at the top.
 
 * `bursts`: an announced burst as the wire shows it (`body`, a `Burst`) and what its acting
-  apiserver needs to resume it (`progress`: grow rounds done, a node-provider request in flight).
+  apiserver needs to resume it (`progress`: grow rounds done, a node-provider request in flight;
+  once cancelled, the edges still to be sent their pools' new boost). What a project announced in
+  total (pending bursts, the pool stock of finished ones) counts against its `max_sandboxes` and
+  its ancestors'; the cluster-wide bound on pending bursts has a per-project share.
 * `burst_prewarms`: the pool sandboxes each burst asked of each edge (and until when the edge
   is held for it), so the next prewarm of a pool sets its boost to every burst's share.
 * `capacity_edges`: the edges the capacity loop drained because they idled (`idle`), is giving
@@ -26,14 +29,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dsec.errors import QuotaExceeded
+from dsec.errors import NotFound, QuotaExceeded
 from dsec.iam.db import Database, Row
+from dsec.iam.schema import _ANCESTORS_SQL, _DESCENDANTS_SQL
 from dsec.models.capacity import Burst
 
 ACTIVE = ("scheduled", "provisioning")
 EDGE_STATES = ("idle", "releasing", "released")
 _ACTIVE_SQL = "state IN ('scheduled', 'provisioning')"
 _LEADS_SQL = "SELECT 1 FROM capacity_leader WHERE name = 'capacity' AND owner = ?"
+
+
+class BurstCancelled(Exception):
+    """A burst was cancelled (DELETE /v1/capacity/{id}): what its task did is not written."""
 
 
 @dataclass(frozen=True)
@@ -99,32 +107,112 @@ class CapacityStore:
 
     # ------------------------------------------------------------------ bursts
 
-    def add_burst(self, burst: Burst, *, max_active: int, keep: int) -> None:
-        """Record an announced burst, or refuse it when `max_active` are pending in the whole
-        cluster; forget the oldest finished ones beyond `keep`."""
+    def add_burst(
+        self,
+        burst: Burst,
+        *,
+        max_active: int | None,
+        keep: int,
+        max_project: int | None = None,
+        pooled_since: float = 0.0,
+    ) -> None:
+        """Record an announced burst, or refuse it (429 quota_exceeded) when `max_active` are
+        pending in the whole cluster, `max_project` in its project (None: no bound: an admin's),
+        or when the sandboxes its project's subtree has announced would pass a `max_sandboxes`
+        of the project or an ancestor: pending bursts count their `count`, finished ones the
+        pool sandboxes they had pre-warmed since `pooled_since` (stock that is still warm).
+        Forget the project's oldest finished bursts beyond `keep`."""
         with self._write() as db:
-            (active,) = db.execute(f"SELECT COUNT(*) FROM bursts WHERE {_ACTIVE_SQL}").fetchone()
-            if active >= max_active:
-                raise QuotaExceeded(
-                    f"{active} bursts are already pending in this cluster; retry when one is done",
-                    reason="too_many_bursts",
-                )
+            if max_active is not None:
+                (active,) = db.execute(f"SELECT COUNT(*) FROM bursts WHERE {_ACTIVE_SQL}").fetchone()
+                if active >= max_active:
+                    raise QuotaExceeded(
+                        f"{active} bursts are already pending in this cluster; retry when one is done",
+                        reason="too_many_bursts",
+                        max=max_active,
+                    )
+            if max_project is not None:
+                (mine,) = db.execute(
+                    f"SELECT COUNT(*) FROM bursts WHERE {_ACTIVE_SQL} AND project = ?", (burst.project,)
+                ).fetchone()
+                if mine >= max_project:
+                    raise QuotaExceeded(
+                        f"project {burst.project!r} has {mine} bursts pending, its share of this "
+                        "cluster's bound: retry when one is done, or cancel one "
+                        "(DELETE /v1/capacity/{id})",
+                        reason="too_many_project_bursts",
+                        max=max_project,
+                    )
+            _check_announced(db, burst, pooled_since)
             db.execute(
                 "INSERT INTO bursts (id, project, state, announced_at, body, progress)"
                 " VALUES (?, ?, ?, ?, ?, '{}')",
                 (burst.id, burst.project, burst.state, burst.announced_at, burst.model_dump_json()),
             )
             cutoff = db.execute(
-                f"SELECT announced_at FROM bursts WHERE NOT {_ACTIVE_SQL}"
+                f"SELECT announced_at FROM bursts WHERE NOT {_ACTIVE_SQL} AND project = ?"
                 " ORDER BY announced_at DESC LIMIT 1 OFFSET ?",
-                (keep,),
+                (burst.project, keep),
             ).fetchone()
             if cutoff is not None:
-                db.execute(f"DELETE FROM bursts WHERE NOT {_ACTIVE_SQL} AND announced_at <= ?", (cutoff[0],))
+                db.execute(
+                    f"DELETE FROM bursts WHERE NOT {_ACTIVE_SQL} AND project = ? AND announced_at <= ?",
+                    (burst.project, cutoff[0]),
+                )
+
+    def cancel_burst(self, burst_id: str, projects: set[str] | None, by: str) -> tuple[Burst, list[str]]:
+        """Cancel a burst of `projects` (None: any; another project's is not_found): it is
+        `cancelled`, no longer counts against its project, and the pool sandboxes it asked of
+        edges are to be given back: those edges are returned (none if it was cancelled before)
+        and kept in its progress until the acting apiserver has sent them their pools' new boost
+        (`unreleased_bursts`). Its task on the acting apiserver ends at its next write."""
+        with self._write() as db:
+            sql = "SELECT project, body, progress FROM bursts WHERE id = ?"
+            row = db.execute(sql, (burst_id,)).fetchone()
+            if row is None or (projects is not None and row[0] not in projects):
+                raise NotFound(f"no burst {burst_id!r} (GET /v1/capacity lists yours)", burst=burst_id)
+            burst = Burst.model_validate_json(row[1])
+            if burst.state == "cancelled":
+                return burst, []
+            edges = [r[0] for r in db.execute("SELECT edge FROM burst_prewarms WHERE burst = ?", (burst_id,))]
+            progress = json.loads(row[2])
+            if edges:
+                progress["release"] = sorted(set(progress.get("release", ())) | set(edges))
+            burst.state = "cancelled"
+            burst.actions.append(f"cancelled by {by}" + (f": releasing {', '.join(edges)}" if edges else ""))
+            db.execute(
+                "UPDATE bursts SET state = ?, body = ?, progress = ? WHERE id = ?",
+                (burst.state, burst.model_dump_json(), json.dumps(progress), burst_id),
+            )
+            db.execute("DELETE FROM burst_prewarms WHERE burst = ?", (burst_id,))
+        return burst, edges
+
+    def unreleased_bursts(self) -> list[tuple[Burst, list[str]]]:
+        """Cancelled bursts whose edges have not all been sent their pools' new boost yet."""
+        sql = "SELECT body, progress FROM bursts WHERE state = 'cancelled' AND progress LIKE ?"
+        rows = self._read(sql, ('%"release"%',))
+        out = [(Burst.model_validate_json(r[0]), json.loads(r[1]).get("release") or []) for r in rows]
+        return [(b, edges) for b, edges in out if edges]
+
+    def released(self, burst_id: str, edges: Sequence[str]) -> bool:
+        """`edges` of a cancelled burst were sent their pools' new boost (fenced: False if this
+        process no longer acts, nothing written)."""
+        with self._write() as db:
+            if not self._leads(db):
+                return False
+            row = db.execute("SELECT progress FROM bursts WHERE id = ?", (burst_id,)).fetchone()
+            if row is None:
+                return True
+            progress = json.loads(row[0])
+            left = sorted(set(progress.pop("release", ())) - set(edges))
+            if left:
+                progress["release"] = left
+            db.execute("UPDATE bursts SET progress = ? WHERE id = ?", (json.dumps(progress), burst_id))
+        return True
 
     def list_bursts(self, projects: set[str] | None) -> list[Burst]:
-        """The bursts of `projects` (None: all), oldest first (at most `keep` finished and
-        `max_active` pending are stored: see add_burst)."""
+        """The bursts of `projects` (None: all), oldest first (at most `keep` finished ones a
+        project are stored: see add_burst)."""
         rows = self._read("SELECT project, body FROM bursts ORDER BY announced_at, id")
         return [Burst.model_validate_json(r[1]) for r in rows if projects is None or r[0] in projects]
 
@@ -136,12 +224,15 @@ class CapacityStore:
     def save_burst(self, burst: Burst, progress: dict[str, Any], shape: str) -> bool:
         """Write what was done for `burst` and its prewarms (`burst.prewarmed`, of pool `shape`;
         `progress["hold"]`: until when its edges are kept), if this process still acts (False:
-        it lost the lead, nothing was written)."""
+        it lost the lead, nothing was written) and the burst was not cancelled (BurstCancelled)."""
         hold = float(progress.get("hold", 0.0))
         now = time.time()
         with self._write() as db:
             if not self._leads(db):
                 return False
+            row = db.execute("SELECT state FROM bursts WHERE id = ?", (burst.id,)).fetchone()
+            if row is None or row[0] == "cancelled":
+                raise BurstCancelled(burst.id)
             db.execute(
                 "UPDATE bursts SET state = ?, body = ?, progress = ? WHERE id = ?",
                 (burst.state, burst.model_dump_json(), json.dumps(progress), burst.id),
@@ -220,3 +311,38 @@ class CapacityStore:
     def forget_released(self, before: float) -> None:
         with self._write() as db:
             db.execute("DELETE FROM capacity_edges WHERE state = 'released' AND since < ?", (before,))
+
+
+def _check_announced(db: Database, burst: Burst, pooled_since: float) -> None:
+    """Refuse `burst` if, with what its project's subtree has announced, the sandboxes announced
+    under the project or an ancestor would pass its `max_sandboxes` (the bursts of every project
+    below a bound count against it, as sandboxes do)."""
+    bounds = [(r["name"], r["max_sandboxes"]) for r in db.execute(_ANCESTORS_SQL, (burst.project,))]
+    bounds = [(name, bound) for name, bound in bounds if bound is not None]
+    if not bounds:
+        return
+    announced: dict[str, int] = {}
+    for project, body in db.execute(f"SELECT project, body FROM bursts WHERE {_ACTIVE_SQL}"):
+        announced[project] = announced.get(project, 0) + int(json.loads(body)["count"])
+    pooled = db.execute(
+        "SELECT b.project, SUM(p.count) FROM burst_prewarms p JOIN bursts b ON b.id = p.burst"
+        f" WHERE NOT b.{_ACTIVE_SQL} AND p.at > ? GROUP BY b.project",
+        (pooled_since,),
+    )
+    for project, n in pooled:
+        announced[project] = announced.get(project, 0) + int(n)
+    for name, bound in bounds:
+        subtree = {r[0] for r in db.execute(_DESCENDANTS_SQL.format(marks="?"), (name,))}
+        used = sum(n for project, n in announced.items() if project in subtree)
+        if used + burst.count > bound:
+            via = "" if name == burst.project else f" (through its ancestor {name!r})"
+            raise QuotaExceeded(
+                f"project {burst.project!r} cannot announce {burst.count} more sandboxes: "
+                f"{used} are already announced in bursts pending or pre-warmed under {name!r}, whose "
+                f"quota is {bound} sandboxes{via}; announce at most {max(bound - used, 0)}, or cancel "
+                "a burst (DELETE /v1/capacity/{id})",
+                reason="bursts_exceed_quota",
+                quota=bound,
+                announced=used,
+                project=name,
+            )

@@ -10,7 +10,7 @@ from dsec.models.sandbox import ShortStr
 
 MAX_LEAD_S = 7 * 86400.0  # a burst is announced at most a week ahead
 
-BurstState = Literal["scheduled", "provisioning", "ready", "partial", "failed"]
+BurstState = Literal["scheduled", "provisioning", "ready", "partial", "failed", "cancelled"]
 
 
 class CapacityRequest(BaseModel):

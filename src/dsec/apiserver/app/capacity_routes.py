@@ -34,6 +34,12 @@ def _install_capacity_routes(
             "acting": capacity.leading,
         }
 
+    @app.delete("/v1/capacity/{burst_id}")
+    async def cancel(burst_id: str, request: Request) -> dict[str, Any]:
+        """Cancel a burst (admins: any; a principal: its projects' only, another's is 404): it
+        stops counting against its project and its pre-warmed pool sandboxes are given back."""
+        return (await capacity.cancel(burst_id, principal(request))).model_dump(mode="json")
+
     @app.post("/v1/edges/{name}/drain")
     async def drain(name: str, request: Request) -> dict[str, Any]:
         """No new placements on edge `name`; its sandboxes keep working (maintenance)."""
