@@ -598,7 +598,8 @@ class AsyncFiles:
         await self._call(_base.archive_put(self.sandbox_id, remote_dir, data))
 
     async def download(self, remote_path: str, local_dir: str | Path) -> None:
-        """Copy a file or directory of the sandbox into ``local_dir`` (extracted with the tar data filter)."""
+        """Copy a file or directory of the sandbox into ``local_dir`` (extracted by dsec.client._extract:
+        nothing written outside ``local_dir`` or through a link, whatever the archive holds)."""
         data = await self.download_tar(remote_path)
         await asyncio.to_thread(_base.untar_local, data, local_dir)
 

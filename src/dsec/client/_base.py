@@ -25,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 
 from dsec import errors
 from dsec import models as wire
-from dsec.client import config
+from dsec.client import _extract, config
 from dsec.client._wire import Endpoint
 
 T = TypeVar("T")
@@ -623,11 +623,9 @@ def tar_local(local_path: str | Path) -> bytes:
 
 
 def untar_local(data: bytes, local_dir: str | Path) -> None:
-    """Extract a tar into ``local_dir`` with the ``data`` filter (no escapes, links or devices)."""
-    dest = Path(local_dir)
-    dest.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tf:
-        tf.extractall(dest, filter="data")
+    """Extract a downloaded tar into ``local_dir`` with dsec's own member checks, not the
+    Python version's ``tarfile`` filters (see ``dsec.client._extract``)."""
+    _extract.extract(data, local_dir)
 
 
 # --------------------------------------------------------------------------- cluster

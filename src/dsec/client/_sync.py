@@ -539,7 +539,8 @@ class Files:
         self._call(_base.archive_put(self.sandbox_id, remote_dir, data))
 
     def download(self, remote_path: str, local_dir: str | Path) -> None:
-        """Copy a file or directory of the sandbox into ``local_dir`` (extracted with the tar data filter)."""
+        """Copy a file or directory of the sandbox into ``local_dir`` (extracted by dsec.client._extract:
+        nothing written outside ``local_dir`` or through a link, whatever the archive holds)."""
         _base.untar_local(self.download_tar(remote_path), local_dir)
 
     def download_tar(self, remote_path: str) -> bytes:

@@ -1,0 +1,172 @@
+"""What a tar that leaves a sandbox may hold: the rules the edge applies when it builds or
+rebuilds a download (dsec.edge.tarcheck) and the SDK applies again when it extracts one
+(dsec.client._extract). Pure: it imports only the error tree, so both sides share it.
+
+A sandbox's tools, its guest kernel and its files are the agent's, so every name and link
+in an archive of them is hostile until checked. An archive that passes holds only:
+
+* directories, regular files, symbolic links and hard links to an earlier regular file;
+* relative names without `..` or NUL, each at most PATH_MAX, each only once;
+* nothing below a link or a file (a member never goes through a link: "link, then a file
+  through it" is refused whichever comes first);
+* links that resolve inside the archive root, followed as the kernel would follow them
+  (a `..` after a link climbs from where the link led, not from its name), at most
+  MAX_LINK_CHAIN links deep and with a bounded amount of work for the whole archive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+from dsec import errors
+
+Kind = Literal["dir", "file", "link"]
+PATH_MAX = 4095  # bytes of a name, a link's target, or a path a link resolves to
+MAX_LINK_CHAIN = 40  # links followed from one link (the kernel's own MAXSYMLINKS)
+MAX_RESOLVE_STEPS = 4_000_000  # components walked to check every link of one archive
+_MEMO_CHARS = 32 << 20  # resolved paths remembered per archive (beyond: walked again)
+_IMPLIED = "directory"  # a parent no member declared (yet): made as a directory
+
+
+def member_name(name: str, what: str) -> str:
+    """A member's name, normalised ("a/b"; "" for the archive root). Refuses absolute names,
+    `..`, NUL bytes and names longer than PATH_MAX."""
+    if not name or "\0" in name:
+        raise errors.InvalidRequest(f"{what}: a member name {name[:80]!r} is empty or holds a NUL byte")
+    if len(name.encode("utf-8", "surrogateescape")) > PATH_MAX:
+        raise errors.InvalidRequest(
+            f"{what}: member {name[:80]!r}... has a name longer than {PATH_MAX} bytes"
+        )
+    if name.startswith("/"):
+        raise errors.PathEscape(f"{what}: member {name[:200]!r} has an absolute name")
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise errors.PathEscape(f"{what}: member {name[:200]!r} climbs out of the archive with '..'")
+    return "/".join(parts)
+
+
+class ArchiveTree:
+    """The names of one archive as they stream by (`add`), then every link checked once all
+    are known (`check_links`). `foreign(path)`: whether `path`, which no member names, is a
+    symbolic link already there (the SDK's destination); the edge has none."""
+
+    def __init__(self, what: str, foreign: Callable[[str], bool] | None = None) -> None:
+        self.what = what
+        self.kinds: dict[str, str] = {"": "dir"}
+        self.links: dict[str, str] = {}
+        self._foreign = foreign
+        self._resolved: dict[str, str] = {}
+        self._memo_chars = 0
+        self._steps = 0
+
+    def add(self, name: str, kind: Kind, target: str | None = None) -> None:
+        """Member `name` (from `member_name`) of `kind`; a link's `target` (a hard link's: a
+        name from `member_name`, an earlier regular file)."""
+        w = self.what
+        if name == "":
+            if kind != "dir":
+                raise errors.InvalidRequest(f"{w}: the archive root is a {kind}, not a directory")
+            return
+        prev = self.kinds.get(name)
+        if prev == _IMPLIED and kind != "dir":
+            raise errors.PathEscape(f"{w}: {name[:200]!r} holds other members, so it cannot be a {kind}")
+        if prev is not None and prev != _IMPLIED:
+            raise errors.InvalidRequest(f"{w}: {name[:200]!r} is in the archive twice")
+        parent = name.rpartition("/")[0]
+        while (pk := self.kinds.get(parent)) is None:
+            self.kinds[parent] = _IMPLIED
+            parent = parent.rpartition("/")[0]
+        if pk not in ("dir", _IMPLIED):
+            raise errors.PathEscape(
+                f"{w}: member {name[:200]!r} lies below {parent[:200]!r}, which is a {pk}: "
+                "nothing in an archive goes through a link or a file"
+            )
+        if kind == "link":
+            if not target or "\0" in target or len(target.encode("utf-8", "surrogateescape")) > PATH_MAX:
+                raise errors.InvalidRequest(f"{w}: link {name[:200]!r} has an empty, NUL or over-long target")
+            if target.startswith("/"):
+                raise errors.PathEscape(
+                    f"{w}: link {name[:200]!r} points at {target[:200]!r}, an absolute path: links in an "
+                    "archive must stay inside it; archive the directory it points into, or replace the "
+                    "link with a relative one (or a copy) first"
+                )
+            self.links[name] = target
+        elif target is not None and self.kinds.get(target) != "file":  # a hard link: to a file before it
+            raise errors.PathEscape(
+                f"{w}: hard link {name[:200]!r} names {target[:200]!r}, which is no regular file "
+                "before it in the archive"
+            )
+        self.kinds[name] = kind
+
+    def check_links(self) -> None:
+        """Every symbolic link resolves inside the archive root (see the module)."""
+        for name in self.links:
+            self._resolve(name, [])
+
+    def _step(self, n: int = 1) -> None:
+        self._steps += n
+        if self._steps > MAX_RESOLVE_STEPS:
+            raise errors.PayloadTooLarge(
+                f"{self.what}: its links take more than {MAX_RESOLVE_STEPS} steps to resolve; "
+                "archive a narrower path"
+            )
+
+    def _resolve(self, link: str, chain: list[str]) -> str:
+        """Where `link` leads (a path inside the root, "" for the root itself)."""
+        done = self._resolved.get(link)
+        if done is not None:
+            return done
+        w, target = self.what, self.links[link]
+        if link in chain or len(chain) >= MAX_LINK_CHAIN:
+            raise errors.InvalidRequest(
+                f"{w}: link {link[:200]!r} is part of a loop or of a chain of more than "
+                f"{MAX_LINK_CHAIN} links; replace it before archiving"
+            )
+        chain.append(link)
+        parent = link.rpartition("/")[0]
+        cur = self._prefixes(parent)  # the path walked so far, as the prefixes of its parts
+        for part in target.split("/"):
+            self._step()
+            if part in ("", "."):
+                continue
+            if part == "..":
+                if not cur:
+                    raise errors.PathEscape(
+                        f"{w}: link {link[:200]!r} -> {target[:200]!r} leads out of the archive: links "
+                        "in an archive must stay inside it; archive the directory it points into, or "
+                        "replace the link first"
+                    )
+                cur.pop()
+                continue
+            key = f"{cur[-1]}/{part}" if cur else part
+            if len(key) > PATH_MAX:
+                raise errors.InvalidRequest(
+                    f"{w}: link {link[:200]!r} resolves to a path over {PATH_MAX} bytes"
+                )
+            if key in self.links:
+                cur = self._prefixes(self._resolve(key, chain))
+            else:
+                if self._foreign is not None and key not in self.kinds and self._foreign(key):
+                    raise errors.PathEscape(
+                        f"{w}: link {link[:200]!r} -> {target[:200]!r} passes through {key[:200]!r}, a "
+                        "symbolic link that is not part of the archive"
+                    )
+                cur.append(key)
+        chain.pop()
+        out = cur[-1] if cur else ""
+        if self._memo_chars + len(out) <= _MEMO_CHARS:
+            self._resolved[link] = out
+            self._memo_chars += len(out)
+        return out
+
+    def _prefixes(self, path: str) -> list[str]:
+        if not path:
+            return []
+        parts = path.split("/")
+        self._step(len(parts))
+        out, acc = [], ""
+        for p in parts:
+            acc = f"{acc}/{p}" if acc else p
+            out.append(acc)
+        return out
