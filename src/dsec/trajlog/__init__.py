@@ -4,6 +4,7 @@ See :mod:`dsec.trajlog.log` for the numbering, crash-detection and loss-bound gu
 """
 
 from dsec.models import Entry
-from dsec.trajlog.log import StepTag, TrajectoryLog, action_hash, canonical_json
+from dsec.trajlog.log import TrajectoryLog
+from dsec.trajlog.rows import StepTag, action_hash, canonical_json
 
 __all__ = ["Entry", "StepTag", "TrajectoryLog", "action_hash", "canonical_json"]

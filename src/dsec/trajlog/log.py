@@ -58,8 +58,6 @@ import asyncio
 import contextlib
 import fcntl
 import hashlib
-import json
-import math
 import os
 import sqlite3
 import threading
@@ -74,106 +72,19 @@ from dsec import errors
 from dsec.aio import wait_for
 from dsec.models.trajectory import Entry
 from dsec.privatefs import open_private, private_file
+from dsec.trajlog.rows import (
+    COLUMNS,
+    INSERT,
+    SCHEMA,
+    STEP_INDEX,
+    Row,
+    StepTag,
+    entry_from_row,
+    gap_row,
+    serialized,
+)
 
-GAP = "gap"
 INLINE_COMMIT_MAX = 64  # a batch this small that someone waits on commits on the event loop
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS entries (
-    sandbox_id TEXT NOT NULL,
-    seq INTEGER NOT NULL,
-    seq_end INTEGER NOT NULL,       -- = seq, except for a gap: the last seq it covers
-    kind TEXT NOT NULL,
-    action TEXT NOT NULL,           -- canonical JSON
-    observation TEXT,               -- canonical JSON or NULL
-    timings TEXT NOT NULL,          -- canonical JSON
-    trajectory TEXT,
-    step INTEGER,
-    action_hash TEXT,
-    recorded_at REAL NOT NULL,
-    scope TEXT,                     -- whose step tag: the sandbox's project (NULL: logged before scopes)
-    PRIMARY KEY (sandbox_id, seq)
-);
-CREATE TABLE IF NOT EXISTS shipped (
-    target TEXT PRIMARY KEY,                 -- where entries are shipped to (the control plane)
-    last_rowid INTEGER NOT NULL              -- every durable entry up to this rowid is there
-);
-CREATE TABLE IF NOT EXISTS sandboxes (
-    sandbox_id TEXT PRIMARY KEY,
-    reserved_hw INTEGER NOT NULL DEFAULT 0,  -- seqs up to here may have been handed out
-    durable_seq INTEGER NOT NULL DEFAULT 0,  -- every seq up to here has an entry or lies in a gap
-    recorded INTEGER NOT NULL DEFAULT 0,     -- durable non-gap entries
-    lost INTEGER NOT NULL DEFAULT 0          -- seqs inside gap entries
-);
-"""
-
-_COLUMNS = (
-    "sandbox_id, seq, seq_end, kind, action, observation, timings, trajectory, step, action_hash, "
-    "recorded_at, scope"
-)
-_INSERT = f"INSERT INTO entries ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)"
-
-# One entry as stored: the columns above, in order. Built once in record(), immutable afterwards.
-Row = tuple[str, int, int, str, str, str | None, str, str | None, int | None, str | None, float, str | None]
-
-# Step tags are unique per scope (a project): two tenants may use the same trajectory ids
-# without ever seeing each other's steps. Logs written before scopes had a global unique
-# index on (trajectory, step); _migrate replaces it.
-_STEP_INDEX = (
-    "CREATE UNIQUE INDEX IF NOT EXISTS entries_step_scoped ON entries (trajectory, step, scope) "
-    "WHERE trajectory IS NOT NULL"
-)
-
-
-@dataclass(frozen=True)
-class StepTag:
-    """Where an operation sits in an agent trajectory: unique per (scope, trajectory, index).
-
-    ``scope`` is whose trajectory it is (the edge uses the sandbox's project): a step is
-    found, replayed and refused only within its scope."""
-
-    trajectory: str
-    index: int
-    scope: str = ""
-
-
-def canonical_json(value: Any) -> str:
-    """Sorted keys, no whitespace, UTF-8, no NaN: equal values give equal strings."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-
-
-def action_hash(action: dict[str, Any]) -> str:
-    """sha256 (hex) of the canonical JSON of an action."""
-    return hashlib.sha256(canonical_json(action).encode()).hexdigest()
-
-
-def entry_from_row(row: tuple[Any, ...]) -> Entry:
-    return Entry(
-        sandbox_id=row[0],
-        seq=row[1],
-        kind=row[3],
-        action=json.loads(row[4]),
-        observation=None if row[5] is None else json.loads(row[5]),
-        timings=json.loads(row[6]),
-        trajectory=row[7],
-        step=row[8],
-        action_hash=row[9],
-        recorded_at=row[10],
-    )
-
-
-def gap_row(sandbox_id: str, first: int, last: int, now: float) -> Row:
-    n = last - first + 1
-    action = {"first_seq": first, "last_seq": last}
-    observation = {
-        "reason": f"the edge stopped before this batch was flushed; up to {n} operations may have been lost",
-        "first_seq": first,
-        "last_seq": last,
-        "count": n,
-    }
-    a = canonical_json(action)
-    return (sandbox_id, first, last, GAP, a, canonical_json(observation), "{}", None, None,
-            hashlib.sha256(a.encode()).hexdigest(), now, None)  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -186,34 +97,6 @@ class _Sandbox:
     lost: int  # seqs inside durable gap entries
     pending: int = 0  # handed out, not yet durable (waiting or being committed)
     reserving: asyncio.Future[None] | None = None
-
-
-def _serialized(
-    sandbox_id: str,
-    kind: str,
-    action: dict[str, Any],
-    observation: dict[str, Any] | None,
-    timings: dict[str, float],
-) -> tuple[str, str | None, str]:
-    """A record's checked arguments as the JSON the log stores (action, observation, timings)."""
-    if not isinstance(sandbox_id, str) or not sandbox_id:
-        raise errors.InvalidRequest("sandbox_id must be a non-empty string")
-    if not isinstance(kind, str) or not kind or kind == GAP:
-        raise errors.InvalidRequest(f"kind must be a non-empty string other than {GAP!r}")
-    try:
-        action_json = canonical_json(action)
-        observation_json = None if observation is None else canonical_json(observation)
-        timings_json = canonical_json(timings)
-    except (TypeError, ValueError) as e:
-        raise errors.InvalidRequest(f"action, observation and timings must be JSON objects: {e}") from e
-    if not (isinstance(action, dict) and isinstance(timings, dict)) or not (
-        observation is None or isinstance(observation, dict)
-    ):
-        raise errors.InvalidRequest("action, observation and timings must be JSON objects")
-    for v in timings.values():
-        if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
-            raise errors.InvalidRequest(f"timings must map names to finite numbers, got {v!r}")
-    return action_json, observation_json, timings_json
 
 
 class TrajectoryLog:
@@ -386,7 +269,7 @@ class TrajectoryLog:
         share commits, and the writer does not linger for a batch to fill while one waits).
         """
         self._check_open()
-        action_json, observation_json, timings_json = _serialized(
+        action_json, observation_json, timings_json = serialized(
             sandbox_id, kind, action, observation, timings
         )
         digest = hashlib.sha256(action_json.encode()).hexdigest()
@@ -451,7 +334,7 @@ class TrajectoryLog:
         A gap entry that covers ``after_seq + 1`` is returned even if it starts at or before ``after_seq``.
         """
         sql = (
-            f"SELECT {_COLUMNS} FROM entries WHERE sandbox_id = ? AND seq_end > ? AND seq >= "
+            f"SELECT {COLUMNS} FROM entries WHERE sandbox_id = ? AND seq_end > ? AND seq >= "
             "COALESCE((SELECT MAX(seq) FROM entries WHERE sandbox_id = ? AND seq <= ?), 0) ORDER BY seq"
         )
         args: list[Any] = [sandbox_id, after_seq, sandbox_id, after_seq]
@@ -475,7 +358,7 @@ class TrajectoryLog:
             found = (
                 self._reader()
                 .execute(
-                    f"SELECT {_COLUMNS} FROM entries WHERE trajectory = ? AND step = ? "
+                    f"SELECT {COLUMNS} FROM entries WHERE trajectory = ? AND step = ? "
                     "AND (scope = ? OR (scope IS NULL AND sandbox_id = ?)) ORDER BY scope IS NULL LIMIT 1",
                     (trajectory, index, scope, sandbox_id),
                 )
@@ -514,7 +397,7 @@ class TrajectoryLog:
                 rows: list[Row] = (
                     self._reader()
                     .execute(
-                        f"SELECT {_COLUMNS} FROM entries "
+                        f"SELECT {COLUMNS} FROM entries "
                         "WHERE sandbox_id = ? AND seq > ? ORDER BY seq LIMIT ?",
                         (sandbox_id, after, chunk),
                     )
@@ -544,7 +427,7 @@ class TrajectoryLog:
     def rows_after(self, rowid: int, limit: int = 2000) -> list[tuple[int, Row]]:
         """Durable entries written after `rowid` (in write order), with their rowids."""
         with self._rlock:
-            sql = f"SELECT rowid, {_COLUMNS} FROM entries WHERE rowid > ? ORDER BY rowid LIMIT ?"
+            sql = f"SELECT rowid, {COLUMNS} FROM entries WHERE rowid > ? ORDER BY rowid LIMIT ?"
             cur = self._reader().execute(sql, (rowid, limit))
             return [(r[0], tuple(r[1:])) for r in cur.fetchall()]  # type: ignore[misc]
 
@@ -721,7 +604,7 @@ class TrajectoryLog:
         # NORMAL: a WAL commit survives a crash of the process (kill -9); only a power loss can roll back
         # batches since the last fsync, and those lie inside an fsynced reservation (a gap at restart).
         db.execute("PRAGMA synchronous=NORMAL")
-        db.executescript(_SCHEMA)
+        db.executescript(SCHEMA)
         return db
 
     def _writer(self) -> sqlite3.Connection:
@@ -744,7 +627,7 @@ class TrajectoryLog:
         with self._wlock:
             db.execute("BEGIN IMMEDIATE")
             try:
-                db.executemany(_INSERT, rows)
+                db.executemany(INSERT, rows)
                 db.executemany(
                     "UPDATE sandboxes SET durable_seq = MAX(durable_seq, ?), recorded = recorded + ? "
                     "WHERE sandbox_id = ?",
@@ -766,7 +649,7 @@ class TrajectoryLog:
                 if "scope" not in cols:
                     db.execute("ALTER TABLE entries ADD COLUMN scope TEXT")
                 db.execute("DROP INDEX IF EXISTS entries_step")
-                db.execute(_STEP_INDEX)
+                db.execute(STEP_INDEX)
                 db.execute("COMMIT")
             except BaseException:
                 db.execute("ROLLBACK")
@@ -798,7 +681,7 @@ class TrajectoryLog:
                 ).fetchall()
                 for sandbox_id, durable, hw in stale:
                     gap = gap_row(sandbox_id, durable + 1, hw, now)
-                    db.execute(_INSERT, gap)
+                    db.execute(INSERT, gap)
                     db.execute(
                         "UPDATE sandboxes SET durable_seq = ?, lost = lost + ? WHERE sandbox_id = ?",
                         (hw, hw - durable, sandbox_id),
