@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,8 @@ import pytest
 from dsec import errors
 from dsec.client import Client
 from dsec.cluster import local
+
+from .conftest import cluster_up
 
 pytestmark = [pytest.mark.root, pytest.mark.e2e, pytest.mark.slow]
 
@@ -226,3 +229,98 @@ def test_bursts_grow_drain_and_release_edges_of_a_local_cluster() -> None:
     assert not Path(state.run_dir).exists()
     assert not d.exists()
     base.rmdir()
+
+
+def _reason(e: pytest.ExceptionInfo[errors.QuotaExceeded]) -> str:
+    return str(e.value.details.get("reason"))
+
+
+def test_bursts_count_in_total_have_shares_and_are_cancelled(
+    python_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue #25 item 7 on a `dsec cluster up` (2 apiservers on PostgreSQL, 2 edges): five bursts
+    of two for a two-sandbox project: the first is pre-warmed and the other four refused, its warm
+    pool counting; one tenant's bursts take only its share (2) of the cluster's bound (3), the
+    next tenant gets the last one and an admin still announces; another tenant's DELETE is 404;
+    the owner's DELETE (on the other apiserver) gives the pool sandboxes back and frees the
+    quota."""
+    for k, v in {
+        "CAPACITY_MAX_BURSTS": "3",
+        "CAPACITY_MAX_BURSTS_PER_PROJECT": "2",
+        "CAPACITY_LEAD_S": "0",
+    }.items():
+        monkeypatch.setenv(f"DSEC_APISERVER_{k}", v)
+    base = Path(tempfile.mkdtemp(prefix="dsec-bursts-", dir="/tmp"))
+    os.chmod(base, 0o755)  # (PostgreSQL, as its own user, must reach the cluster dir)
+    d = base / "cluster"
+    try:
+        state = cluster_up(d)
+        one, two = (a["url"] for a in state["apiservers"])
+        admin = state["token"]
+        auth = {"authorization": f"Bearer {admin}"}
+        tokens = {}
+        for who, project, quota in (
+            ("trainer", "rl", 2),
+            ("stranger", "other", None),
+            ("newcomer", "third", None),
+        ):
+            r = httpx.post(
+                one + "/v1/projects", json={"name": project, "quota": {"max_sandboxes": quota}}, headers=auth
+            )
+            assert r.status_code == 200, r.text
+            r = httpx.post(one + "/v1/principals", json={"name": who, "projects": [project]}, headers=auth)
+            assert r.status_code == 200, r.text
+            tokens[who] = r.json()["token"]
+
+        def pooled() -> int:
+            r = httpx.get(one + "/v1/pools", headers=auth)
+            return sum(p["ready"] for p in r.json()["pools"] if p["spec"]["memory_mb"] == 64)
+
+        later = {"when": 3600.0}
+        with (
+            Client(one, tokens["trainer"]) as trainer,
+            Client(two, tokens["trainer"]) as trainer2,
+            Client(two, tokens["stranger"]) as stranger,
+            Client(one, tokens["newcomer"]) as newcomer,
+            Client(two, admin) as root,
+        ):
+            burst = trainer.announce_capacity("rl", 2, **SHAPE)  # type: ignore[arg-type]
+            _wait(lambda: trainer2.capacity()[0].state == "ready", 120, "the burst pre-warmed")
+            _wait(lambda: pooled() == 2, 120, f"its pools filled: {pooled()}")
+            for c in (trainer, trainer2, trainer, trainer2):  # 2 + 2 > 2, its warm pool counting
+                with pytest.raises(errors.QuotaExceeded) as e:
+                    c.announce_capacity("rl", 2, **SHAPE)  # type: ignore[arg-type]
+                assert _reason(e) == "bursts_exceed_quota", e.value
+            assert [b.id for b in trainer2.capacity()] == [burst.id]
+
+            # shares: 2 of the cluster's 3 pending bursts for one project, the 3rd to another
+            for _ in range(2):
+                stranger.announce_capacity("other", 1, **later)  # type: ignore[arg-type]
+            with pytest.raises(errors.QuotaExceeded) as e:
+                stranger.announce_capacity("other", 1, **later)  # type: ignore[arg-type]
+            assert _reason(e) == "too_many_project_bursts", e.value
+            newcomer.announce_capacity("third", 1, **later)  # type: ignore[arg-type]
+            with pytest.raises(errors.QuotaExceeded) as e:
+                newcomer.announce_capacity("third", 1, **later)  # type: ignore[arg-type]
+            assert _reason(e) == "too_many_bursts", e.value
+            assert root.announce_capacity("third", 1, **later).state == "scheduled"  # type: ignore[arg-type]
+
+            # another tenant neither sees nor cancels the trainer's burst
+            assert all(b.project == "other" for b in stranger.capacity())
+            with pytest.raises(errors.NotFound):
+                stranger.cancel_capacity(burst.id)
+            assert pooled() == 2 and trainer.capacity()[0].state == "ready"
+
+            cancelled = trainer2.cancel_capacity(burst.id)
+            assert cancelled.state == "cancelled" and trainer.capacity()[0].state == "cancelled"
+            _wait(lambda: pooled() == 0, 60, f"the pool sandboxes given back: {pooled()}")
+            for b in root.capacity():  # the admin cancels any
+                if b.state == "scheduled":
+                    assert root.cancel_capacity(b.id).state == "cancelled"
+            # nothing pending, nothing pooled: the quota and the cluster's bound are free again
+            assert trainer.announce_capacity("rl", 2, **SHAPE, **later).state == "scheduled"  # type: ignore[arg-type]
+    finally:
+        if (d / "cluster.json").exists():
+            down = _cli(["cluster", "down", "--dir", str(d), "--purge"], dict(os.environ), timeout=300)
+            assert down.returncode == 0, down.stderr[-2000:]
+        shutil.rmtree(base, ignore_errors=True)

@@ -335,6 +335,11 @@ class AsyncClient(_base.AsyncEndsOnExit):
         """Announced bursts (of the caller's projects; admins: all) and what was done for each."""
         return await self._call(_base.capacity())
 
+    async def cancel_capacity(self, burst_id: str) -> Burst:
+        """Cancel an announced burst: it no longer counts against its project's quota and its
+        pre-warmed pool sandboxes are given back."""
+        return await self._call(_base.cancel_capacity(burst_id))
+
     async def drain_edge(self, name: str) -> dict[str, Any]:
         """Admins: edge ``name`` takes no new placements; its sandboxes keep working."""
         return await self._call(_base.drain_edge(name))

@@ -770,6 +770,14 @@ def capacity() -> Call[list[wire.Burst]]:
     return Call(Request("GET", "/v1/capacity", idempotent=True), _models(wire.Burst, "bursts"))
 
 
+def cancel_capacity(burst_id: str) -> Call[wire.Burst]:
+    if not burst_id or "/" in burst_id or "\0" in burst_id:
+        raise errors.InvalidRequest(f"burst {burst_id!r} must be a burst's id (capacity() lists them)")
+    return Call(
+        Request("DELETE", f"/v1/capacity/{quote(burst_id, safe='')}", idempotent=True), _model(wire.Burst)
+    )
+
+
 def _principal_path(principal: str | None, action: str) -> str:
     if principal is None:
         return f"/v1/token/{action}"  # the caller's own token
