@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -143,6 +144,18 @@ def service(
             yield svc
         finally:
             os.environ.pop("DSEC_CONFIG", None)
+
+
+@pytest.fixture
+def cluster_dir() -> Iterator[Path]:
+    """Where a cluster (cluster_up) lives: a directory PostgreSQL's user may reach; removed
+    afterwards."""
+    root = Path(tempfile.mkdtemp(prefix="dsec-cluster-", dir="/tmp"))
+    os.chmod(root, 0o755)
+    try:
+        yield root / "cluster"
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def cluster_up(d: Path, apiservers: int = 2, edges: int = 2) -> dict[str, Any]:

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -41,17 +38,6 @@ def _wait(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-d
     while not cond():
         assert time.monotonic() < deadline, what
         time.sleep(0.1)
-
-
-@pytest.fixture
-def cluster_dir() -> Iterator[Path]:
-    """Where the cluster lives: a directory PostgreSQL's user may reach; removed afterwards."""
-    root = Path(tempfile.mkdtemp(prefix="dsec-cluster-", dir="/tmp"))
-    os.chmod(root, 0o755)
-    try:
-        yield root / "cluster"
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_cluster_up_runs_edges_as_hosts_and_down_removes_everything(cluster_dir):

@@ -448,19 +448,32 @@ def test_several_urls_fail_over_for_idempotent_calls(fake: FakeDsec) -> None:
     assert tried == ["down.test", "down.test"]
 
 
-def test_transport_error_is_unavailable_and_retried_when_idempotent(fake: FakeDsec) -> None:
-    def refuse(request: httpx.Request) -> httpx.Response:
+def test_transport_error_is_unavailable_and_retried_when_nothing_can_run_twice(fake: FakeDsec) -> None:
+    """A refused connection sent nothing: any call is retried. A connection cut after the
+    request went out may have run it: only an idempotent call is sent again."""
+    cut = False
+
+    def fail(request: httpx.Request) -> httpx.Response:
         fake.requests.append(request)
+        if cut:
+            raise httpx.ReadError("connection reset by peer", request=request)
         raise httpx.ConnectError("connection refused", request=request)
 
-    with Client(URL, transport=httpx.MockTransport(refuse), retries=3) as c:
+    with Client(URL, transport=httpx.MockTransport(fail), retries=3) as c:
         with pytest.raises(errors.Unavailable, match=f"cannot reach dsec at {URL}: connection refused") as ei:
             c.list()
         assert isinstance(ei.value.__cause__, httpx.ConnectError)
         assert len(fake.requests) == 4
         with pytest.raises(errors.Unavailable):
             c.sandbox("sb1").exec("true")
-        assert len(fake.requests) == 5
+        assert len(fake.requests) == 8
+        cut = True
+        with pytest.raises(errors.Unavailable, match="connection reset"):
+            c.sandbox("sb1").exec("true")
+        assert len(fake.requests) == 9
+        with pytest.raises(errors.Unavailable, match="connection reset"):
+            c.list()
+        assert len(fake.requests) == 13
 
 
 def test_backoff_is_exponential_with_jitter_and_capped() -> None:

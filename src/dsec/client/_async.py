@@ -42,10 +42,12 @@ class AsyncClient(_base.AsyncEndsOnExit):
 
     ``url`` / ``token`` default to ``DSEC_URL`` / ``DSEC_TOKEN``, then the config file of
     ``dsec up`` (see :func:`dsec.client.config.resolve`). ``url`` may name several
-    apiservers (a list, or ``DSEC_URL=a,b``): a call that cannot reach one goes to the next.
+    apiservers (a list, or ``DSEC_URL=a,b``): a call that cannot connect to one is sent to the
+    next; after a call one may have taken fails (its connection cut, an answer that it is
+    unavailable), the next call goes to the next one too.
     Idempotent calls are retried ``retries`` times on transient errors; so are creates (each
     carries an idempotency key: one sandbox however often it is sent); exec and session
-    runs are not.
+    runs are not, unless tagged with a step, nor is any other call the server may have taken.
     """
 
     def __init__(
@@ -95,25 +97,23 @@ class AsyncClient(_base.AsyncEndsOnExit):
 
     # ------------------------------------------------------------------ I/O
 
-    async def _send(self, req: Request) -> httpx.Response:
+    async def _send(self, req: Request, *, stream: bool = False) -> tuple[int, httpx.Response]:
+        """Send `req` (see BaseClient._retry_delay for where and how often); the apiserver
+        that answered and its success response (`stream`: opened, its body not read)."""
         request_id = self._base._request_id()
         attempt = 0
         while True:
             used = self._base.current
-            http, wire = self._conns[used]
             try:
-                if wire is not None:
-                    response = await wire.request(*self._base._wire_call(wire, req, request_id))
-                else:
-                    response = await http.send(self._base._build(http, req, request_id))
+                response = await self._exchange(used, req, request_id, stream)
             except httpx.TransportError as exc:
                 err: errors.DsecError = self._base._unreachable(exc, self._base.urls[used])
-                delay = self._base._retry_delay(req, err, attempt, used)
+                delay = self._base._retry_delay(req, err, attempt, used, sent=_base.delivered(exc))
                 if delay is None:
                     raise err from exc
             else:
                 if response.is_success:
-                    return response
+                    return used, response
                 err = self._base._error(response)
                 delay = self._base._retry_delay(req, err, attempt, used)
                 if delay is None:
@@ -121,8 +121,22 @@ class AsyncClient(_base.AsyncEndsOnExit):
             await asyncio.sleep(delay)
             attempt += 1
 
+    async def _exchange(self, used: int, req: Request, request_id: str, stream: bool) -> httpx.Response:
+        http, wire = self._conns[used]
+        if stream:
+            response = await http.send(self._base._build(http, req, request_id), stream=True)
+            if not response.is_success:
+                try:
+                    await response.aread()
+                finally:
+                    await response.aclose()
+            return response
+        if wire is not None:
+            return await wire.request(*self._base._wire_call(wire, req, request_id))
+        return await http.send(self._base._build(http, req, request_id))
+
     async def _call(self, call: Call[T]) -> T:
-        return self._base._parse(call, await self._send(call.request))
+        return self._base._parse(call, (await self._send(call.request))[1])
 
     # ------------------------------------------------------------------ sandboxes
 
@@ -405,17 +419,8 @@ class AsyncSandbox(_base.AsyncEndsOnExit):
 
     async def _stream(self, req: Request) -> AsyncIterator[tuple[str, str | ExecResult]]:
         client = self._client
-        http = client._http
+        used, response = await client._send(req, stream=True)
         try:
-            response = await http.send(
-                client._base._build(http, req, client._base._request_id()), stream=True
-            )
-        except httpx.TransportError as exc:
-            raise client._base._unreachable(exc) from exc
-        try:
-            if not response.is_success:
-                await response.aread()
-                raise client._base._error(response)
             decoder = _base.SSEDecoder()
             try:
                 async for line in response.aiter_lines():
@@ -425,12 +430,13 @@ class AsyncSandbox(_base.AsyncEndsOnExit):
                         if item[0] == "result":
                             return
             except httpx.TransportError as exc:
-                raise client._base._unreachable(exc) from exc
+                raise client._base._lost(exc, used) from exc
             event = decoder.flush()
             if event is not None and (item := _base.exec_event(event)) is not None:
                 yield item
                 if item[0] == "result":
                     return
+            client._base.failover(used)
             raise _base.stream_ended_early()
         finally:
             await response.aclose()

@@ -807,6 +807,12 @@ def whoami() -> Call[dict[str, Any]]:
 # --------------------------------------------------------------------------- transport
 
 
+def delivered(exc: httpx.TransportError) -> bool:
+    """Whether the request may have reached the server: every transport error but a refused
+    or timed-out connection (no byte of the request left this host)."""
+    return not isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
+
+
 def backoff_delay(attempt: int) -> float:
     """Exponential backoff with jitter: ``uniform(d/2, d)``, ``d = min(cap, base * 2**attempt)``."""
     d = min(BACKOFF_CAP_S, BACKOFF_BASE_S * (2**attempt))
@@ -826,7 +832,8 @@ class BaseClient:
         joined = ",".join(url) if isinstance(url, list | tuple) else url
         urls, self.token = config.resolve(joined, token)  # type: ignore[arg-type]
         # Several apiservers (`Client(url=[a, b])`, DSEC_URL=a,b): calls go to one; a call
-        # that cannot reach it (or is told it is unavailable) moves to the next.
+        # that cannot reach it, is cut off or is told it is unavailable moves the client to
+        # the next (see _retry_delay for whether that call is sent again).
         self.urls = [u.strip().rstrip("/") for u in urls.split(",") if u.strip()]
         if not self.urls:
             raise errors.InvalidRequest("url must name at least one apiserver")
@@ -911,17 +918,30 @@ class BaseClient:
         return errors.error_from_wire(response.status_code, body)
 
     def _retry_delay(
-        self, req: Request, err: errors.DsecError, attempt: int, used: int | None = None
+        self, req: Request, err: errors.DsecError, attempt: int, used: int | None = None, *, sent: bool = True
     ) -> float | None:
-        """Seconds to wait before retrying, or ``None`` when ``err`` is final. `used`: the
-        apiserver that failed, when it could not be reached or was unavailable: the next
-        one is tried at once."""
-        if not req.idempotent or not err.retryable or attempt >= self.retries:
-            return None
+        """Seconds to wait before sending `req` again, or ``None`` when ``err`` is final.
+
+        `used`: the apiserver the attempt went to. One that could not be reached, cut the
+        connection or answered that it is unavailable is left whatever becomes of this call,
+        so the next call goes to another. `sent`: whether the request may have reached it. One
+        that did not (see `delivered`) goes to each other apiserver at once and is retried as
+        an idempotent one is: nothing ran. One that may have is sent again only if it is
+        idempotent (or carries an idempotency key)."""
         moved = used is not None and isinstance(err, errors.Unavailable) and self.failover(used)
-        if moved and attempt < len(self.urls) - 1:
+        if not err.retryable or (sent and not req.idempotent):
+            return None
+        if moved and attempt < len(self.urls) - 1 and (not sent or self.retries):
             return 0.0
+        if attempt >= self.retries:
+            return None
         return backoff_delay(attempt)
+
+    def _lost(self, exc: Exception, used: int) -> errors.Unavailable:
+        """A connection to apiserver `used` broke after the request went out (a stream cut
+        off): the call fails, the next one goes to another apiserver."""
+        self.failover(used)
+        return self._unreachable(exc, self.urls[used])
 
     @staticmethod
     def _parse(call: Call[T], response: httpx.Response) -> T:

@@ -40,10 +40,12 @@ class Client(_base.EndsOnExit):
 
     ``url`` / ``token`` default to ``DSEC_URL`` / ``DSEC_TOKEN``, then the config file of
     ``dsec up`` (see :func:`dsec.client.config.resolve`). ``url`` may name several
-    apiservers (a list, or ``DSEC_URL=a,b``): a call that cannot reach one goes to the next.
+    apiservers (a list, or ``DSEC_URL=a,b``): a call that cannot connect to one is sent to the
+    next; after a call one may have taken fails (its connection cut, an answer that it is
+    unavailable), the next call goes to the next one too.
     Idempotent calls are retried ``retries`` times on transient errors; so are creates (each
     carries an idempotency key: one sandbox however often it is sent); exec and session
-    runs are not.
+    runs are not, unless tagged with a step, nor is any other call the server may have taken.
     """
 
     def __init__(
@@ -84,25 +86,23 @@ class Client(_base.EndsOnExit):
 
     # ------------------------------------------------------------------ I/O
 
-    def _send(self, req: Request) -> httpx.Response:
+    def _send(self, req: Request, *, stream: bool = False) -> tuple[int, httpx.Response]:
+        """Send `req` (see BaseClient._retry_delay for where and how often); the apiserver
+        that answered and its success response (`stream`: opened, its body not read)."""
         request_id = self._base._request_id()
         attempt = 0
         while True:
             used = self._base.current
-            http, wire = self._conns[used]
             try:
-                if wire is not None:
-                    response = wire.request(*self._base._wire_call(wire, req, request_id))
-                else:
-                    response = http.send(self._base._build(http, req, request_id))
+                response = self._exchange(used, req, request_id, stream)
             except httpx.TransportError as exc:
                 err: errors.DsecError = self._base._unreachable(exc, self._base.urls[used])
-                delay = self._base._retry_delay(req, err, attempt, used)
+                delay = self._base._retry_delay(req, err, attempt, used, sent=_base.delivered(exc))
                 if delay is None:
                     raise err from exc
             else:
                 if response.is_success:
-                    return response
+                    return used, response
                 err = self._base._error(response)
                 delay = self._base._retry_delay(req, err, attempt, used)
                 if delay is None:
@@ -110,8 +110,22 @@ class Client(_base.EndsOnExit):
             time.sleep(delay)
             attempt += 1
 
+    def _exchange(self, used: int, req: Request, request_id: str, stream: bool) -> httpx.Response:
+        http, wire = self._conns[used]
+        if stream:
+            response = http.send(self._base._build(http, req, request_id), stream=True)
+            if not response.is_success:
+                try:
+                    response.read()
+                finally:
+                    response.close()
+            return response
+        if wire is not None:
+            return wire.request(*self._base._wire_call(wire, req, request_id))
+        return http.send(self._base._build(http, req, request_id))
+
     def _call(self, call: Call[T]) -> T:
-        return self._base._parse(call, self._send(call.request))
+        return self._base._parse(call, self._send(call.request)[1])
 
     # ------------------------------------------------------------------ sandboxes
 
@@ -350,15 +364,8 @@ class Sandbox(_base.EndsOnExit):
 
     def _stream(self, req: Request) -> Iterator[tuple[str, str | ExecResult]]:
         client = self._client
-        http = client._http
+        used, response = client._send(req, stream=True)
         try:
-            response = http.send(client._base._build(http, req, client._base._request_id()), stream=True)
-        except httpx.TransportError as exc:
-            raise client._base._unreachable(exc) from exc
-        try:
-            if not response.is_success:
-                response.read()
-                raise client._base._error(response)
             decoder = _base.SSEDecoder()
             try:
                 for line in response.iter_lines():
@@ -368,12 +375,13 @@ class Sandbox(_base.EndsOnExit):
                         if item[0] == "result":
                             return
             except httpx.TransportError as exc:
-                raise client._base._unreachable(exc) from exc
+                raise client._base._lost(exc, used) from exc
             event = decoder.flush()
             if event is not None and (item := _base.exec_event(event)) is not None:
                 yield item
                 if item[0] == "result":
                     return
+            client._base.failover(used)
             raise _base.stream_ended_early()
         finally:
             response.close()

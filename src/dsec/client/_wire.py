@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import select
 import socket
 import threading
 import time
@@ -275,6 +276,15 @@ class _Protocol(asyncio.Protocol):
                 else httpx.RemoteProtocolError("the server closed the connection")
             )
 
+    def quiet(self) -> bool:
+        """Nothing arrived on this idle connection that the loop has yet to deliver. A server
+        that died (kill -9) closed it; a request written there would be lost with it, and could
+        not be told from one the server took, so a fresh connection is made instead."""
+        assert self.transport is not None
+        poller = select.poll()
+        poller.register(self.transport.get_extra_info("socket").fileno(), select.POLLIN)
+        return not poller.poll(0)
+
     def close(self) -> None:
         self.lost = True
         if self.transport is not None:
@@ -332,7 +342,7 @@ class AsyncWire(Endpoint):
         now = time.monotonic()
         while self._idle:
             proto = self._idle.pop()
-            if not proto.lost and now - proto.idle_since < KEEPALIVE_EXPIRY_S:
+            if not proto.lost and now - proto.idle_since < KEEPALIVE_EXPIRY_S and proto.quiet():
                 return proto
             proto.close()
         try:
