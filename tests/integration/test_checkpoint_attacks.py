@@ -383,6 +383,23 @@ async def test_without_the_path_check_criu_still_reaches_no_host_directory(cedge
         await ckpt.kill_user_processes(edge.cgroups, sb.id)
 
 
+async def test_a_checkpoint_of_a_fork_child_copies_nothing_through_its_symlinks(cedge, criu):
+    """A checkpoint of a fork's child merges the fork layer under the copy of the child's
+    writable layer (dsec-copy -n). The child replaced a directory of the fork layer with a
+    symlink to a host directory: the merge must not write the fork layer's files there."""
+    edge = cedge
+    host = Path(cedge.settings.data_dir).parent / "host-dir"
+    host.mkdir()
+    sb = await edge.create(SandboxSpec(image="python"))
+    await run(edge, sb.id, "mkdir -p /work/d/sub && echo evil > /work/d/evil && echo x > /work/d/sub/f")
+    (child,) = await edge.fork(sb.id, 1)
+    await run(edge, child.id, f"rm -rf /work/d && ln -s {host} /work/d && nohup sleep 3600 >/dev/null 2>&1 &")
+    c = await edge.checkpoint(child.id, leave_running=True)
+    assert os.listdir(host) == []
+    fs = edge._checkpoint_dir(c.id) / "fs"
+    assert os.readlink(fs / "work/d") == str(host)  # the child's view, as it was
+
+
 # --- quotas: checkpoints and fork layers are metered -------------------------------------
 
 

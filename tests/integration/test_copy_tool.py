@@ -104,6 +104,36 @@ def test_merge_keeps_upper_entries_and_respects_opaque_dirs(tmp_path: Path) -> N
     assert stat.S_ISCHR(os.lstat(upper / "deleted").st_mode)  # the whiteout wins
 
 
+def test_merge_never_writes_through_an_upper_symlink(tmp_path: Path) -> None:
+    """An upper entry that is not a directory hides the lower directory of that name whole
+    (overlayfs); the merge must not walk into it either: a sandbox's symlink there (to a host
+    directory, absolute or relative) would take every lower entry below it onto the host, and
+    a whiteout there failed the copy."""
+    tool = ensure_copy(tmp_path / "bin")
+    lower, upper = tmp_path / "lower", tmp_path / "upper"
+    for d in ("abs", "rel"):
+        (tmp_path / f"host-{d}").mkdir()
+        (lower / d / "sub").mkdir(parents=True)
+        (lower / d / "evil").write_text("written by the sandbox")
+        (lower / d / "big").write_bytes(b"x" * 20_000_000)  # > one chunk: created in phase 1
+        (lower / d / "sub/deeper").write_text("x")
+        os.symlink("/etc/passwd", lower / d / "lnk")
+        os.mkfifo(lower / d / "fifo")
+        os.link(lower / d / "evil", lower / d / "hard")
+    (lower / "gone/sub").mkdir(parents=True)  # a directory the upper deleted (a whiteout)
+    (lower / "gone/sub/f").write_text("x")
+    upper.mkdir()
+    os.mknod(upper / "gone", stat.S_IFCHR, os.makedev(0, 0))
+    os.symlink(tmp_path / "host-abs", upper / "abs")
+    os.symlink("../host-rel", upper / "rel")
+    r = subprocess.run([str(tool), "-n", str(lower), str(upper)], capture_output=True, text=True)
+    assert os.listdir(tmp_path / "host-abs") == [] and os.listdir(tmp_path / "host-rel") == []
+    assert r.returncode == 0, r.stderr
+    assert os.readlink(upper / "abs") == str(tmp_path / "host-abs")
+    assert os.readlink(upper / "rel") == "../host-rel"
+    assert stat.S_ISCHR(os.lstat(upper / "gone").st_mode)  # and the deleted directory stays deleted
+
+
 def test_copy_reports_failures(tmp_path: Path) -> None:
     tool = ensure_copy(tmp_path / "bin")
     r = subprocess.run(

@@ -155,9 +155,12 @@ static int first_link(const struct stat *st, int entry) {
     return -1;
 }
 
-static int exists_in_dst(const char *path) {
+/* The type of PATH in DST, 0 when absent; never follows a link. Every parent of a path
+ * looked up or created in DST is a directory walk() created or found as one, so no path
+ * of DST resolves through a symlink (see walk). */
+static mode_t dst_type(const char *path) {
     struct stat st;
-    return fstatat(dst_fd, path, &st, AT_SYMLINK_NOFOLLOW) == 0;
+    return fstatat(dst_fd, path, &st, AT_SYMLINK_NOFOLLOW) == 0 ? (st.st_mode & S_IFMT) : 0;
 }
 
 /* An overlayfs opaque directory in DST (everything below it in lower layers is hidden). */
@@ -198,7 +201,8 @@ static int walk(const char *rel) {
             fail("stat", path);
             continue;
         }
-        int skip = no_clobber && exists_in_dst(path);
+        mode_t existing = no_clobber ? dst_type(path) : 0;
+        int skip = existing != 0;
         if (S_ISDIR(st.st_mode)) {
             int i = add_entry(path, &st);
             if (!skip && mkdirat(dst_fd, path, 0700) < 0 && errno != EEXIST) fail("mkdir", path);
@@ -208,7 +212,11 @@ static int walk(const char *rel) {
             if (!skip && fchownat(dst_fd, path, entries[i].st.st_uid, entries[i].st.st_gid, AT_SYMLINK_NOFOLLOW) < 0)
                 fail("chown", path);
             entries[i].skip = skip; /* an existing directory: merge into it, keep its metadata */
-            if (!(skip && is_opaque(path))) walk(entries[i].path); /* an opaque one hides what is below */
+            /* What DST already has there hides this directory whole unless it is a directory
+             * that is not opaque (overlayfs). Above all, a symlink there (a sandbox's, from
+             * its writable layer) is never walked through: it would take every entry below
+             * it out of DST, onto the host. */
+            if (!skip || (S_ISDIR(existing) && !is_opaque(path))) walk(entries[i].path);
             continue;
         }
         int i = add_entry(path, &st);
