@@ -383,6 +383,102 @@ async def test_without_the_path_check_criu_still_reaches_no_host_directory(cedge
         await ckpt.kill_user_processes(edge.cgroups, sb.id)
 
 
+# --- the edge opens nothing by name where CRIU's restored processes can write ------------
+
+# Tree 0, restored first: once the test says go, it waits for the CRIU that restores tree 1
+# (which runs as the sandbox's root id: tree 0 may signal it), stops it right after the edge
+# checked tree 1's paths, swaps tree 1's cwd for a symlink to CRIU's own cwd, wakes tree 1
+# through a FIFO and lets CRIU go on.
+CWD_SWAPPER = r"""
+import os, signal, time
+w = os.open("/work/wake", os.O_RDWR)  # keeps the FIFO's buffer while tree 1 is restored
+open("/tmp/swapper.ready", "w").close()
+while not os.path.exists("/tmp/go"):  # dumped here
+    time.sleep(0.005)
+me, criu = os.getpid(), None
+while criu is None:
+    for p in os.listdir("/proc"):
+        if not p.isdigit() or int(p) in (1, me, os.getppid()):  # the parent: the CRIU of tree 0
+            continue
+        try:
+            argv = open(f"/proc/{p}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"ld-linux" in argv[0] and b"restore" in argv:
+            criu = int(p)
+            break
+os.kill(criu, signal.SIGSTOP)
+os.rename("/work/t1", "/work/t1.old")
+os.symlink("/proc/self/cwd", "/work/t1")
+os.write(w, b"x")  # read by tree 1 as soon as it runs again
+os.kill(criu, signal.SIGCONT)
+time.sleep(3600)
+"""
+
+# Tree 1: restored with its cwd where CRIU's was, it plants `helper.log` (a symlink to a host
+# path to create, or a FIFO that blocks whoever opens it) and `restore.log` (a symlink to a
+# host secret) there: the edge used to append the first there and, after a failure, read
+# both by name as host root. CRIU compares the cwd's mode with the dumped one: the attacker
+# gives its cwd the mode of CRIU's (0700: the per-restore work directory CRIU had; 0755:
+# the images, CRIU's cwd now).
+PLANTER = r"""
+import os, sys, time
+create, secret, how, mode = sys.argv[1:5]
+os.makedirs("/work/t1", exist_ok=True)
+os.chmod("/work/t1", int(mode, 8))
+os.chdir("/work/t1")
+home = os.stat(".").st_dev
+r = os.open("/work/wake", os.O_RDONLY)
+open("/tmp/planter.ready", "w").close()
+os.read(r, 1)  # dumped here; returns once restored and woken
+done = []
+for name, target in (("helper.log", create), ("restore.log", secret)):
+    try:
+        if name == "helper.log" and how == "fifo":
+            os.mkfifo(".planted")
+        else:
+            os.symlink(target, ".planted")
+        os.rename(".planted", name)
+        done.append(name)
+    except OSError as e:
+        done.append(f"{name}: {e.strerror}")
+with open("/tmp/planted", "w") as f:
+    f.write(f"moved={os.stat('.').st_dev != home} {done}\n")
+time.sleep(3600)
+"""
+
+
+@pytest.mark.parametrize(("how", "mode"), [("symlink", "700"), ("fifo", "700"), ("symlink", "755")])
+async def test_a_restored_process_cannot_point_the_edge_s_criu_logs_at_the_host(cedge, criu, how, mode):
+    edge = cedge
+    base = Path(cedge.settings.data_dir).parent
+    create, secret_file = base / "host-created", base / "host-secret"  # the first must not appear
+    secret = "Error (x): " + secrets.token_hex(16)  # a line the log parser would quote
+    secret_file.write_text(secret + "\n")
+    sb = await edge.create(SandboxSpec(image="python"))
+    await put(edge, sb.id, "/tmp/swapper.py", CWD_SWAPPER.encode())
+    await put(edge, sb.id, "/tmp/planter.py", PLANTER.encode())
+    await run(edge, sb.id, "mkdir -p /work && mkfifo /work/wake")
+    await run(edge, sb.id, "nohup python3 /tmp/swapper.py > /tmp/swapper.log 2>&1 &")  # tree 0
+    args = f"{create} {secret_file} {how} {mode}"
+    await run(edge, sb.id, f"nohup python3 /tmp/planter.py {args} > /tmp/p.log 2>&1 &")  # tree 1
+    await wait_file(edge, sb.id, "/tmp/swapper.ready")
+    await wait_file(edge, sb.id, "/tmp/planter.ready")
+    c = await edge.checkpoint(sb.id, leave_running=False)
+    assert [t.cmdline.split()[-1] for t in c.trees] == ["/tmp/swapper.py", mode]
+    await run(edge, sb.id, "touch /tmp/go")
+    with pytest.raises(errors.UnsupportedOperation) as e:
+        await edge.restore(c.id, sandbox_id=sb.id)
+    # refused: by CRIU (the cwd's mode differs) or after it (a restored cwd outside the sandbox)
+    assert e.value.details["reason"] == "file_changed", e.value
+    assert not create.exists()
+    assert secret not in str(e.value)
+    assert secret_file.read_text() == secret + "\n"
+    assert host_holdings(edge, sb.id) == []
+    r = await edge.exec(sb.id, ExecRequest(cmd="echo ok"))  # the edge and the sandbox carry on
+    assert r.stdout == "ok\n"
+
+
 async def test_a_checkpoint_of_a_fork_child_copies_nothing_through_its_symlinks(cedge, criu):
     """A checkpoint of a fork's child merges the fork layer under the copy of the child's
     writable layer (dsec-copy -n). The child replaced a directory of the fork layer with a

@@ -23,16 +23,19 @@ How CRIU runs (CRIU >= 4.2, from Debian forky, unpacked under ``<data>/criu``):
 * restore: as root of the sandbox's own user namespace (setns, then uid/gid 0) with
   ``--unprivileged``, in the same namespaces: restored processes are born in the
   target sandbox's user namespace with the ids and capabilities they had.
-* CRIU holds no descriptor on a host directory. Its binary and libraries, the images
-  directory and (for a restore) a scratch work directory for its log are *detached
-  mounts* (open_tree(OPEN_TREE_CLONE), owned by an anonymous mount namespace, not
-  attached anywhere) reached as ``/proc/self/fd/N/...``: ``..`` at the root of a
-  detached mount stays there, so whatever the sandbox makes CRIU resolve (a symlink to
-  ``/proc/self/cwd/../..`` or ``/proc/<criu>/fd/N/..``) ends inside CRIU's own tree or
-  the images, never on the host. The binary and the images are read-only, nosuid and
-  nodev for a restore (the images are root's, 0644: readable by the restoring root id,
-  writable by no sandbox id); only the per-restore work directory is writable. The
-  helper's output goes to a memfd, copied into ``helper.log`` by the edge.
+* CRIU holds no descriptor on a host directory. Its binary and libraries and the images
+  directory are *detached mounts* (open_tree(OPEN_TREE_CLONE), owned by an anonymous
+  mount namespace, not attached anywhere) reached as ``/proc/self/fd/N/...``: ``..`` at
+  the root of a detached mount stays there, so whatever the sandbox makes CRIU resolve (a
+  symlink to ``/proc/self/cwd/../..`` or ``/proc/<criu>/fd/N/..``) ends inside CRIU's own
+  tree or the images, never on the host. For a restore both are read-only, nosuid and
+  nodev (the images are root's, 0644: readable by the restoring root id, writable by no
+  sandbox id), and nothing CRIU can reach is writable: it logs to its stdout (``-o -``),
+  a memfd the edge reads back (at most LOG_LIMIT bytes). A restored process can end up
+  where CRIU's cwd was (a path swapped for ``/proc/self/cwd`` after the check below, by a
+  tree restored earlier); before, that was a per-restore work directory on the host, in
+  which the edge then opened CRIU's logs by name as root, so the process could point them
+  at any host file.
 * Every path CRIU will open by name (``files.img``: cwd, root, executables, mapped and
   open files, fifos) is checked before a restore, and right after a dump, from the
   sandbox's root with openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS |
@@ -56,7 +59,6 @@ import json
 import os
 import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -84,9 +86,10 @@ from dsec.backends.criu.paths import (
     detached_clone,
     foreign_holdings,
     recorded_files,
+    taken_pids,
 )
 from dsec.backends.criu.runner import _criu_error, _run_criu
-from dsec.errors import InternalError, UnsupportedOperation
+from dsec.errors import UnsupportedOperation
 from dsec.isolation.cgroups import CgroupHost, kill_group
 
 # --- the process trees of a sandbox -----------------------------------------------------
@@ -233,22 +236,6 @@ def _check_dumped(container: SandboxHandle, images_dir: Path, trees: list[TreeIn
         os.close(root)
 
 
-def _host_root_id(container: SandboxHandle) -> int:
-    """The host uid the sandbox's root maps to."""
-    with open(f"/proc/{container.pid}/uid_map") as f:
-        for line in f:
-            inside, outside, count = (int(x) for x in line.split())
-            if inside <= 0 < inside + count:
-                return outside - inside
-    raise InternalError(f"sandbox {container.id} maps no root user")
-
-
-def _make_work_dir(images_dir: Path, tree: str, owner: int) -> Path:
-    work = Path(tempfile.mkdtemp(prefix=f".{tree}-restore-", dir=images_dir))
-    os.chown(work, owner, owner)
-    return work
-
-
 def _check_restored(container: SandboxHandle, cgroups: CgroupHost) -> list[str]:
     pids: list[int] = []
     for d, _, _ in os.walk(cgroups.tracking_dir(container.id)):
@@ -290,11 +277,11 @@ async def dump(
             d.mkdir()
             ns_root = _ns_pid(root)
             cmd = _cmdline(root)
-            args = ["dump", "-t", str(ns_root), "-D", "@IMG@", "-o", "dump.log", "--leave-stopped", *_COMMON]
-            rc = await _run_criu(container, criu, d, args, as_userns_root=False)
+            args = ["dump", "-t", str(ns_root), "-D", "@IMG@", "--leave-stopped", *_COMMON]
+            rc, log = await _run_criu(container, criu, d, args, as_userns_root=False)
             stopped += _tree(root)  # criu leaves the dumped tree stopped (SIGSTOP), also on most errors
             if rc != 0:
-                raise _criu_error(d, "dump.log", "checkpoint", container.id)
+                raise _criu_error(log, "checkpoint", container.id)
             pids = sorted({t for _, _, threads in read_pstree(d) for t in threads})
             _patch_root_userns(d, ns_root)
             trees.append(TreeInfo(d.name, ns_root, pids, cmd))
@@ -358,15 +345,19 @@ async def restore(
     cgroup of the sandbox named `group_name`, created here) and become children of the sandbox's
     init; returns the pids of the restored tree roots inside the sandbox."""
     info = CheckpointInfo.load(images_dir)
-    proc = f"/proc/{container.pid}/root/proc"
     needed = [p for t in info.trees for p in t.pids]
-    deadline = time.monotonic() + 2.0  # processes just killed are reaped by the init shortly
-    while (busy := [p for p in needed if os.path.exists(f"{proc}/{p}")]) and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
+    root = _open_root(container)
+    try:
+        deadline = time.monotonic() + 2.0  # processes just killed are reaped by the init shortly
+        while (busy := taken_pids(root, needed)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+    finally:
+        os.close(root)
     if busy:
+        pid, cmdline = next(iter(busy.items()))
         raise UnsupportedOperation(
-            f"cannot restore into sandbox {container.id}: pid {busy[0]} is taken there by "
-            f"{_cmdline_in(proc, busy[0])!r} and the checkpointed processes need it; restore into a new "
+            f"cannot restore into sandbox {container.id}: pid {pid} is taken there by "
+            f"{cmdline!r} and the checkpointed processes need it; restore into a new "
             "sandbox, or stop that process",
             reason="pid_in_use",
         )
@@ -376,7 +367,6 @@ async def restore(
     targets = _cgroup_targets(cgroups, container.id, group.path)
     restored: list[int] = []
     loop = asyncio.get_running_loop()
-    owner = _host_root_id(container)
     root = _open_root(container)
     try:
         for tree in info.trees:
@@ -386,23 +376,17 @@ async def restore(
             await loop.run_in_executor(
                 None, check_recorded_paths, d, root, "restore a checkpoint into", container.id
             )
-            work = await loop.run_in_executor(None, _make_work_dir, images_dir, tree.dir, owner)
-            try:
-                args = ["restore", "-D", "@IMG@", "-W", "@WORK@", "-o", "restore.log"]
-                rc = await _run_criu(
-                    container,
-                    criu,
-                    d,
-                    [*args, "--restore-detached", "--unprivileged", *_COMMON],
-                    as_userns_root=True,
-                    work=work,
-                    cgroups=targets,
-                    min_pid=min_pid,
-                )
-                if rc != 0:
-                    raise _criu_error(work, "restore.log", "restore a checkpoint into", container.id)
-            finally:
-                await loop.run_in_executor(None, shutil.rmtree, work, True)
+            rc, log = await _run_criu(
+                container,
+                criu,
+                d,
+                ["restore", "-D", "@IMG@", "--restore-detached", "--unprivileged", *_COMMON],
+                as_userns_root=True,
+                cgroups=targets,
+                min_pid=min_pid,
+            )
+            if rc != 0:
+                raise _criu_error(log, "restore a checkpoint into", container.id)
             restored.append(tree.root)
         bad = await loop.run_in_executor(None, _check_restored, container, cgroups)
         if bad:
@@ -418,14 +402,6 @@ async def restore(
     finally:
         os.close(root)
     return restored
-
-
-def _cmdline_in(proc: str, pid: int) -> str:
-    try:
-        with open(f"{proc}/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
-    except OSError:
-        return "?"
 
 
 def _kill_user_processes(cgroups: CgroupHost, sandbox_id: str) -> None:

@@ -100,6 +100,33 @@ def check_recorded_paths(images: Path, root_fd: int, what: str, sandbox: str) ->
             )
 
 
+def taken_pids(root_fd: int, pids: Sequence[int]) -> dict[int, str]:
+    """Which of `pids` live in the sandbox now, with their command lines, as its own /proc
+    shows them (a restore in place needs them free). Opened beneath the sandbox's root
+    following no link, like every path the edge resolves in a sandbox."""
+    try:
+        proc = linux.openat2(root_fd, "proc", os.O_PATH | os.O_DIRECTORY, 0, _RESOLVE_STRICT)
+    except OSError:
+        return {}
+    out = {}
+    try:
+        for pid in pids:
+            try:
+                fd = linux.openat2(proc, f"{pid}/cmdline", os.O_RDONLY | os.O_NONBLOCK, 0, _RESOLVE_STRICT)
+            except OSError:
+                continue
+            try:
+                raw = os.read(fd, 4096) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+            except OSError:
+                raw = b""
+            finally:
+                os.close(fd)
+            out[pid] = raw.replace(b"\0", b" ").decode(errors="replace").strip()[:200] or "?"
+    finally:
+        os.close(proc)
+    return out
+
+
 def _open_root(container: SandboxHandle) -> int:
     """An O_PATH handle on the sandbox's root directory, in its mount namespace."""
     try:

@@ -3,11 +3,9 @@ its failures into coded reasons."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,7 +19,7 @@ from dsec.isolation.procs import run_process_quick
 # --- running CRIU in a sandbox's namespaces ----------------------------------------------
 
 # argv[1]: JSON {ns: {name: fd}, user: fd | null, cgroups: [path], last_pid: fd | null,
-# min_pid: int, exe: [argv with @IMG@ and @WORK@], img: fd, work: fd}. Kept small: started with -S -I.
+# min_pid: int, exe: [argv with @IMG@], img: fd}. Kept small: started with -S -I.
 _HELPER = r"""
 import ctypes, json, os, sys
 a = json.loads(sys.argv[1])
@@ -66,12 +64,17 @@ if a["last_pid"] is not None:
 pid = os.fork()
 if pid == 0:
     os.setsid()
-    img, work = f"/proc/self/fd/{a['img']}", f"/proc/self/fd/{a['work']}"
-    argv = [x.replace("@IMG@", img).replace("@WORK@", work) for x in a["exe"]]
+    img = f"/proc/self/fd/{a['img']}"
+    argv = [x.replace("@IMG@", img) for x in a["exe"]]
     os.execv(argv[0], argv)
 _, st = os.waitpid(pid, 0)
 sys.exit(os.waitstatus_to_exitcode(st))
 """
+
+
+# At most this much of a run's output is read back: CRIU's errors come first, and a restored
+# process that got hold of the log (CRIU's stdout, through a swapped path) may grow it.
+LOG_LIMIT = 256 << 10
 
 
 async def _run_criu(
@@ -81,20 +84,18 @@ async def _run_criu(
     args: list[str],
     *,
     as_userns_root: bool,
-    work: Path | None = None,
     cgroups: Sequence[Path] = (),
     min_pid: int | None = None,
-) -> int:
-    """Run `criu ARGS` in the sandbox's namespaces; CRIU's exit code.
+) -> tuple[int, str]:
+    """Run `criu ARGS` in the sandbox's namespaces; CRIU's exit code and its log.
 
-    ``@IMG@`` and ``@WORK@`` in ARGS name the images directory and the work directory (its
-    log; `images` itself unless `work` is given, in which case the images are read-only).
-    CRIU reaches its tree, the images and the work directory only through detached mounts
-    (see detached_clone), and the helper's output lands in helper.log of the work directory."""
+    ``@IMG@`` in ARGS names the images directory (read-only for a restore). CRIU reaches its
+    tree and the images only through detached mounts (see detached_clone) and logs to its
+    stdout (``-o -``): the helper's and CRIU's output go to a memfd, so the edge opens no
+    file by name where CRIU, or a process it restores, could write."""
     if not container.alive():
         raise UnsupportedOperation(f"sandbox {container.id} is not running", reason="not_running")
     fds: list[int] = []
-    logs = work or images
 
     def keep(fd: int) -> int:
         fds.append(fd)
@@ -107,8 +108,7 @@ async def _run_criu(
         if not container.alive():  # the pid could have been reused between the check and the opens
             raise UnsupportedOperation(f"sandbox {container.id} is not running", reason="not_running")
         root = keep(detached_clone(criu, readonly=True))
-        img = keep(detached_clone(images, readonly=work is not None))
-        wrk = keep(detached_clone(work, readonly=False)) if work is not None else img
+        img = keep(detached_clone(images, readonly=as_userns_root))
         last = keep(os.open("/proc/sys/kernel/ns_last_pid", os.O_RDWR)) if min_pid is not None else None
         spec = {
             "ns": ns,
@@ -117,19 +117,16 @@ async def _run_criu(
             "last_pid": last,
             "min_pid": min_pid or 0,
             "img": img,
-            "work": wrk,
-            "exe": criu_argv(f"/proc/self/fd/{root}", *args),
+            "exe": criu_argv(f"/proc/self/fd/{root}", *args, "-o", "-"),
         }
         argv = [sys.executable, "-S", "-I", "-c", _HELPER, json.dumps(spec)]
-        log = os.memfd_create("dsec-criu-helper", os.MFD_CLOEXEC)  # no host file in CRIU's fd table
+        log = os.memfd_create("dsec-criu-log", os.MFD_CLOEXEC)  # no host file in CRIU's fd table
         try:
             rc = await run_process_quick(argv, log, fds)
-            os.lseek(log, 0, os.SEEK_SET)
-            with open(logs / "helper.log", "ab") as out, open(log, "rb", closefd=False) as src:
-                shutil.copyfileobj(src, out)
+            text = os.pread(log, LOG_LIMIT, 0).decode(errors="replace")
         finally:
             os.close(log)
-        return rc
+        return rc, text
     finally:
         for fd in fds:
             os.close(fd)
@@ -164,13 +161,9 @@ _REASONS = [
 ]
 
 
-def _criu_error(images: Path, log_name: str, what: str, sandbox: str) -> UnsupportedOperation:
-    text = ""
-    with contextlib.suppress(OSError):
-        text = (images / log_name).read_text(errors="replace")
-    with contextlib.suppress(OSError):
-        text += (images / "helper.log").read_text(errors="replace")
-    lines = [ln for ln in text.splitlines() if "Error" in ln or "dsec-criu-helper" in ln]
+def _criu_error(log: str, what: str, sandbox: str) -> UnsupportedOperation:
+    """The coded refusal for a failed CRIU run, from its log (see _run_criu)."""
+    lines = [ln for ln in log.splitlines() if "Error" in ln or "dsec-criu-helper" in ln]
     # Noise of CRIU's probes in a sandbox, and the generic last words.
     noise = r"tun\.c|RLIMIT_NOFILE|cgroupd|kerndat|FAILED|killed by signal|Unable to detach"
     errs = [ln.split("): ", 1)[-1].strip() for ln in lines if not re.search(noise, ln)]
