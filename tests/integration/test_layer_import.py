@@ -320,6 +320,24 @@ def test_an_untrusted_layer_stream_cannot_whiteout_its_way_out(dsec_dir: Path, e
     assert not os.path.lexists(dsec_dir / ".wh..wh..opq")
 
 
+def test_an_untrusted_layer_stream_cannot_inflate_a_sparse_header(dsec_dir: Path) -> None:
+    """A sparse member's header claims its full size while the stream holds only its data
+    blocks: a few KiB of a guest's layer stream would be written out here as the whole size
+    in zeros. The guest's archiver never writes one: refused, before any of it is written."""
+    src = dsec_dir / "src"
+    src.mkdir()
+    with open(src / "hole", "wb") as f:
+        f.truncate(256 << 20)
+    argv = ["tar", "--sparse", "-c", "-C", str(src), "hole"]
+    stream = subprocess.run(argv, check=True, capture_output=True)
+    assert len(stream.stdout) < 100_000
+    stage = dsec_dir / "stage"
+    stage.mkdir()
+    with pytest.raises(errors.InvalidRequest, match="sparse"):
+        unpack_layer_stream(io.BytesIO(stream.stdout), stage, "a guest's layer")
+    assert not (stage / "hole").exists()
+
+
 def test_device_nodes_other_than_whiteouts_are_skipped(dsec_dir: Path) -> None:
     store = LayerStore(dsec_dir / "dsec-store")
     tar = dsec_dir / "dsec-dev.tar"

@@ -22,7 +22,7 @@ Hostile content, bounded work:
 * Listings stop at MAX_LIST entries; recursive deletes never cross a mount
   (each directory is opened with RESOLVE_NO_XDEV); archives are built here,
   on the host, from the same descriptors (never with the sandbox's own tar),
-  into a bounded spool file.
+  through `dsec.edge.tarcheck.CleanTar` into a bounded spool file.
 * Everything that may take long (reads, listings, deletes, archives) runs in
   a small thread pool of its own, off the event loop, on a duplicate of the
   root descriptor (so a sandbox stopped meanwhile cannot make it resolve
@@ -49,6 +49,7 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 from dsec import errors
 from dsec.aio import wait_for
+from dsec.edge.tarcheck import CleanTar
 from dsec.isolation import linux
 from dsec.isolation.procs import fd_ready
 from dsec.models import FileStat
@@ -441,7 +442,7 @@ class SandboxFiles:
         pp = PurePosixPath(path)
         spool = tempfile.TemporaryFile(prefix="dsec-archive-")  # noqa: SIM115 - handed to the caller
         try:
-            with tarfile.open(fileobj=spool, mode="w|", format=tarfile.GNU_FORMAT) as tf:
+            with CleanTar(spool, f"the archive of {path}", max_bytes, MAX_ARCHIVE_ENTRIES) as tf:
                 budget = _Budget(path, max_bytes)
                 if pp == PurePosixPath("/"):
                     with self._open("/", os.O_RDONLY | os.O_DIRECTORY) as fd:
@@ -471,7 +472,7 @@ class SandboxFiles:
             spool.close()
             raise
 
-    def _tar_dir(self, tf: tarfile.TarFile, fd: int, arcname: str, budget: _Budget) -> None:
+    def _tar_dir(self, tf: CleanTar, fd: int, arcname: str, budget: _Budget) -> None:
         st = os.fstat(fd)
         tf.addfile(self._info(arcname, st, tarfile.DIRTYPE))
         budget.entry(arcname)
@@ -479,7 +480,7 @@ class SandboxFiles:
             self._tar_entry(tf, fd, name, f"{arcname}/{name}", est, budget)  # "./a/b", as tar -C dir .
 
     def _tar_entry(
-        self, tf: tarfile.TarFile, dfd: int, name: str, arcname: str, st: os.stat_result, budget: _Budget
+        self, tf: CleanTar, dfd: int, name: str, arcname: str, st: os.stat_result, budget: _Budget
     ) -> None:
         m = st.st_mode
         if stat.S_ISDIR(m):
@@ -513,10 +514,7 @@ class SandboxFiles:
                 info.size = fst.st_size
                 # Exactly st_size bytes go in, whatever the file does meanwhile (grown: cut; shrunk: zeros).
                 tf.addfile(info, _Exactly(f, fst.st_size))
-        elif stat.S_ISFIFO(m):
-            budget.entry(arcname)
-            tf.addfile(self._info(arcname, st, tarfile.FIFOTYPE))
-        # sockets and device nodes are left out: nothing a sandbox can recreate from a tar
+        # FIFOs, sockets and device nodes are left out: not data (dsec.edge.tarcheck)
 
     def _info(self, arcname: str, st: os.stat_result, kind: bytes) -> tarfile.TarInfo:
         info = tarfile.TarInfo(arcname)

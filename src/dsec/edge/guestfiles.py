@@ -5,7 +5,10 @@ the image's own coreutils, findutils and tar, whose output comes back through th
 channel. What a sandbox could make them say is what it could have written into its files
 anyway, so nothing here is trusted beyond that: sizes are capped on the host side, names
 travel NUL-separated, paths are argv (never shell text), the tools are looked up on the
-distribution's PATH only (not /usr/local/bin) and a call ends within TOOL_TIMEOUT_S.
+distribution's PATH only (not /usr/local/bin) and a call ends within TOOL_TIMEOUT_S. What
+they print is checked before it leaves the edge: a listing's names and every stat's numbers
+(`_plausible`), and an archive is parsed and rebuilt (dsec.edge.tarcheck), never forwarded
+as the guest wrote it (its tar may write anything: absolute names, `..`, links out).
 
 The semantics follow `dsec.edge.files.SandboxFiles` (the host-side implementation): the
 same errors for the same conditions, listings sorted and capped, deletes that refuse a
@@ -14,14 +17,17 @@ user."""
 
 from __future__ import annotations
 
+import io
+import math
 import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import PurePosixPath
 from typing import IO
 
 from dsec import errors
-from dsec.edge.files import MAX_LIST, MAX_READ, _norm, replace_once
+from dsec.edge.files import MAX_ARCHIVE_ENTRIES, MAX_LIST, MAX_READ, _norm, off_loop, replace_once
 from dsec.edge.process import RawResult
+from dsec.edge.tarcheck import rebuild
 from dsec.models import ExecRequest, FileStat
 
 Runner = Callable[[ExecRequest, bytes | None, int], Awaitable[RawResult]]
@@ -70,12 +76,29 @@ def _stat(fields: bytes, path: str | None = None) -> FileStat:
     directory `path` (with `path` its parent: a listing)."""
     try:
         kind, size, mode, mtime, uid, gid, name = fields.decode(errors="surrogateescape").split("\t", 6)
-        return _file_stat(kind, int(size), int(mode, 8), float(mtime), int(uid), int(gid), name, path)
+        st = _file_stat(kind, int(size), int(mode, 8), float(mtime), int(uid), int(gid), name, path)
+        _plausible(st, listing=path is None)
+        return st
     except ValueError as e:  # the image's find is not GNU find, or something replaced it
         raise errors.InvalidRequest(
-            f"the sandbox's find printed {fields[:80]!r}, not a file's metadata; "
+            f"the sandbox's find printed {fields[:80]!r}, not a file's metadata ({e}); "
             "the file API needs GNU findutils in the image"
         ) from e
+
+
+def _plausible(st: FileStat, listing: bool) -> None:
+    """What the sandbox's find printed is checked like any of its output: numbers a file
+    can have, and in a listing a name of one entry (no '/', '.', '..' or nothing)."""
+    if not 0 <= st.size < 2**63:
+        raise ValueError(f"size {st.size}")
+    if not 0 <= st.mode <= 0o7777:
+        raise ValueError(f"mode {st.mode:o}")
+    if not (math.isfinite(st.mtime) and abs(st.mtime) < 2**40):
+        raise ValueError(f"mtime {st.mtime}")
+    if not (0 <= st.uid < 2**32 and 0 <= st.gid < 2**32):
+        raise ValueError(f"owner {st.uid}:{st.gid}")
+    if listing and (st.name in ("", ".", "..") or "/" in st.name):
+        raise ValueError(f"entry name {st.name[:80]!r}")
 
 
 def _file_stat(
@@ -153,6 +176,8 @@ class GuestFiles:
                 f"exec (e.g. `ls {path} | head`) or the archive download"
             )
         out = [_stat(e) for e in entries]
+        if len({st.name for st in out}) != len(out):
+            raise errors.InvalidRequest(f"the sandbox's find listed an entry of {path} twice")
         for st in out:
             st.path = str(PurePosixPath(path) / st.name)
         return sorted(out, key=lambda st: st.name)
@@ -169,9 +194,9 @@ class GuestFiles:
 
     async def archive(self, path: str, max_bytes: int = MAX_READ) -> IO[bytes]:
         """A tar of `path` (a directory's contents, or one file or link) made by the image's
-        tar inside, into an unlinked spool file (rewound); beyond `max_bytes`, a clear 413.
-        (It passes through the edge's memory: capped at MAX_READ, not the host archive's
-        MAX_ARCHIVE.)"""
+        tar inside and rebuilt here (dsec.edge.tarcheck) into an unlinked spool file
+        (rewound); beyond `max_bytes`, a clear 413. (It passes through the edge's memory:
+        capped at MAX_READ, not the host archive's MAX_ARCHIVE.)"""
         path = _norm(path)
         st = await self.stat(path)
         pp = PurePosixPath(path)
@@ -185,6 +210,13 @@ class GuestFiles:
                 f"{path} holds more than {max_bytes} bytes; archive a subdirectory, or use exec"
             )
         spool = tempfile.TemporaryFile(prefix="dsec-archive-")  # noqa: SIM115 - handed to the caller
-        spool.write(res.stdout)
-        spool.seek(0)
-        return spool
+        try:  # the guest's tar is the agent's: parsed and rebuilt, never forwarded as it came
+            what = f"the archive of {path}"
+            await off_loop(
+                lambda: rebuild(io.BytesIO(res.stdout), spool, what, max_bytes, MAX_ARCHIVE_ENTRIES)
+            )
+            spool.seek(0)
+            return spool
+        except BaseException:
+            spool.close()
+            raise

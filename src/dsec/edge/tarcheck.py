@@ -100,10 +100,12 @@ class CleanTar:
             raise errors.InvalidRequest(f"{self.what}: member {info.name[:200]!r} is cut short ({e})") from e
 
     def close(self) -> None:
-        self.tree.check_links()
-        for link in self._links:
-            self._tf.addfile(link)
-        self._tf.close()
+        try:
+            self.tree.check_links()
+            for link in self._links:
+                self._tf.addfile(link)
+        finally:  # (after a refusal too: the stream is done with; what it wrote is discarded)
+            self._tf.close()
 
 
 def _header(info: tarfile.TarInfo, name: str) -> tarfile.TarInfo:

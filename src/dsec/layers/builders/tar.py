@@ -52,11 +52,14 @@ class _Extractor:
     Entries are created with ``O_NOFOLLOW``/``O_EXCL`` under parents that are checked to be
     real directories (never symlinks), and hard links must name an entry already inside the
     tree. Ownership is kept numerically (container-side). With ``oci=True``, OCI whiteouts
-    are turned into overlayfs ones."""
+    are turned into overlayfs ones. With ``sparse=False`` a sparse member is refused: its
+    header can claim any size with no data behind it (a few blocks of stream, terabytes of
+    zeros written here)."""
 
-    def __init__(self, dest: Path, *, oci: bool, what: str) -> None:
+    def __init__(self, dest: Path, *, oci: bool, what: str, sparse: bool = True) -> None:
         self.dest = os.fspath(dest)
         self.oci = oci
+        self.sparse = sparse
         self.what = what
         self.safe_dirs: set[str] = {""}
         self.dir_times: dict[str, int] = {}
@@ -114,6 +117,10 @@ class _Extractor:
 
     def member(self, tf: tarfile.TarFile, m: tarfile.TarInfo) -> None:
         rel = _safe_relpath(m.name, f"{self.what}: member")
+        if m.issparse() and not self.sparse:
+            raise errors.InvalidRequest(
+                f"{self.what}: member {m.name[:200]!r} is a sparse file; the guest's archiver makes none"
+            )
         if self.oci and self._oci_whiteout(rel):
             return
         if rel == "":
@@ -270,8 +277,9 @@ def unpack_layer_stream(src: BinaryIO, dest: Path, what: str) -> dict[str, Any]:
     """Unpack an OCI layer tar that nothing vouches for (a guest's writable layer, say) from
     ``src`` into ``dest``, as ``import_tarball_layer`` unpacks a tarball: nothing outside
     ``dest``, nothing through a symlink, OCI whiteouts as overlayfs ones, device nodes left
-    out. Owners stay as archived (container-side). What it held, for the layer's source."""
-    ex = _Extractor(dest, oci=True, what=what)
+    out, sparse members refused. Owners stay as archived (container-side). What it held,
+    for the layer's source."""
+    ex = _Extractor(dest, oci=True, what=what, sparse=False)
     try:
         with tarfile.open(fileobj=src, mode="r|", bufsize=_CHUNK) as tf:
             ex.run(tf)
