@@ -25,6 +25,7 @@ from dsec.client import (
     SandboxInfo,
     SessionResult,
     _base,
+    _stream,
     config,
 )
 from dsec.models import Entry, Trajectory
@@ -609,10 +610,10 @@ def test_exec_stream_errors(client: Client, fake: FakeDsec) -> None:
 
 
 def test_sse_decoder_multiline_data() -> None:
-    decoder = _base.SSEDecoder()
+    decoder = _stream.SSEDecoder()
     lines = ["event: result", "data: {", 'data: "a": 1}', ""]
     events = [e for e in (decoder.feed(line) for line in lines) if e is not None]
-    assert events == [_base.SSEEvent("result", '{\n"a": 1}')]
+    assert events == [_stream.SSEEvent("result", '{\n"a": 1}')]
     assert decoder.flush() is None
 
 

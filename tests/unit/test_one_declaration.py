@@ -1,7 +1,7 @@
 """Each operation is declared once, or checked against its other statements here (issue #12):
 
 - every express lane is derived from a FastAPI route (method, path, body model, endpoint);
-- every request the SDK builds (dsec.client._base) and every request the apiserver's edge
+- every request the SDK builds (dsec.client._calls) and every request the apiserver's edge
   client sends (HttpEdge) hits a route the server declares, with that method;
 - LocalEdge and HttpEdge implement every operation of EdgeAPI, with its parameters;
 - the sync and async SDKs offer the same calls with the same parameters and defaults.
@@ -20,7 +20,7 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
 import dsec.client._async as sdk_async
-import dsec.client._base as sdk_base
+import dsec.client._calls as sdk_calls
 import dsec.client._sync as sdk_sync
 from dsec.apiserver.app import create_api_app
 from dsec.apiserver.edges import HttpEdge
@@ -88,7 +88,7 @@ def _requests_in(module_file: str) -> list[tuple[str, str, int]]:
     """(method, path with every variable part as `x1`, line) of every call in the file shaped
     like `f("METHOD", path, ...)`: the SDK's Request(...), HttpEdge's self._call(...)."""
     tree = ast.parse(Path(module_file).read_text())
-    namespace = vars(sdk_base)
+    namespace = vars(sdk_calls)
     out = []
 
     def path_of(node: ast.expr) -> str | None:
@@ -118,7 +118,7 @@ def _served(app: FastAPI, method: str, path: str) -> bool:
 
 
 def test_every_sdk_request_hits_a_declared_route(api_app: FastAPI) -> None:
-    requests = _requests_in(sdk_base.__file__)
+    requests = _requests_in(sdk_calls.__file__)
     assert len(requests) >= 40
     missing = [f"{m} {p} (line {n})" for m, p, n in requests if not _served(api_app, m, p)]
     assert not missing, f"the SDK sends requests no route of the apiserver declares: {missing}"

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from dsec import errors
-from dsec.client import AsyncClient, Client, _base
+from dsec.client import AsyncClient, Client, _base, _calls
 from dsec.client._wire import AsyncWire, Wire, usable
 
 
@@ -197,7 +197,7 @@ def test_the_sdk_takes_the_fast_path_and_maps_errors(server: str) -> None:
 
 
 def _missing() -> _base.Call[Any]:
-    return _base.Call(_base.Request("GET", "/v1/missing"), _base._json)
+    return _base.Call(_base.Request("GET", "/v1/missing"), _calls._json)
 
 
 def test_when_the_fast_path_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,8 +14,9 @@ from typing import Any, Unpack
 import httpx
 
 from dsec import errors
-from dsec.client import _base
-from dsec.client._base import Call, Request, SpecOptions, StepArg, T
+from dsec.client import _base, _calls, _stream
+from dsec.client._base import Call, Request, T
+from dsec.client._calls import SpecOptions, StepArg
 from dsec.client._wire import AsyncWire, usable
 from dsec.models import (
     BackendInfo,
@@ -168,13 +169,13 @@ class AsyncClient(_base.AsyncEndsOnExit):
         sends it again with the same key (which answers with what it made, or makes it now)
         and stops that, in the background; `aclose()` waits for it. With your own key it is
         left to you: send the create again with the key to find it."""
-        full = _base.build_spec(_base.snapshot_image(snapshot) or image, spec)
+        full = _calls.build_spec(_calls.snapshot_image(snapshot) or image, spec)
         if idempotency_key is not None:
-            info = await self._call(_base.create(full, idempotency_key))
+            info = await self._call(_calls.create(full, idempotency_key))
             return AsyncSandbox(self, info.id, info)
-        key = _base.new_idempotency_key()
+        key = _calls.new_idempotency_key()
         try:
-            info = await self._call(_base.create(full, key))
+            info = await self._call(_calls.create(full, key))
         except asyncio.CancelledError:
             self._undo_create(full, key)
             raise
@@ -188,8 +189,8 @@ class AsyncClient(_base.AsyncEndsOnExit):
 
         async def undo() -> None:
             try:
-                info = await self._call(_base.create(spec, key))
-                await self._call(_base.stop(info.id))
+                info = await self._call(_calls.create(spec, key))
+                await self._call(_calls.stop(info.id))
             except Exception as e:  # (refused, say: then it made nothing)
                 log.warning("undoing a cancelled create (Idempotency-Key %s): %s", key, e)
 
@@ -207,8 +208,8 @@ class AsyncClient(_base.AsyncEndsOnExit):
         """
         if concurrency < 1:
             raise errors.InvalidRequest(f"concurrency must be >= 1, got {concurrency}")
-        full = _base.build_spec(image, spec)
-        chunks = _base.chunk_sizes(n)
+        full = _calls.build_spec(image, spec)
+        chunks = _calls.chunk_sizes(n)
         if not chunks:
             return []
         results: list[list[SandboxInfo]] = [[] for _ in chunks]
@@ -220,7 +221,7 @@ class AsyncClient(_base.AsyncEndsOnExit):
                 if failures:  # a batch failed: launch no more
                     return
                 try:
-                    batch = await self._call(_base.create_batch(chunks[index], full))
+                    batch = await self._call(_calls.create_batch(chunks[index], full))
                 except Exception as exc:
                     failures.append(exc)
                     return
@@ -244,7 +245,7 @@ class AsyncClient(_base.AsyncEndsOnExit):
 
     async def get(self, sandbox_id: str) -> AsyncSandbox:
         """A handle on an existing sandbox; raises :class:`errors.SandboxNotFound` if there is none."""
-        info = await self._call(_base.get(sandbox_id))
+        info = await self._call(_calls.get(sandbox_id))
         return AsyncSandbox(self, info.id, info)
 
     def sandbox(self, sandbox_id: str) -> AsyncSandbox:
@@ -254,71 +255,71 @@ class AsyncClient(_base.AsyncEndsOnExit):
     async def list(
         self, *, project: str | None = None, labels: dict[str, str] | None = None
     ) -> list[SandboxInfo]:
-        return await self._call(_base.list_sandboxes(project, labels))
+        return await self._call(_calls.list_sandboxes(project, labels))
 
     async def stop_many(self, ids: builtins.list[str]) -> None:
         """Stop sandboxes by id; ids that are already gone are ignored."""
-        for start in range(0, len(ids), _base.STOP_BATCH_MAX):
-            _base.stop_batch_raise(
-                await self._call(_base.stop_batch(ids[start : start + _base.STOP_BATCH_MAX]))
+        for start in range(0, len(ids), _calls.STOP_BATCH_MAX):
+            _calls.stop_batch_raise(
+                await self._call(_calls.stop_batch(ids[start : start + _calls.STOP_BATCH_MAX]))
             )
 
     # ------------------------------------------------------------------ cluster
 
     async def images(self) -> builtins.list[dict[str, Any]]:
-        return await self._call(_base.images())
+        return await self._call(_calls.images())
 
     async def backends(self) -> builtins.list[BackendInfo]:
         """The isolation tiers (`create(backend=...)`): capabilities, and whether emulated."""
-        return await self._call(_base.backends())
+        return await self._call(_calls.backends())
 
     async def edges(self) -> builtins.list[EdgeStatus]:
-        return await self._call(_base.edges())
+        return await self._call(_calls.edges())
 
     async def health(self) -> dict[str, Any]:
-        return await self._call(_base.health())
+        return await self._call(_calls.health())
 
     async def version(self) -> str:
-        return await self._call(_base.version())
+        return await self._call(_calls.version())
 
     async def rotate_token(self, principal: str | None = None) -> str:
         """A new token for `principal` (a name or id; admins only) or, by default, for the
         caller. It is returned only here; the old one stops working at once, so a client that
         rotated its own token needs a new Client with the new one."""
-        return await self._call(_base.rotate_token(principal))
+        return await self._call(_calls.rotate_token(principal))
 
     async def revoke_token(self, principal: str | None = None) -> None:
         """Revoke `principal`'s token (admins only) or, by default, the caller's own (a leaked
         one): it stops working at once; an admin can issue a new one with rotate_token."""
-        await self._call(_base.revoke_token(principal))
+        await self._call(_calls.revoke_token(principal))
 
     async def whoami(self) -> dict[str, Any]:
         """The principal this client's token belongs to: its id, name, admin flag, projects."""
-        return await self._call(_base.whoami())
+        return await self._call(_calls.whoami())
 
     async def pause_project(self, project: str) -> builtins.list[str]:
         """Pause every sandbox of a project (a preempted job) in one call; their ids."""
-        return await self._call(_base.pause_project(project))
+        return await self._call(_calls.pause_project(project))
 
     async def snapshots(self) -> builtins.list[dict[str, Any]]:
-        return await self._call(_base.snapshots())
+        return await self._call(_calls.snapshots())
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
-        await self._call(_base.delete_snapshot(snapshot_id))
+        await self._call(_calls.delete_snapshot(snapshot_id))
 
     async def checkpoints(self) -> builtins.list[Checkpoint]:
-        return await self._call(_base.checkpoints())
+        return await self._call(_calls.checkpoints())
 
     async def restore(
         self, checkpoint_id: str, *, sandbox_id: str | None = None, labels: dict[str, str] | None = None
     ) -> AsyncSandbox:
         """Restore a memory checkpoint: into a new sandbox with the checkpoint's files and spec
         (the default), or into the running sandbox `sandbox_id`, whose processes it replaces."""
-        info = await self._call(_base.restore(checkpoint_id, sandbox_id, labels))
+        info = await self._call(_calls.restore(checkpoint_id, sandbox_id, labels))
         return AsyncSandbox(self, info.id, info)
 
     async def delete_checkpoint(self, checkpoint_id: str) -> None:
-        await self._call(_base.delete_checkpoint(checkpoint_id))
+        await self._call(_calls.delete_checkpoint(checkpoint_id))
 
     async def announce_capacity(
         self,
@@ -343,28 +344,28 @@ class AsyncClient(_base.AsyncEndsOnExit):
             cpu=cpu,
             memory_mb=memory_mb,
         )
-        return await self._call(_base.announce_capacity(req))
+        return await self._call(_calls.announce_capacity(req))
 
     async def capacity(self) -> builtins.list[Burst]:
         """Announced bursts (of the caller's projects; admins: all) and what was done for each."""
-        return await self._call(_base.capacity())
+        return await self._call(_calls.capacity())
 
     async def cancel_capacity(self, burst_id: str) -> Burst:
         """Cancel an announced burst: it no longer counts against its project's quota and its
         pre-warmed pool sandboxes are given back."""
-        return await self._call(_base.cancel_capacity(burst_id))
+        return await self._call(_calls.cancel_capacity(burst_id))
 
     async def drain_edge(self, name: str) -> dict[str, Any]:
         """Admins: edge ``name`` takes no new placements; its sandboxes keep working."""
-        return await self._call(_base.drain_edge(name))
+        return await self._call(_calls.drain_edge(name))
 
     async def undrain_edge(self, name: str) -> dict[str, Any]:
         """Admins: edge ``name`` takes placements again."""
-        return await self._call(_base.undrain_edge(name))
+        return await self._call(_calls.undrain_edge(name))
 
     async def prewarm(self, count: int, image: str = "python", **spec: Unpack[SpecOptions]) -> dict[str, Any]:
         """Keep ``count`` sandboxes of this spec warm in a pool; returns the PoolInfo."""
-        return await self._call(_base.prewarm(count, _base.build_spec(image, spec)))
+        return await self._call(_calls.prewarm(count, _calls.build_spec(image, spec)))
 
     # ------------------------------------------------------------------ lifetime
 
@@ -396,7 +397,7 @@ class AsyncSandbox(_base.AsyncEndsOnExit):
         state = self.info.state.value if self.info else "?"
         return f"AsyncSandbox(id={self.id!r}, state={state!r})"
 
-    async def exec(self, cmd: str | list[str], **opts: Unpack[_base.ExecOptions]) -> ExecResult:
+    async def exec(self, cmd: str | list[str], **opts: Unpack[_calls.ExecOptions]) -> ExecResult:
         """Run a command (a shell string or an argv list) to completion.
 
         With `step=(trajectory id, index)` the call is logged under that tag: sent again
@@ -404,40 +405,40 @@ class AsyncSandbox(_base.AsyncEndsOnExit):
         without running twice. Untagged calls are never retried. With `trusted=True` it runs
         with the image's own toolchain (read-only), the sandbox's files only in `task_dirs`
         (default /work and the workdir), as a platform uid, in a clean environment."""
-        req = _base.exec_request(cmd, opts, _base.ExecOptions)
-        return await self._client._call(_base.exec_(self.id, req))
+        req = _calls.exec_request(cmd, opts, _calls.ExecOptions)
+        return await self._client._call(_calls.exec_(self.id, req))
 
     def exec_stream(
-        self, cmd: str | list[str], **opts: Unpack[_base.StreamOptions]
+        self, cmd: str | list[str], **opts: Unpack[_calls.StreamOptions]
     ) -> AsyncIterator[tuple[str, str | ExecResult]]:
         """Run a command, yielding ``("stdout"/"stderr", chunk)`` as it runs, then ``("result", ExecResult)``.
 
         Never retried. Closing the iterator early closes the HTTP stream.
         """
-        req = _base.exec_request(cmd, opts, _base.StreamOptions)
-        return self._stream(_base.exec_stream(self.id, req))
+        req = _calls.exec_request(cmd, opts, _calls.StreamOptions)
+        return self._stream(_calls.exec_stream(self.id, req))
 
     async def _stream(self, req: Request) -> AsyncIterator[tuple[str, str | ExecResult]]:
         client = self._client
         used, response = await client._send(req, stream=True)
         try:
-            decoder = _base.SSEDecoder()
+            decoder = _stream.SSEDecoder()
             try:
                 async for line in response.aiter_lines():
                     event = decoder.feed(line)
-                    if event is not None and (item := _base.exec_event(event)) is not None:
+                    if event is not None and (item := _stream.exec_event(event)) is not None:
                         yield item
                         if item[0] == "result":
                             return
             except httpx.TransportError as exc:
                 raise client._base._lost(exc, used) from exc
             event = decoder.flush()
-            if event is not None and (item := _base.exec_event(event)) is not None:
+            if event is not None and (item := _stream.exec_event(event)) is not None:
                 yield item
                 if item[0] == "result":
                     return
             client._base.failover(used)
-            raise _base.stream_ended_early()
+            raise _stream.stream_ended_early()
         finally:
             await response.aclose()
 
@@ -445,74 +446,74 @@ class AsyncSandbox(_base.AsyncEndsOnExit):
         self, kind: str = "bash", *, env: dict[str, str] | None = None, cwd: str | None = None
     ) -> AsyncSession:
         """Start a persistent shell (``bash``) or interpreter (``python``) in the sandbox."""
-        info = await self._client._call(_base.session_create(self.id, kind, env, cwd))
+        info = await self._client._call(_calls.session_create(self.id, kind, env, cwd))
         return AsyncSession(self._client, self.id, info)
 
     async def sessions(self) -> list[SessionInfo]:
-        return await self._client._call(_base.session_list(self.id))
+        return await self._client._call(_calls.session_list(self.id))
 
     async def pause(self) -> SandboxInfo:
         """Freeze the sandbox and give back its reclaimable memory; any later call resumes it."""
-        self.info = await self._client._call(_base.pause(self.id))
+        self.info = await self._client._call(_calls.pause(self.id))
         return self.info
 
     async def resume(self) -> SandboxInfo:
-        self.info = await self._client._call(_base.resume(self.id))
+        self.info = await self._client._call(_calls.resume(self.id))
         return self.info
 
     async def snapshot(self, scrub: list[str] | None = None) -> SnapshotInfo:
         """Pack the sandbox's files as an immutable snapshot (`scrub` paths left out);
         restore with `client.create(snapshot=info.id)`."""
-        return await self._client._call(_base.snapshot(self.id, list(scrub or [])))
+        return await self._client._call(_calls.snapshot(self.id, list(scrub or [])))
 
     async def fork(self, n: int = 1) -> list[AsyncSandbox]:
         """`n` new sandboxes from this one's current files, each independent afterwards."""
-        infos = await self._client._call(_base.fork(self.id, n))
+        infos = await self._client._call(_calls.fork(self.id, n))
         return [AsyncSandbox(self._client, i.id, i) for i in infos]
 
     async def set_network(self, policy: NetworkPolicy | dict[str, Any] | None) -> dict[str, Any]:
         """Replace the egress allowlist while the sandbox runs (None: loopback only again);
         returns the policy and its counters."""
-        p = policy if policy is None or isinstance(policy, NetworkPolicy) else _base.validated_policy(policy)
-        return await self._client._call(_base.set_network(self.id, p))
+        p = policy if policy is None or isinstance(policy, NetworkPolicy) else _calls.validated_policy(policy)
+        return await self._client._call(_calls.set_network(self.id, p))
 
     async def network(self) -> dict[str, Any]:
         """The egress policy and its counters (denied packets, DNS answers given and refused)."""
-        return await self._client._call(_base.network(self.id))
+        return await self._client._call(_calls.network(self.id))
 
     async def protect(self, paths: list[str]) -> list[str]:
         """Move `paths` (graders, reference answers) out of the sandbox: its processes cannot
         read them any more; `verify()` runs one command with them back."""
-        return await self._client._call(_base.protect(self.id, list(paths)))
+        return await self._client._call(_calls.protect(self.id, list(paths)))
 
-    async def verify(self, cmd: str | list[str], **opts: Unpack[_base.VerifyOptions]) -> ExecResult:
+    async def verify(self, cmd: str | list[str], **opts: Unpack[_calls.VerifyOptions]) -> ExecResult:
         """The platform's verification step: every process of the sandbox is killed, then
         `cmd` runs trusted (the image's own toolchain, the sandbox's files only in `task_dirs`,
         the protected paths read-only, as the platform's uid; `user` is refused)."""
-        req = _base.exec_request(cmd, opts, _base.VerifyOptions, timeout=300)
-        return await self._client._call(_base.verify(self.id, req))
+        req = _calls.exec_request(cmd, opts, _calls.VerifyOptions, timeout=300)
+        return await self._client._call(_calls.verify(self.id, req))
 
     async def checkpoint(self, *, leave_running: bool = True) -> Checkpoint:
         """Checkpoint the sandbox's processes (memory, CRIU) with a copy of its files; restore
         with `client.restore(checkpoint.id)` (a new sandbox) or `restore(id, sandbox_id=...)`.
         Only processes running on their own qualify (start them with `nohup CMD > FILE 2>&1 &`);
         anything else raises UnsupportedOperation with `details["reason"]`."""
-        return await self._client._call(_base.checkpoint(self.id, leave_running))
+        return await self._client._call(_calls.checkpoint(self.id, leave_running))
 
     async def trajectory(self, *, after_seq: int = 0, limit: int | None = None) -> Trajectory:
         """The sandbox's logged operations in order (`.entries`, each an `Entry`) and counts
         (`.stats`: acknowledged, recorded, lost, pending); `t["entries"]` reads as before."""
-        return await self._client._call(_base.trajectory(self.id, after_seq, limit))
+        return await self._client._call(_calls.trajectory(self.id, after_seq, limit))
 
     async def trajectory_export(self, format: str = "jsonl") -> bytes:
         """The trajectory as JSON Lines or Parquet bytes."""
-        return await self._client._call(_base.trajectory_export(self.id, format))
+        return await self._client._call(_calls.trajectory_export(self.id, format))
 
     async def replay(self, trajectory: Trajectory) -> dict[str, Any]:
         """Run another sandbox's logged execs and edits here, in order, with their step tags
         (to rebuild a sandbox whose edge was lost from its shipped log). Stops at the first
         that fails. Returns {"replayed": n, "skipped": [(seq, why), ...]}."""
-        steps, skipped = _base.replay_plan(trajectory)
+        steps, skipped = _calls.replay_plan(trajectory)
         for s in steps:
             if s.op == "exec":
                 r = await self.exec(**s.args)
@@ -525,13 +526,13 @@ class AsyncSandbox(_base.AsyncEndsOnExit):
         return {"replayed": len(steps), "skipped": skipped}
 
     async def refresh(self) -> SandboxInfo:
-        self.info = await self._client._call(_base.get(self.id))
+        self.info = await self._client._call(_calls.get(self.id))
         return self.info
 
     async def stop(self) -> None:
         """Stop and remove the sandbox. Idempotent: stopping a gone sandbox is not an error."""
         with contextlib.suppress(errors.SandboxNotFound):
-            await self._client._call(_base.stop(self.id))
+            await self._client._call(_calls.stop(self.id))
 
     _end = stop  # what leaving a `with` block does
 
@@ -554,13 +555,13 @@ class AsyncSession(_base.AsyncEndsOnExit):
     ) -> SessionResult:
         """Run a command line (bash) or source (python) in the session (`step`: see exec)."""
         return await self._client._call(
-            _base.session_run(self.sandbox_id, self.id, code, timeout, max_output_bytes, step)
+            _calls.session_run(self.sandbox_id, self.id, code, timeout, max_output_bytes, step)
         )
 
     async def close(self) -> None:
         """End the session. Idempotent: closing a gone session is not an error."""
         with contextlib.suppress(errors.SessionNotFound):
-            await self._client._call(_base.session_close(self.sandbox_id, self.id))
+            await self._client._call(_calls.session_close(self.sandbox_id, self.id))
 
     _end = close  # what leaving a `with` block does
 
@@ -577,36 +578,36 @@ class AsyncFiles:
 
     async def read(self, path: str) -> str:
         """A text file's content; raises ``errors.InvalidRequest`` if it is binary (use ``read_bytes``)."""
-        return _base.content_text(await self._call(_base.file_read(self.sandbox_id, path)))
+        return _calls.content_text(await self._call(_calls.file_read(self.sandbox_id, path)))
 
     async def read_bytes(self, path: str) -> bytes:
-        return _base.content_bytes(await self._call(_base.file_read(self.sandbox_id, path)))
+        return _calls.content_bytes(await self._call(_calls.file_read(self.sandbox_id, path)))
 
     async def write(
         self, path: str, content: str | bytes, *, mode: int = 0o644, step: StepArg = None
     ) -> None:
         """Write a file (``str`` as utf-8, ``bytes`` as they are), creating parent directories."""
-        await self._call(_base.file_write(self.sandbox_id, path, content, mode, step))
+        await self._call(_calls.file_write(self.sandbox_id, path, content, mode, step))
 
     async def edit(self, path: str, old: str, new: str, *, step: StepArg = None) -> int:
         """Replace ``old`` (which must occur exactly once) by ``new``; returns the new size."""
-        return await self._call(_base.file_edit(self.sandbox_id, path, old, new, step))
+        return await self._call(_calls.file_edit(self.sandbox_id, path, old, new, step))
 
     async def list(self, path: str) -> list[FileStat]:
-        return await self._call(_base.file_list(self.sandbox_id, path))
+        return await self._call(_calls.file_list(self.sandbox_id, path))
 
     async def stat(self, path: str) -> FileStat:
-        return await self._call(_base.file_stat(self.sandbox_id, path))
+        return await self._call(_calls.file_stat(self.sandbox_id, path))
 
     async def delete(self, path: str, *, recursive: bool = False) -> None:
-        await self._call(_base.file_delete(self.sandbox_id, path, recursive))
+        await self._call(_calls.file_delete(self.sandbox_id, path, recursive))
 
     async def upload(self, local_path: str | Path, remote_dir: str) -> None:
         """Copy a local file or directory into ``remote_dir`` (as ``remote_dir/<basename>``)."""
         await self.upload_tar(await asyncio.to_thread(_base.tar_local, local_path), remote_dir)
 
     async def upload_tar(self, data: bytes, remote_dir: str) -> None:
-        await self._call(_base.archive_put(self.sandbox_id, remote_dir, data))
+        await self._call(_calls.archive_put(self.sandbox_id, remote_dir, data))
 
     async def download(self, remote_path: str, local_dir: str | Path) -> None:
         """Copy a file or directory of the sandbox into ``local_dir`` (extracted by dsec.client._extract:
@@ -615,4 +616,4 @@ class AsyncFiles:
         await asyncio.to_thread(_base.untar_local, data, local_dir)
 
     async def download_tar(self, remote_path: str) -> bytes:
-        return await self._call(_base.archive_get(self.sandbox_id, remote_path))
+        return await self._call(_calls.archive_get(self.sandbox_id, remote_path))

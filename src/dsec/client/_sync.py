@@ -15,8 +15,9 @@ from typing import Any, Unpack
 import httpx
 
 from dsec import errors
-from dsec.client import _base
-from dsec.client._base import Call, Request, SpecOptions, StepArg, T
+from dsec.client import _base, _calls, _stream
+from dsec.client._base import Call, Request, T
+from dsec.client._calls import SpecOptions, StepArg
 from dsec.client._wire import Wire, usable
 from dsec.models import (
     BackendInfo,
@@ -151,8 +152,8 @@ class Client(_base.EndsOnExit):
         allowlist (``{"allow": [{"to": "pypi.org", "ports": [443]}]}``; none: loopback only).
         `protected_paths=` paths moved out of reach of the sandbox's processes (see verify()).
         `backend=` the backend that runs it (the isolation tier; the default is container)."""
-        full = _base.build_spec(_base.snapshot_image(snapshot) or image, spec)
-        info = self._call(_base.create(full, idempotency_key))
+        full = _calls.build_spec(_calls.snapshot_image(snapshot) or image, spec)
+        info = self._call(_calls.create(full, idempotency_key))
         return Sandbox(self, info.id, info)
 
     def create_many(
@@ -165,8 +166,8 @@ class Client(_base.EndsOnExit):
         """
         if concurrency < 1:
             raise errors.InvalidRequest(f"concurrency must be >= 1, got {concurrency}")
-        full = _base.build_spec(image, spec)
-        chunks = _base.chunk_sizes(n)
+        full = _calls.build_spec(image, spec)
+        chunks = _calls.chunk_sizes(n)
         if not chunks:
             return []
         results: list[list[SandboxInfo]] = [[] for _ in chunks]
@@ -177,7 +178,7 @@ class Client(_base.EndsOnExit):
             if failures:  # a batch failed: launch no more
                 return
             try:
-                batch = self._call(_base.create_batch(chunks[index], full))
+                batch = self._call(_calls.create_batch(chunks[index], full))
             except Exception as exc:
                 with lock:
                     failures.append(exc)
@@ -199,7 +200,7 @@ class Client(_base.EndsOnExit):
 
     def get(self, sandbox_id: str) -> Sandbox:
         """A handle on an existing sandbox; raises :class:`errors.SandboxNotFound` if there is none."""
-        info = self._call(_base.get(sandbox_id))
+        info = self._call(_calls.get(sandbox_id))
         return Sandbox(self, info.id, info)
 
     def sandbox(self, sandbox_id: str) -> Sandbox:
@@ -207,69 +208,69 @@ class Client(_base.EndsOnExit):
         return Sandbox(self, sandbox_id)
 
     def list(self, *, project: str | None = None, labels: dict[str, str] | None = None) -> list[SandboxInfo]:
-        return self._call(_base.list_sandboxes(project, labels))
+        return self._call(_calls.list_sandboxes(project, labels))
 
     def stop_many(self, ids: builtins.list[str]) -> None:
         """Stop sandboxes by id; ids that are already gone are ignored."""
-        for start in range(0, len(ids), _base.STOP_BATCH_MAX):
-            _base.stop_batch_raise(self._call(_base.stop_batch(ids[start : start + _base.STOP_BATCH_MAX])))
+        for start in range(0, len(ids), _calls.STOP_BATCH_MAX):
+            _calls.stop_batch_raise(self._call(_calls.stop_batch(ids[start : start + _calls.STOP_BATCH_MAX])))
 
     # ------------------------------------------------------------------ cluster
 
     def images(self) -> builtins.list[dict[str, Any]]:
-        return self._call(_base.images())
+        return self._call(_calls.images())
 
     def backends(self) -> builtins.list[BackendInfo]:
         """The isolation tiers (`create(backend=...)`): capabilities, and whether emulated."""
-        return self._call(_base.backends())
+        return self._call(_calls.backends())
 
     def edges(self) -> builtins.list[EdgeStatus]:
-        return self._call(_base.edges())
+        return self._call(_calls.edges())
 
     def health(self) -> dict[str, Any]:
-        return self._call(_base.health())
+        return self._call(_calls.health())
 
     def version(self) -> str:
-        return self._call(_base.version())
+        return self._call(_calls.version())
 
     def rotate_token(self, principal: str | None = None) -> str:
         """A new token for `principal` (a name or id; admins only) or, by default, for the
         caller. It is returned only here; the old one stops working at once, so a client that
         rotated its own token needs a new Client with the new one."""
-        return self._call(_base.rotate_token(principal))
+        return self._call(_calls.rotate_token(principal))
 
     def revoke_token(self, principal: str | None = None) -> None:
         """Revoke `principal`'s token (admins only) or, by default, the caller's own (a leaked
         one): it stops working at once; an admin can issue a new one with rotate_token."""
-        self._call(_base.revoke_token(principal))
+        self._call(_calls.revoke_token(principal))
 
     def whoami(self) -> dict[str, Any]:
         """The principal this client's token belongs to: its id, name, admin flag, projects."""
-        return self._call(_base.whoami())
+        return self._call(_calls.whoami())
 
     def pause_project(self, project: str) -> builtins.list[str]:
         """Pause every sandbox of a project (a preempted job) in one call; their ids."""
-        return self._call(_base.pause_project(project))
+        return self._call(_calls.pause_project(project))
 
     def snapshots(self) -> builtins.list[dict[str, Any]]:
-        return self._call(_base.snapshots())
+        return self._call(_calls.snapshots())
 
     def delete_snapshot(self, snapshot_id: str) -> None:
-        self._call(_base.delete_snapshot(snapshot_id))
+        self._call(_calls.delete_snapshot(snapshot_id))
 
     def checkpoints(self) -> builtins.list[Checkpoint]:
-        return self._call(_base.checkpoints())
+        return self._call(_calls.checkpoints())
 
     def restore(
         self, checkpoint_id: str, *, sandbox_id: str | None = None, labels: dict[str, str] | None = None
     ) -> Sandbox:
         """Restore a memory checkpoint: into a new sandbox with the checkpoint's files and spec
         (the default), or into the running sandbox `sandbox_id`, whose processes it replaces."""
-        info = self._call(_base.restore(checkpoint_id, sandbox_id, labels))
+        info = self._call(_calls.restore(checkpoint_id, sandbox_id, labels))
         return Sandbox(self, info.id, info)
 
     def delete_checkpoint(self, checkpoint_id: str) -> None:
-        self._call(_base.delete_checkpoint(checkpoint_id))
+        self._call(_calls.delete_checkpoint(checkpoint_id))
 
     def announce_capacity(
         self,
@@ -294,28 +295,28 @@ class Client(_base.EndsOnExit):
             cpu=cpu,
             memory_mb=memory_mb,
         )
-        return self._call(_base.announce_capacity(req))
+        return self._call(_calls.announce_capacity(req))
 
     def capacity(self) -> builtins.list[Burst]:
         """Announced bursts (of the caller's projects; admins: all) and what was done for each."""
-        return self._call(_base.capacity())
+        return self._call(_calls.capacity())
 
     def cancel_capacity(self, burst_id: str) -> Burst:
         """Cancel an announced burst: it no longer counts against its project's quota and its
         pre-warmed pool sandboxes are given back."""
-        return self._call(_base.cancel_capacity(burst_id))
+        return self._call(_calls.cancel_capacity(burst_id))
 
     def drain_edge(self, name: str) -> dict[str, Any]:
         """Admins: edge ``name`` takes no new placements; its sandboxes keep working."""
-        return self._call(_base.drain_edge(name))
+        return self._call(_calls.drain_edge(name))
 
     def undrain_edge(self, name: str) -> dict[str, Any]:
         """Admins: edge ``name`` takes placements again."""
-        return self._call(_base.undrain_edge(name))
+        return self._call(_calls.undrain_edge(name))
 
     def prewarm(self, count: int, image: str = "python", **spec: Unpack[SpecOptions]) -> dict[str, Any]:
         """Keep ``count`` sandboxes of this spec warm in a pool; returns the PoolInfo."""
-        return self._call(_base.prewarm(count, _base.build_spec(image, spec)))
+        return self._call(_calls.prewarm(count, _calls.build_spec(image, spec)))
 
     # ------------------------------------------------------------------ lifetime
 
@@ -341,7 +342,7 @@ class Sandbox(_base.EndsOnExit):
         state = self.info.state.value if self.info else "?"
         return f"Sandbox(id={self.id!r}, state={state!r})"
 
-    def exec(self, cmd: str | list[str], **opts: Unpack[_base.ExecOptions]) -> ExecResult:
+    def exec(self, cmd: str | list[str], **opts: Unpack[_calls.ExecOptions]) -> ExecResult:
         """Run a command (a shell string or an argv list) to completion.
 
         With `step=(trajectory id, index)` the call is logged under that tag: sent again
@@ -349,40 +350,40 @@ class Sandbox(_base.EndsOnExit):
         without running twice. Untagged calls are never retried. With `trusted=True` it runs
         with the image's own toolchain (read-only), the sandbox's files only in `task_dirs`
         (default /work and the workdir), as a platform uid, in a clean environment."""
-        req = _base.exec_request(cmd, opts, _base.ExecOptions)
-        return self._client._call(_base.exec_(self.id, req))
+        req = _calls.exec_request(cmd, opts, _calls.ExecOptions)
+        return self._client._call(_calls.exec_(self.id, req))
 
     def exec_stream(
-        self, cmd: str | list[str], **opts: Unpack[_base.StreamOptions]
+        self, cmd: str | list[str], **opts: Unpack[_calls.StreamOptions]
     ) -> Iterator[tuple[str, str | ExecResult]]:
         """Run a command, yielding ``("stdout"/"stderr", chunk)`` as it runs, then ``("result", ExecResult)``.
 
         Never retried. Closing the iterator early closes the HTTP stream.
         """
-        req = _base.exec_request(cmd, opts, _base.StreamOptions)
-        return self._stream(_base.exec_stream(self.id, req))
+        req = _calls.exec_request(cmd, opts, _calls.StreamOptions)
+        return self._stream(_calls.exec_stream(self.id, req))
 
     def _stream(self, req: Request) -> Iterator[tuple[str, str | ExecResult]]:
         client = self._client
         used, response = client._send(req, stream=True)
         try:
-            decoder = _base.SSEDecoder()
+            decoder = _stream.SSEDecoder()
             try:
                 for line in response.iter_lines():
                     event = decoder.feed(line)
-                    if event is not None and (item := _base.exec_event(event)) is not None:
+                    if event is not None and (item := _stream.exec_event(event)) is not None:
                         yield item
                         if item[0] == "result":
                             return
             except httpx.TransportError as exc:
                 raise client._base._lost(exc, used) from exc
             event = decoder.flush()
-            if event is not None and (item := _base.exec_event(event)) is not None:
+            if event is not None and (item := _stream.exec_event(event)) is not None:
                 yield item
                 if item[0] == "result":
                     return
             client._base.failover(used)
-            raise _base.stream_ended_early()
+            raise _stream.stream_ended_early()
         finally:
             response.close()
 
@@ -390,74 +391,74 @@ class Sandbox(_base.EndsOnExit):
         self, kind: str = "bash", *, env: dict[str, str] | None = None, cwd: str | None = None
     ) -> Session:
         """Start a persistent shell (``bash``) or interpreter (``python``) in the sandbox."""
-        info = self._client._call(_base.session_create(self.id, kind, env, cwd))
+        info = self._client._call(_calls.session_create(self.id, kind, env, cwd))
         return Session(self._client, self.id, info)
 
     def sessions(self) -> list[SessionInfo]:
-        return self._client._call(_base.session_list(self.id))
+        return self._client._call(_calls.session_list(self.id))
 
     def pause(self) -> SandboxInfo:
         """Freeze the sandbox and give back its reclaimable memory; any later call resumes it."""
-        self.info = self._client._call(_base.pause(self.id))
+        self.info = self._client._call(_calls.pause(self.id))
         return self.info
 
     def resume(self) -> SandboxInfo:
-        self.info = self._client._call(_base.resume(self.id))
+        self.info = self._client._call(_calls.resume(self.id))
         return self.info
 
     def snapshot(self, scrub: list[str] | None = None) -> SnapshotInfo:
         """Pack the sandbox's files as an immutable snapshot (`scrub` paths left out);
         restore with `client.create(snapshot=info.id)`."""
-        return self._client._call(_base.snapshot(self.id, list(scrub or [])))
+        return self._client._call(_calls.snapshot(self.id, list(scrub or [])))
 
     def fork(self, n: int = 1) -> list[Sandbox]:
         """`n` new sandboxes from this one's current files, each independent afterwards."""
-        infos = self._client._call(_base.fork(self.id, n))
+        infos = self._client._call(_calls.fork(self.id, n))
         return [Sandbox(self._client, i.id, i) for i in infos]
 
     def set_network(self, policy: NetworkPolicy | dict[str, Any] | None) -> dict[str, Any]:
         """Replace the egress allowlist while the sandbox runs (None: loopback only again);
         returns the policy and its counters."""
-        p = policy if policy is None or isinstance(policy, NetworkPolicy) else _base.validated_policy(policy)
-        return self._client._call(_base.set_network(self.id, p))
+        p = policy if policy is None or isinstance(policy, NetworkPolicy) else _calls.validated_policy(policy)
+        return self._client._call(_calls.set_network(self.id, p))
 
     def network(self) -> dict[str, Any]:
         """The egress policy and its counters (denied packets, DNS answers given and refused)."""
-        return self._client._call(_base.network(self.id))
+        return self._client._call(_calls.network(self.id))
 
     def protect(self, paths: list[str]) -> list[str]:
         """Move `paths` (graders, reference answers) out of the sandbox: its processes cannot
         read them any more; `verify()` runs one command with them back."""
-        return self._client._call(_base.protect(self.id, list(paths)))
+        return self._client._call(_calls.protect(self.id, list(paths)))
 
-    def verify(self, cmd: str | list[str], **opts: Unpack[_base.VerifyOptions]) -> ExecResult:
+    def verify(self, cmd: str | list[str], **opts: Unpack[_calls.VerifyOptions]) -> ExecResult:
         """The platform's verification step: every process of the sandbox is killed, then
         `cmd` runs trusted (the image's own toolchain, the sandbox's files only in `task_dirs`,
         the protected paths read-only, as the platform's uid; `user` is refused)."""
-        req = _base.exec_request(cmd, opts, _base.VerifyOptions, timeout=300)
-        return self._client._call(_base.verify(self.id, req))
+        req = _calls.exec_request(cmd, opts, _calls.VerifyOptions, timeout=300)
+        return self._client._call(_calls.verify(self.id, req))
 
     def checkpoint(self, *, leave_running: bool = True) -> Checkpoint:
         """Checkpoint the sandbox's processes (memory, CRIU) with a copy of its files; restore
         with `client.restore(checkpoint.id)` (a new sandbox) or `restore(id, sandbox_id=...)`.
         Only processes running on their own qualify (start them with `nohup CMD > FILE 2>&1 &`);
         anything else raises UnsupportedOperation with `details["reason"]`."""
-        return self._client._call(_base.checkpoint(self.id, leave_running))
+        return self._client._call(_calls.checkpoint(self.id, leave_running))
 
     def trajectory(self, *, after_seq: int = 0, limit: int | None = None) -> Trajectory:
         """The sandbox's logged operations in order (`.entries`, each an `Entry`) and counts
         (`.stats`: acknowledged, recorded, lost, pending); `t["entries"]` reads as before."""
-        return self._client._call(_base.trajectory(self.id, after_seq, limit))
+        return self._client._call(_calls.trajectory(self.id, after_seq, limit))
 
     def trajectory_export(self, format: str = "jsonl") -> bytes:
         """The trajectory as JSON Lines or Parquet bytes."""
-        return self._client._call(_base.trajectory_export(self.id, format))
+        return self._client._call(_calls.trajectory_export(self.id, format))
 
     def replay(self, trajectory: Trajectory) -> dict[str, Any]:
         """Run another sandbox's logged execs and edits here, in order, with their step tags
         (to rebuild a sandbox whose edge was lost from its shipped log). Stops at the first
         that fails. Returns {"replayed": n, "skipped": [(seq, why), ...]}."""
-        steps, skipped = _base.replay_plan(trajectory)
+        steps, skipped = _calls.replay_plan(trajectory)
         for s in steps:
             if s.op == "exec":
                 r = self.exec(**s.args)
@@ -470,13 +471,13 @@ class Sandbox(_base.EndsOnExit):
         return {"replayed": len(steps), "skipped": skipped}
 
     def refresh(self) -> SandboxInfo:
-        self.info = self._client._call(_base.get(self.id))
+        self.info = self._client._call(_calls.get(self.id))
         return self.info
 
     def stop(self) -> None:
         """Stop and remove the sandbox. Idempotent: stopping a gone sandbox is not an error."""
         with contextlib.suppress(errors.SandboxNotFound):
-            self._client._call(_base.stop(self.id))
+            self._client._call(_calls.stop(self.id))
 
     _end = stop  # what leaving a `with` block does
 
@@ -499,13 +500,13 @@ class Session(_base.EndsOnExit):
     ) -> SessionResult:
         """Run a command line (bash) or source (python) in the session (`step`: see exec)."""
         return self._client._call(
-            _base.session_run(self.sandbox_id, self.id, code, timeout, max_output_bytes, step)
+            _calls.session_run(self.sandbox_id, self.id, code, timeout, max_output_bytes, step)
         )
 
     def close(self) -> None:
         """End the session. Idempotent: closing a gone session is not an error."""
         with contextlib.suppress(errors.SessionNotFound):
-            self._client._call(_base.session_close(self.sandbox_id, self.id))
+            self._client._call(_calls.session_close(self.sandbox_id, self.id))
 
     _end = close  # what leaving a `with` block does
 
@@ -522,34 +523,34 @@ class Files:
 
     def read(self, path: str) -> str:
         """A text file's content; raises ``errors.InvalidRequest`` if it is binary (use ``read_bytes``)."""
-        return _base.content_text(self._call(_base.file_read(self.sandbox_id, path)))
+        return _calls.content_text(self._call(_calls.file_read(self.sandbox_id, path)))
 
     def read_bytes(self, path: str) -> bytes:
-        return _base.content_bytes(self._call(_base.file_read(self.sandbox_id, path)))
+        return _calls.content_bytes(self._call(_calls.file_read(self.sandbox_id, path)))
 
     def write(self, path: str, content: str | bytes, *, mode: int = 0o644, step: StepArg = None) -> None:
         """Write a file (``str`` as utf-8, ``bytes`` as they are), creating parent directories."""
-        self._call(_base.file_write(self.sandbox_id, path, content, mode, step))
+        self._call(_calls.file_write(self.sandbox_id, path, content, mode, step))
 
     def edit(self, path: str, old: str, new: str, *, step: StepArg = None) -> int:
         """Replace ``old`` (which must occur exactly once) by ``new``; returns the new size."""
-        return self._call(_base.file_edit(self.sandbox_id, path, old, new, step))
+        return self._call(_calls.file_edit(self.sandbox_id, path, old, new, step))
 
     def list(self, path: str) -> list[FileStat]:
-        return self._call(_base.file_list(self.sandbox_id, path))
+        return self._call(_calls.file_list(self.sandbox_id, path))
 
     def stat(self, path: str) -> FileStat:
-        return self._call(_base.file_stat(self.sandbox_id, path))
+        return self._call(_calls.file_stat(self.sandbox_id, path))
 
     def delete(self, path: str, *, recursive: bool = False) -> None:
-        self._call(_base.file_delete(self.sandbox_id, path, recursive))
+        self._call(_calls.file_delete(self.sandbox_id, path, recursive))
 
     def upload(self, local_path: str | Path, remote_dir: str) -> None:
         """Copy a local file or directory into ``remote_dir`` (as ``remote_dir/<basename>``)."""
         self.upload_tar(_base.tar_local(local_path), remote_dir)
 
     def upload_tar(self, data: bytes, remote_dir: str) -> None:
-        self._call(_base.archive_put(self.sandbox_id, remote_dir, data))
+        self._call(_calls.archive_put(self.sandbox_id, remote_dir, data))
 
     def download(self, remote_path: str, local_dir: str | Path) -> None:
         """Copy a file or directory of the sandbox into ``local_dir`` (extracted by dsec.client._extract:
@@ -557,4 +558,4 @@ class Files:
         _base.untar_local(self.download_tar(remote_path), local_dir)
 
     def download_tar(self, remote_path: str) -> bytes:
-        return self._call(_base.archive_get(self.sandbox_id, remote_path))
+        return self._call(_calls.archive_get(self.sandbox_id, remote_path))
