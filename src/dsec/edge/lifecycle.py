@@ -136,8 +136,15 @@ class EdgeLifecycle(EdgePart):
         if spec.protected_paths:
             try:
                 await self.protect(info.id, spec.protected_paths)
-            except BaseException:
+            except BaseException as e:
                 await self.stop(info.id)
+                if isinstance(e, errors.FileNotFound):
+                    raise errors.FileNotFound(
+                        f"{e.message}: protected_paths moves paths that image {spec.image!r} already "
+                        "has. Bake the grader into the image (a snapshot of a sandbox you wrote it "
+                        "into), or create the sandbox without it, write it, then protect it "
+                        "(sb.protect([path]), POST /v1/sandboxes/{id}/protect)"
+                    ) from None
                 raise
         return info
 
