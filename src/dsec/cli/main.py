@@ -162,6 +162,22 @@ def cluster_down(
         _fail(e)
 
 
+@cluster_app.command("env")
+def cluster_env(directory: ClusterDir = Path("/var/lib/dsec/cluster")) -> None:
+    """Print `export DSEC_URL=... DSEC_TOKEN=...` for the running cluster (every apiserver,
+    the admin token): `eval "$(dsec cluster env)"` points the SDK and the CLI at it."""
+    import shlex
+
+    from dsec.cluster import local
+
+    try:
+        state = local.ClusterState.load(directory)
+    except errors.DsecError as e:
+        _fail(e)
+    urls = ",".join(a.url for a in state.apiservers)
+    print(f"export DSEC_URL={shlex.quote(urls)} DSEC_TOKEN={shlex.quote(state.token)}")
+
+
 @cluster_app.command("add-edge")
 def cluster_add_edge(
     count: Annotated[int, typer.Option("--count", "-n", help="edges to add")] = 1,
@@ -269,9 +285,12 @@ def edge_undrain(edge: Annotated[str, typer.Argument(help="the edge's name")]) -
 
 
 def _store(data_dir: Path) -> Any:
+    """The layer store `dsec up` serves with this data dir: DSEC_EDGE_LAYERS_DIR, else
+    <data-dir>/layers (an image built elsewhere would be one `dsec up` cannot find)."""
+    from dsec.config import EdgeSettings
     from dsec.layers import LayerStore
 
-    return LayerStore(data_dir / "layers")
+    return LayerStore(EdgeSettings(data_dir=data_dir).layer_root)
 
 
 @image_app.command("build")

@@ -9,6 +9,11 @@ is to Kubernetes), for users trying the cluster and for tests.
     bridge dsecc<id> 10.231.K.1/24  --- veth --->     network: eth0 10.231.K.(10+j)/24,
                                                       its own data dir and layer store)
 
+The cluster's directory is root's alone (0700, as /var/lib/dsec, where it is by default).
+PostgreSQL and the registry run as users of their own (postgres, docker-registry), so their
+data is elsewhere: in /var/lib/dsec-servers/<cluster>/ (`servers_dir`), which only root
+writes and others may traverse, each server's own directory in it closed to everyone else.
+
 Every process is started here, in a session of its own, logging into <dir>/logs; their pids
 (of the processes themselves, so a test can kill one), the namespaces, the bridge, the
 addresses and the admin token are written to <dir>/cluster.json, which `dsec cluster down`
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import ipaddress
 import itertools
 import json
@@ -28,6 +34,7 @@ import os
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -41,9 +48,11 @@ import httpx
 from dsec.cluster.postgres import PostgresServer
 from dsec.cluster.registry import RegistryServer
 from dsec.errors import Conflict, InvalidRequest, Unavailable
+from dsec.privatefs import private_dir
 
 EDGE_PORT = 8421
 STATE = "cluster.json"
+SERVERS_HOME = Path("/var/lib/dsec-servers")
 
 
 @dataclass
@@ -74,6 +83,7 @@ class ClusterState:
     env: dict[str, str] = field(default_factory=dict)  # given to up; edges added later get it too
     next_edge: int = 0  # the index of the next edge's name (never reused: add_edge, remove_edge)
     seed_layers: str = "/var/lib/dsec/layers"  # what every edge's layer store starts as
+    servers: str = ""  # PostgreSQL's and the registry's data (servers_dir); "" before it existed
 
     def save(self) -> None:
         path = Path(self.dir) / STATE
@@ -330,8 +340,8 @@ def up(
         raise InvalidRequest("a local cluster has 1-16 apiservers and 1-64 edges")
     if (d / STATE).exists():
         raise Conflict(f"a cluster already runs from {d}: `dsec cluster down --dir {d}` first")
-    d.mkdir(mode=0o755, parents=True, exist_ok=True)
-    (d / "logs").mkdir(exist_ok=True)
+    private_dir(d)
+    private_dir(d / "logs")
     cid = secrets.token_hex(2)
     subnet = _free_subnet()
     with _locked(d, new=True):
@@ -355,18 +365,21 @@ def _up(
         cluster_token="dsec_" + secrets.token_urlsafe(32), postgres={}, run_dir=f"/run/dsec-c{cid}",
         env=dict(env or {}), seed_layers=str(seed_layers),
     )  # fmt: skip
+    servers = servers_dir(d)
+    state.servers = str(servers)
+    made_servers = not (servers / "pg").exists()  # (else a database kept by a down: reused)
     try:
         _ip("link", "add", state.bridge, "type", "bridge")
         _ip("addr", "add", f"{bridge_ip}/{subnet.prefixlen}", "dev", state.bridge)
         _ip("link", "set", state.bridge, "up")
         state.save()
-        pg = PostgresServer(d / "pg", port=_free_port("127.0.0.1"))
+        pg = PostgresServer(servers / "pg", port=_free_port("127.0.0.1"))
         pg.start()
         state.postgres = {"root": str(pg.root), "port": pg.port, "pid": pg.pid}
         state.database = pg.create_database("dsec")
         state.save()
         # Images and snapshots travel between the edges only through it.
-        reg = RegistryServer(d / "registry", host=bridge_ip, port=_free_port(bridge_ip))
+        reg = RegistryServer(servers / "registry", host=bridge_ip, port=_free_port(bridge_ip))
         reg.start()
         state.registry = reg.url
         state.registry_pid = reg.pid
@@ -396,8 +409,30 @@ def _up(
     except BaseException:
         with contextlib.suppress(Exception):
             _down(d, purge=False)
+        if made_servers:  # (nothing of a failed first start stays outside `d`)
+            shutil.rmtree(servers, ignore_errors=True)
         raise
     return state
+
+
+def servers_dir(d: Path, home: Path = SERVERS_HOME) -> Path:
+    """Where the cluster in `d` keeps the data of the servers that run as users of their own
+    (PostgreSQL, the registry): not in `d`, which is root's alone, but in `home`/<name>, made
+    here root's and 0755 (each server closes its own directory in it). One per cluster
+    directory: a cluster brought down without --purge finds its database there again."""
+    key = hashlib.sha256(str(d.resolve()).encode()).hexdigest()[:12]
+    path = home / f"{d.name}-{key}"
+    for p in (home, path):
+        with contextlib.suppress(FileExistsError):
+            p.mkdir(mode=0o755)
+        st = os.lstat(p)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0:
+            raise InvalidRequest(
+                f"{p} is not a directory of root's: remove it, dsec cluster up makes it "
+                "(PostgreSQL's and the registry's data)"
+            )
+        os.chmod(p, 0o755, follow_symlinks=False)
+    return path
 
 
 def _wait_healthy(state: ClusterState, edges: int, timeout: float) -> None:
@@ -499,3 +534,5 @@ def _down(d: Path, purge: bool) -> None:
     (d / "cluster.lock").unlink(missing_ok=True)
     if purge:
         shutil.rmtree(d, ignore_errors=True)
+        if state.servers:
+            shutil.rmtree(state.servers, ignore_errors=True)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from dsec.cluster.process import stop_server
 from dsec.errors import InvalidRequest, Unavailable
+from dsec.privatefs import open_private
 
 PG_USER = "postgres"
 
@@ -103,7 +104,7 @@ class PostgresServer:
 
     def start(self, timeout: float = 60.0) -> None:
         self.init()
-        log = open(self.root / "postgres.log", "ab")  # noqa: SIM115 - the server's, for its lifetime
+        log = os.fdopen(open_private(self.root / "postgres.log", os.O_WRONLY | os.O_APPEND), "ab")
         argv = [
             str(self.bin / "postgres"), "-D", str(self.data), "-k", str(self.run), "-p", str(self.port),
             "-c", f"listen_addresses={self.host}", "-c", "max_connections=300", "-c", "fsync=on",

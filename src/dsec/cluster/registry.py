@@ -21,6 +21,7 @@ from pathlib import Path
 
 from dsec.cluster.process import stop_server
 from dsec.errors import InvalidRequest, Unavailable
+from dsec.privatefs import open_private
 
 REGISTRY_BIN = Path("/usr/bin/docker-registry")
 REGISTRY_USER = "docker-registry"
@@ -101,7 +102,7 @@ class RegistryServer:
                     )
             os.chown(self.storage, *ids)
         self._write_config()
-        log = open(self.log_path, "ab")  # noqa: SIM115 - the server's, for its lifetime
+        log = os.fdopen(open_private(self.log_path, os.O_WRONLY | os.O_APPEND), "ab")
         self.proc = subprocess.Popen(
             [str(self.bin), "serve", str(self.config)],
             stdout=log,
