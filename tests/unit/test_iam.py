@@ -137,6 +137,31 @@ def _reserve_pending_and_hang(db: str, ready: Any) -> None:
     time.sleep(3600)  # killed by the test: a crashed apiserver mid-create
 
 
+def _start_hanging(db: Path | str, target: Any) -> Any:
+    """`target(db, ready)` in a process of its own, once it is ready (an apiserver mid-work)."""
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=target, args=(str(db), ready))
+    proc.start()
+    assert ready.wait(60)
+    return proc
+
+
+def _released_once_dead(reconciler: IAM, proc: Any) -> list[str]:
+    """Kill `proc`; what the reconciler's next rounds release. Its flock (SQLite) or its
+    session's lock (PostgreSQL) goes with it; the server notices a dead client's session
+    within moments: polled briefly."""
+    proc.kill()
+    proc.join(30)
+    released: list[str] = []
+    for _ in range(100):
+        released = reconciler.release_orphaned()
+        if released:
+            break
+        time.sleep(0.02)
+    return released
+
+
 def test_pending_reservations_stay_while_their_create_runs(db: Path | str) -> None:
     """A create's reservation is never reconciled away while its process lives, however long
     the create takes; a crashed process's pending reservations are released by the next."""
@@ -156,25 +181,11 @@ def test_pending_reservations_stay_while_their_create_runs(db: Path | str) -> No
         creator.rekey("pending-slow", "n0-sandbox")
         assert reconciler.reconcile(set(), older_than_s=30) == []
         assert reconciler.reconcile({"n0-sandbox"}, older_than_s=0) == []
-        ctx = multiprocessing.get_context("spawn")
-        ready = ctx.Event()
-        proc = ctx.Process(target=_reserve_pending_and_hang, args=(str(db), ready))
-        proc.start()
-        assert ready.wait(60)
+        proc = _start_hanging(db, _reserve_pending_and_hang)
         assert reconciler.release_orphaned() == []  # alive: kept
         with pytest.raises(errors.QuotaExceeded):
             reconciler.reserve("third", "default", 1, 64)
-        proc.kill()
-        proc.join(30)
-        # gone at once: its flock (SQLite) or its session's lock (PostgreSQL) went with it
-        # (the server notices a dead client's session within moments: polled briefly)
-        released: list[str] = []
-        for _ in range(100):
-            released = reconciler.release_orphaned()
-            if released:
-                break
-            time.sleep(0.02)
-        assert released == ["pending-crashed"]
+        assert _released_once_dead(reconciler, proc) == ["pending-crashed"]  # gone at once
         assert set(reconciler.reservations()) == {"n0-sandbox"}
         assert reconciler.usage("default").sandboxes == 1
         if isinstance(db, Path):
@@ -681,6 +692,82 @@ def test_resize_snapshot(iam: IAM) -> None:
         iam.resize_snapshot("a", -1)
 
 
+def test_a_copy_reserves_what_is_left_before_it_is_made(iam: IAM) -> None:
+    """A snapshot, fork layer or checkpoint about to be copied holds a slot and up to what the
+    quota has left (its cap) before any byte is copied; it settles to its real size."""
+    iam.create_project("org", quota=Quota(max_snapshots=3, max_snapshot_mb=100, max_memory_mb=1000))
+    iam.create_project("team", parent="org", quota=Quota(max_memory_mb=500))
+    iam.reserve_snapshot("kept", "team", 30)
+    assert iam.reserve_snapshot_up_to("p1", "team", 4608) == 70  # the rest, not the bound
+    assert iam.usage("org").snapshot_mb == 100
+    with pytest.raises(errors.QuotaExceeded, match=r"'org' \(an ancestor of 'team'\) is out of MiB of snap"):
+        iam.reserve_snapshot_up_to("p2", "team", 10)  # nothing left: refused before any copy
+    assert iam.reserve_snapshot_up_to("p2", "team", 0) == 0  # (an empty one fits)
+    with pytest.raises(errors.QuotaExceeded, match="out of snapshots: 3 of 3"):
+        iam.reserve_snapshot_up_to("p3", "org", 0)
+    iam.release_snapshot("p2")
+    iam.rekey_snapshot("p1", "snap-1")  # settled: the real size
+    iam.resize_snapshot("snap-1", 12)
+    assert iam.snapshot_reservations() == {"kept": ("team", 30), "snap-1": ("team", 12)}
+    assert iam.reserve_snapshot_up_to("p4", "org", 20) == 20  # at most what it asks
+    assert iam.usage("org") == Usage(sandboxes=0, cpu=0, memory_mb=0, snapshots=3, snapshot_mb=62)
+    with pytest.raises(errors.Conflict):
+        iam.reserve_snapshot_up_to("p4", "org", 1)
+
+
+def test_a_fork_layer_in_ram_counts_against_memory_too(iam: IAM) -> None:
+    """A fork layer lives on the edge's run tmpfs: host memory, charged to max_memory_mb (and
+    to the snapshot quota) for as long as it is held."""
+    iam.create_project("org", quota=Quota(max_memory_mb=1024))
+    iam.create_project("team", parent="org")
+    for i in range(3):
+        iam.reserve(f"sb{i}", "team", 1, 256)
+    assert iam.reserve_snapshot_up_to("layer", "team", 2048, in_ram=True) == 256  # memory left
+    assert iam.usage("org").memory_mb == 1024 and iam.usage("team", recursive=False).memory_mb == 1024
+    with pytest.raises(errors.QuotaExceeded, match="out of MiB of memory"):
+        iam.reserve("sb3", "team", 1, 16)  # the layer's memory is held
+    with pytest.raises(errors.QuotaExceeded, match="max_memory_mb") as ei:
+        iam.reserve_snapshot_up_to("other", "team", 1, in_ram=True)
+    assert "children of earlier forks" in str(ei.value)
+    iam.rekey_snapshot("layer", "fork:l1")
+    with pytest.raises(errors.QuotaExceeded, match="out of MiB of memory"):
+        iam.resize_snapshot("fork:l1", 300)
+    iam.resize_snapshot("fork:l1", 100)  # the size copied
+    assert iam.usage("org") == Usage(sandboxes=3, cpu=3, memory_mb=868, snapshots=1, snapshot_mb=100)
+    iam.reserve("sb3", "team", 1, 156)
+    iam.release("sb3")
+    iam.release_snapshot("fork:l1")
+    assert iam.usage("org") == Usage(sandboxes=3, cpu=3, memory_mb=768)
+    iam.reserve_snapshot("snap", "team", 500)  # a snapshot on disk is no memory
+    assert iam.usage("org").memory_mb == 768
+
+
+def _reserve_copy_and_hang(db: str, ready: Any) -> None:
+    iam = IAM(db, owner_lease_s=1.0)
+    iam.reserve_snapshot_up_to("pending-copy", "default", 500, in_ram=True)
+    ready.set()
+    time.sleep(3600)  # killed by the test: an apiserver that died while an edge copied
+
+
+def test_a_dead_apiservers_copy_in_flight_gives_its_reservation_back(db: Path | str) -> None:
+    """A copy's reservation (up to all the quota has left) is pending while its apiserver
+    lives, and released once it is gone: it never pins the quota for good."""
+    with IAM(db) as reconciler:
+        reconciler.bootstrap()
+        reconciler.set_quota("default", Quota(max_snapshot_mb=600, max_memory_mb=600))
+        proc = _start_hanging(db, _reserve_copy_and_hang)
+        assert reconciler.release_orphaned() == []  # alive: kept
+        assert reconciler.usage("default").memory_mb == 500
+        assert reconciler.reserve_snapshot_up_to("mine", "default", 1000) == 100
+        assert _released_once_dead(reconciler, proc) == ["pending-copy"]
+        assert reconciler.usage("default") == Usage(
+            sandboxes=0, cpu=0, memory_mb=0, snapshots=1, snapshot_mb=100
+        )
+        reconciler.rekey_snapshot("mine", "snap")  # settled: no longer pending, kept
+        assert reconciler.release_orphaned() == []
+        assert set(reconciler.snapshot_reservations()) == {"snap"}
+
+
 def test_snapshot_quota_nested(iam: IAM) -> None:
     iam.create_project("org", quota=Quota(max_snapshots=5, max_snapshot_mb=1000))
     iam.create_project("a", parent="org", quota=Quota(max_snapshots=4))
@@ -948,7 +1035,7 @@ def test_migrates_a_v1_database(db_path: Path) -> None:
         assert again.get_project("team").quota.max_snapshots == 1
     db = sqlite3.connect(str(db_path))
     try:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == 10
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 11
         assert db.execute("SELECT COUNT(*) FROM lost_sandboxes").fetchone()[0] == 0  # (v5)
         assert db.execute("SELECT COUNT(*) FROM idempotency").fetchone()[0] == 0  # (v6)
         assert db.execute("SELECT COUNT(*) FROM trajectory_shipped").fetchone()[0] == 0  # (v7)
@@ -957,6 +1044,7 @@ def test_migrates_a_v1_database(db_path: Path) -> None:
         assert {"max_snapshots", "max_snapshot_mb", "used_snapshots", "used_snapshot_mb"} <= cols
         assert "allowed_backends" in cols
         assert "owner" in {r[1] for r in db.execute("PRAGMA table_info(reservations)")}
+        assert {"owner", "in_ram"} <= {r[1] for r in db.execute("PRAGMA table_info(snapshot_reservations)")}
     finally:
         db.close()
 

@@ -177,12 +177,15 @@ class Admission:
                 " FROM reservations WHERE project = ?",
                 (project,),
             ).fetchone()
-            snaps, snap_mb = self._db.execute(
-                "SELECT COUNT(*), CAST(COALESCE(SUM(size_mb), 0) AS BIGINT) FROM snapshot_reservations"
+            snaps, snap_mb, ram_mb = self._db.execute(
+                "SELECT COUNT(*), CAST(COALESCE(SUM(size_mb), 0) AS BIGINT),"
+                " CAST(COALESCE(SUM(size_mb * in_ram), 0) AS BIGINT) FROM snapshot_reservations"
                 " WHERE project = ?",
                 (project,),
             ).fetchone()
-            return Usage(sandboxes=n, cpu=cpu_m / _MILLI, memory_mb=mem, snapshots=snaps, snapshot_mb=snap_mb)
+            return Usage(
+                sandboxes=n, cpu=cpu_m / _MILLI, memory_mb=mem + ram_mb, snapshots=snaps, snapshot_mb=snap_mb
+            )
 
     def usages(self) -> dict[str, Usage]:
         """Recursive usage of every project (as :meth:`usage` reports it), read in one query."""
@@ -370,8 +373,8 @@ class Admission:
             return self._db.owner_alive(owner)
 
     def abandon(self, key: str) -> None:
-        """A pending reservation of this process whose create ended without its rekey or
-        release (the database was away then): `release_orphaned` releases it later."""
+        """A pending reservation of this process whose create (or copy) ended without its rekey
+        or release (the database was away then): `release_orphaned` releases it later."""
         self._abandoned.add(key)
 
     def release_orphaned(self) -> list[str]:
@@ -384,18 +387,27 @@ class Admission:
         released: list[str] = []
         if self._abandoned:
             with self._write() as db:
-                for key in sorted(self._abandoned):
-                    if self._release(db, key):
+                for key in sorted(self._abandoned):  # (a create's, or a copy's: see reserve_snapshot_up_to)
+                    if self._release(db, key) or self._release_snapshot(db, key):
                         released.append(key)
             self._abandoned.clear()
-        owners = [r[0] for r in self._read("SELECT DISTINCT owner FROM reservations WHERE owner IS NOT NULL")]
-        dead = [o for o in owners if not self._owner_alive(o)]
+        owners = {
+            r[0]
+            for table in ("reservations", "snapshot_reservations")
+            for r in self._read(f"SELECT DISTINCT owner FROM {table} WHERE owner IS NOT NULL")
+        }
+        dead = sorted(o for o in owners if not self._owner_alive(o))
         if not dead:
             return released
         with self._write() as db:
             for owner in dead:
                 for (key,) in db.execute("SELECT key FROM reservations WHERE owner = ?", (owner,)).fetchall():
                     if self._release(db, key):
+                        released.append(key)
+                # a copy in flight (snapshot, fork layer, checkpoint) of a dead process
+                rows = db.execute("SELECT key FROM snapshot_reservations WHERE owner = ?", (owner,))
+                for (key,) in rows.fetchall():
+                    if self._release_snapshot(db, key):
                         released.append(key)
         with self._lock:
             for owner in dead:
@@ -441,6 +453,38 @@ class Admission:
             )
             _add_usage(db, chain, used_snapshots=1, used_snapshot_mb=mb)
 
+    def reserve_snapshot_up_to(self, key: str, project: str, want_mb: int, *, in_ram: bool = False) -> int:
+        """Reserve a copy about to be made (a snapshot, a fork layer, a checkpoint) before it is
+        made: one snapshot slot and as many MiB as ``project`` and every ancestor have left, at
+        most ``want_mb`` (the copy's upper bound). The MiB reserved are the cap the copy may not
+        pass; returns them. Pending: owned by this process, released by :meth:`release_orphaned`
+        if it dies first; :meth:`rekey_snapshot` settles it (then :meth:`resize_snapshot` to the
+        real size), :meth:`release_snapshot` gives it back. ``in_ram``: the copy lives in the
+        host's memory (a fork layer on the edge's run tmpfs), so it counts against
+        ``max_memory_mb`` too, for as long as it is held.
+
+        QuotaExceeded when no slot is left, or not even 1 MiB (of a ``want_mb`` of at least 1)."""
+        if not key:
+            raise InvalidRequest("snapshot reservation key must be a non-empty string")
+        mb = _snapshot_mb(key, want_mb)
+        owner = self._owner()
+        with self._write() as db:
+            chain = db.execute(_ANCESTORS_SQL, (project,)).fetchall()
+            if not chain:
+                self._project_row(db, project)  # raises NotFound
+            grant = min([mb, *(_snapshot_room(r, in_ram) for r in chain)])
+            cur = db.execute(  # (the row first: a refusal below rolls it back with the transaction)
+                "INSERT INTO snapshot_reservations (key, project, size_mb, created_at, owner, in_ram)"
+                " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                (key, project, grant, time.time(), owner, int(in_ram)),
+            )
+            if not cur.rowcount:
+                raise Conflict(f"snapshot reservation {key!r} is already held: use a new key", key=key)
+            for row in chain:  # refuses here when there is no slot, or no MiB at all
+                _admit_snapshot(row, project, 1, max(grant, min(mb, 1)), in_ram=in_ram)
+            _add_usage(db, chain, used_snapshots=1, used_snapshot_mb=grant, **_ram(in_ram, grant))
+        return grant
+
     def resize_snapshot(self, key: str, size_mb: int) -> None:
         """Change the size held by snapshot reservation ``key``; growth is admitted like a new reservation.
 
@@ -449,7 +493,7 @@ class Admission:
         mb = _snapshot_mb(key, size_mb)
         with self._write() as db:
             row = db.execute(
-                "SELECT project, size_mb FROM snapshot_reservations WHERE key = ?", (key,)
+                "SELECT project, size_mb, in_ram FROM snapshot_reservations WHERE key = ?", (key,)
             ).fetchone()
             if row is None:
                 raise NotFound(
@@ -462,16 +506,17 @@ class Admission:
             chain = db.execute(_ANCESTORS_SQL, (row["project"],)).fetchall()
             if delta > 0:
                 for r in chain:
-                    _admit_snapshot(r, row["project"], 0, delta)
+                    _admit_snapshot(r, row["project"], 0, delta, in_ram=bool(row["in_ram"]))
             db.execute("UPDATE snapshot_reservations SET size_mb = ? WHERE key = ?", (mb, key))
-            _add_usage(db, chain, used_snapshot_mb=delta)
+            _add_usage(db, chain, used_snapshot_mb=delta, **_ram(row["in_ram"], delta))
 
     def _release_snapshot(self, db: Database, key: str) -> bool:
         row = _take(db, "snapshot_reservations", key)
         if row is None:
             return False
         chain = db.execute(_ANCESTORS_SQL, (row["project"],)).fetchall()
-        _add_usage(db, chain, used_snapshots=-1, used_snapshot_mb=-row["size_mb"])
+        size = row["size_mb"]
+        _add_usage(db, chain, used_snapshots=-1, used_snapshot_mb=-size, **_ram(row["in_ram"], -size))
         return True
 
     def release_snapshot(self, key: str) -> None:
@@ -486,10 +531,10 @@ class Admission:
 
     def rekey_snapshot(self, old_key: str, new_key: str) -> None:
         """Move snapshot reservation ``old_key`` to ``new_key`` (same project and size, nothing
-        re-admitted); its age for :meth:`reconcile_snapshots` starts again."""
+        re-admitted, no longer pending); its age for :meth:`reconcile_snapshots` starts again."""
         with self._write() as db:
             cur = db.execute(
-                "UPDATE snapshot_reservations SET key = ?, created_at = ? WHERE key = ?",
+                "UPDATE snapshot_reservations SET key = ?, created_at = ?, owner = NULL WHERE key = ?",
                 (new_key, time.time(), old_key),
             )
             if cur.rowcount == 0:
@@ -657,15 +702,35 @@ def _admit(row: Row, project: str, cpu_m: int, memory_mb: int) -> None:
     _check_limits(row["name"], project, checks, "sandbox", "delete sandboxes, ask for fewer resources")
 
 
-def _admit_snapshot(row: Row, project: str, n: int, size_mb: int) -> None:
-    """Raise QuotaExceeded if ``n`` more snapshots of ``size_mb`` MiB in all overflow ``row``'s quota."""
+def _admit_snapshot(row: Row, project: str, n: int, size_mb: int, *, in_ram: bool = False) -> None:
+    """Raise QuotaExceeded if ``n`` more snapshots of ``size_mb`` MiB in all overflow ``row``'s
+    quota (``in_ram``: its memory too, as a fork layer holds host memory)."""
     checks: list[_Check] = []
     if n:
         checks.append(("max_snapshots", "snapshots", row["max_snapshots"], row["used_snapshots"], n, 1))
     checks.append(
         ("max_snapshot_mb", "MiB of snapshots", row["max_snapshot_mb"], row["used_snapshot_mb"], size_mb, 1)
     )
-    _check_limits(row["name"], project, checks, "snapshot", "delete snapshots you no longer need")
+    what, remedy = "snapshot", "delete snapshots you no longer need"
+    if in_ram:
+        memory = row["max_memory_mb"], row["used_memory_mb"]
+        checks.append(("max_memory_mb", "MiB of memory", *memory, size_mb, 1))
+        what, remedy = "fork layer", remedy + ", stop sandboxes or the children of earlier forks"
+    _check_limits(row["name"], project, checks, what, remedy)
+
+
+def _snapshot_room(row: Row, in_ram: bool) -> int:
+    """The MiB of snapshots ``row``'s quota has left (and of memory, ``in_ram``); a large number
+    when it has no limit."""
+    room = [row["max_snapshot_mb"] - row["used_snapshot_mb"]] if row["max_snapshot_mb"] is not None else []
+    if in_ram and row["max_memory_mb"] is not None:
+        room.append(row["max_memory_mb"] - row["used_memory_mb"])
+    return max(0, min(room, default=1 << 62))
+
+
+def _ram(in_ram: object, mb: int) -> dict[str, int]:
+    """The memory part of a snapshot reservation's usage change (a fork layer's, in_ram)."""
+    return {"used_memory_mb": mb} if in_ram else {}
 
 
 def _check_limits(name: str, project: str, checks: Sequence[_Check], what: str, remedy: str) -> None:

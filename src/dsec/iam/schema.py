@@ -31,7 +31,9 @@ _MILLI = 1000
 #    apiservers: dsec.iam.capacity)
 # 10: PostgreSQL's functions dsec_begin_create, dsec_settle_create (dsec.iam.admission: a
 #     create's admission and settling in one round trip each); nothing new in SQLite
-_SCHEMA_VERSION = 10
+# 11: snapshot_reservations.owner (copies in flight: reserved before they are made, owned by
+#     a live process) and .in_ram (fork layers: host memory, counted in max_memory_mb too)
+_SCHEMA_VERSION = 11
 _REVOKED = "revoked:"  # prefix of a revoked principal's token_hash: no SHA-256 hex matches it
 
 _SCHEMA = (
@@ -78,7 +80,9 @@ _SCHEMA = (
         key TEXT PRIMARY KEY,
         project TEXT NOT NULL REFERENCES projects(name),
         size_mb INTEGER NOT NULL,
-        created_at REAL NOT NULL
+        created_at REAL NOT NULL,
+        owner TEXT,
+        in_ram INTEGER NOT NULL DEFAULT 0
     )""",
     "CREATE INDEX IF NOT EXISTS snapshot_reservations_project ON snapshot_reservations(project)",
     "CREATE INDEX IF NOT EXISTS snapshot_reservations_created ON snapshot_reservations(created_at)",
@@ -167,6 +171,8 @@ _ADDED_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("projects", "used_snapshot_mb", "INTEGER NOT NULL DEFAULT 0"),
     ("reservations", "owner", "TEXT"),
     ("projects", "allowed_backends", "TEXT"),
+    ("snapshot_reservations", "owner", "TEXT"),
+    ("snapshot_reservations", "in_ram", "INTEGER NOT NULL DEFAULT 0"),
 )
 
 # The project and its ancestors, nearest first, with their quotas and recursive usage.
