@@ -78,6 +78,16 @@ REGRESSIONS: list[tuple[str, dict[str, Any], str]] = [
         {"method": "POST", "url": "/v1/sandboxes/{sid}/exec", "json": {"cmd": "pwd", "cwd": "/dev/null"}},
         "an exec whose cwd is not a directory: ENOTDIR from the spawn -> 'internal' 500",
     ),
+    (
+        "scrub-double-slash-500",
+        {"method": "POST", "url": "/v1/sandboxes/{sid}/snapshot", "json": {"scrub": ["//"]}},
+        "a scrub path of '//' (POSIX normpath keeps a leading //) -> ValueError in relative_to -> 500",
+    ),
+    (
+        "protect-double-slash",
+        {"method": "POST", "url": "/v1/sandboxes/{sid}/protect", "json": {"paths": ["//"]}},
+        "protecting '//' (normpath keeps it: not seen as /)",
+    ),
 ]
 
 

@@ -278,7 +278,7 @@ def scrub(tree: Path, paths: list[str], owner: int, lower: list[Path] | None = N
     for raw in paths:  # resolve every path before changing anything
         if not raw.startswith("/") or "\0" in raw:
             raise errors.InvalidRequest(f"scrub path {raw!r} must be absolute, e.g. /work/answers")
-        rel = PurePosixPath(os.path.normpath(raw)).relative_to("/")
+        rel = PurePosixPath(os.path.normpath("/" + raw.lstrip("/"))).relative_to("/")  # ("//x": POSIX keeps //)
         if str(rel) in ("", "."):
             raise errors.InvalidRequest("refusing to scrub /")
         # The name itself, in its real parent directory (a symlinked parent resolved) ...
