@@ -99,7 +99,9 @@ class EdgeAPI(ABC):
         self, sid: str, req: wire.SnapshotRequest, projects: Projects
     ) -> wire.SnapshotInfo: ...
     @abstractmethod
-    async def fork(self, sid: str, n: int, projects: Projects) -> builtins.list[wire.SandboxInfo]: ...
+    async def fork(
+        self, sid: str, req: wire.ForkRequest, projects: Projects
+    ) -> builtins.list[wire.SandboxInfo]: ...
     @abstractmethod
     async def checkpoint(
         self, sid: str, req: wire.CheckpointRequest, projects: Projects

@@ -228,8 +228,10 @@ class HttpEdge(EdgeAPI):
         r = await self._call("POST", f"/v1/sandboxes/{sid}/snapshot", projects, json_body=req.model_dump())
         return wire.SnapshotInfo.model_validate_json(r.content)
 
-    async def fork(self, sid: str, n: int, projects: Projects) -> builtins.list[wire.SandboxInfo]:
-        r = await self._call("POST", f"/v1/sandboxes/{sid}/fork", projects, json_body={"n": n})
+    async def fork(
+        self, sid: str, req: wire.ForkRequest, projects: Projects
+    ) -> builtins.list[wire.SandboxInfo]:
+        r = await self._call("POST", f"/v1/sandboxes/{sid}/fork", projects, json_body=req.model_dump())
         return [wire.SandboxInfo.model_validate(x) for x in r.json()["sandboxes"]]
 
     async def snapshots(self, projects: Projects = None) -> builtins.list[dict[str, Any]]:

@@ -142,15 +142,17 @@ class LocalEdge(EdgeAPI):
 
     async def snapshot(self, sid: str, req: wire.SnapshotRequest, projects: Projects) -> wire.SnapshotInfo:
         self._check(sid, projects)
-        return await self.edge.snapshot(sid, req.scrub)
+        return await self.edge.snapshot(sid, req.scrub, max_bytes=req.max_bytes)
 
-    async def fork(self, sid: str, n: int, projects: Projects) -> builtins.list[wire.SandboxInfo]:
+    async def fork(
+        self, sid: str, req: wire.ForkRequest, projects: Projects
+    ) -> builtins.list[wire.SandboxInfo]:
         self._check(sid, projects)
-        return await self.edge.fork(sid, n)
+        return await self.edge.fork(sid, req.n, max_layer_bytes=req.max_layer_bytes)
 
     async def checkpoint(self, sid: str, req: wire.CheckpointRequest, projects: Projects) -> wire.Checkpoint:
         self._check(sid, projects)
-        return await self.edge.checkpoint(sid, leave_running=req.leave_running)
+        return await self.edge.checkpoint(sid, leave_running=req.leave_running, max_bytes=req.max_bytes)
 
     async def checkpoints(self, projects: Projects) -> builtins.list[wire.Checkpoint]:
         return self.edge.list_checkpoints(projects)

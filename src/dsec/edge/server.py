@@ -237,7 +237,7 @@ def _install_pool_image_routes(app: FastAPI, local: LocalEdge) -> None:
 
     @app.post("/v1/sandboxes/{sid}/fork", status_code=201)
     async def fork(sid: str, body: ForkRequest, request: Request) -> dict[str, Any]:
-        infos = await local.fork(sid, body.n, _projects(request))
+        infos = await local.fork(sid, body, _projects(request))
         return {"sandboxes": [i.model_dump(mode="json") for i in infos]}
 
     @app.post("/v1/projects/{project}/pause")

@@ -335,9 +335,11 @@ def strip_setid(tree: Path) -> int:
 
 
 # Fork layers live on the edge's run tmpfs, shared by every tenant: each source sandbox may
-# hold this many at once, and a copy must leave a quarter of the tmpfs free for the others.
+# hold this many at once, together no more than its own disk_mb, and a copy must leave a
+# quarter of the tmpfs free for the others.
 MAX_FORK_LAYERS_PER_SANDBOX = 8
 FORK_TMPFS_RESERVE = 0.25
+_LAYER_SIZE = "size"  # beside a fork layer's tree: the bytes it was admitted with
 
 
 def disk_usage(tree: Path) -> int:
@@ -353,14 +355,41 @@ def disk_usage(tree: Path) -> int:
     return total
 
 
-def _used_bytes(path: Path) -> int:
-    st = os.statvfs(path)
-    return (st.f_blocks - st.f_bfree) * st.f_frsize
+def over_cap(what: str, sandbox_id: str, needed: int, cap: int) -> errors.QuotaExceeded:
+    """The refusal of a copy bigger than the bytes reserved for it before it began (`cap`:
+    what its project's quota had left, or less if the caller asked for less)."""
+    return errors.QuotaExceeded(
+        f"{what} of sandbox {sandbox_id} needs {-(-needed // (1 << 20))} MiB, more than the "
+        f"{cap >> 20} MiB reserved for it (what its project's quota has left, or the max_bytes "
+        "asked if less); delete snapshots or checkpoints, stop the children of earlier forks, "
+        "or make the sandbox's files smaller",
+        limit="max_bytes",
+        needed_bytes=needed,
+        cap_bytes=cap,
+    )
 
 
-def check_fork_room(forks: Path, sandbox_id: str, upper: Path) -> None:
-    """Refuse (quota_exceeded) a fork whose copy of `upper` (the source's writable layer, a
-    tmpfs of its own) would exceed the source's share of the run tmpfs `forks` is on."""
+def check_cap(what: str, sandbox_id: str, needed: int, cap: int | None) -> None:
+    if cap is not None and needed > cap:
+        raise over_cap(what, sandbox_id, needed, cap)
+
+
+def stacked_bytes(tree: Path) -> int:
+    """What a layer stacked under a sandbox holds: a fork layer's (`<forks>/<id>/tree`) as
+    recorded when it was made, any other (a checkpoint's files, an older edge's) measured."""
+    if tree.name == "tree":
+        with contextlib.suppress(OSError, ValueError):
+            return int((tree.parent / _LAYER_SIZE).read_text())
+    return disk_usage(tree)
+
+
+def record_fork_layer(layer_dir: Path, size: int) -> None:
+    layer_dir.mkdir(mode=0o700, exist_ok=True)
+    (layer_dir / _LAYER_SIZE).write_text(str(size))
+
+
+def check_fork_count(forks: Path, sandbox_id: str) -> None:
+    """Refuse (quota_exceeded) a fork of a sandbox that already holds its most fork layers."""
     held = [d for d in forks.iterdir() if d.name.startswith(f"{sandbox_id}-")]
     if len(held) >= MAX_FORK_LAYERS_PER_SANDBOX:
         raise errors.QuotaExceeded(
@@ -368,7 +397,22 @@ def check_fork_room(forks: Path, sandbox_id: str, upper: Path) -> None:
             f"{MAX_FORK_LAYERS_PER_SANDBOX}); stop the children of earlier forks, or fork a snapshot",
             limit="fork_layers",
         )
-    need = _used_bytes(upper)
+
+
+def check_fork_room(forks: Path, sandbox_id: str, need: int, *, cap: int | None, budget: int) -> None:
+    """Refuse (quota_exceeded) a fork layer of `need` bytes (measured with the source frozen)
+    before it is copied: over `cap` (the bytes reserved for it), over the source's share of
+    the run tmpfs (`budget` for all its fork layers together), or past what the tmpfs `forks`
+    is on must keep free for the others."""
+    check_cap("the fork layer", sandbox_id, need, cap)
+    held = sum(stacked_bytes(d / "tree") for d in forks.iterdir() if d.name.startswith(f"{sandbox_id}-"))
+    if held + need > budget:
+        raise errors.QuotaExceeded(
+            f"forking sandbox {sandbox_id} would copy {need >> 20} MiB into the edge's shared fork space, "
+            f"where its fork layers hold {held >> 20} MiB already: together at most its disk_mb "
+            f"({budget >> 20} MiB); stop the children of earlier forks, or fork a snapshot",
+            limit="fork_space",
+        )
     st = os.statvfs(forks)
     free, size = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
     if need > free - FORK_TMPFS_RESERVE * size:
@@ -378,3 +422,10 @@ def check_fork_room(forks: Path, sandbox_id: str, upper: Path) -> None:
             "children, make the sandbox's writable layer smaller, or fork a snapshot",
             limit="fork_space",
         )
+
+
+def spool_room(directory: Path, margin: int = 256 << 20) -> int:
+    """Bytes a spool in `directory` may take when what it holds is then unpacked beside it
+    (both on that file system), keeping `margin` free."""
+    st = os.statvfs(directory)
+    return max(0, (st.f_bavail * st.f_frsize - margin) // 2)

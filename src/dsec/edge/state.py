@@ -28,11 +28,17 @@ from dsec.edge.execs import EdgeExec
 from dsec.edge.lifecycle import EdgeLifecycle
 from dsec.edge.sandbox import MAX_FORK_CHAIN, Sandbox, _chain
 from dsec.edge.snapshots import (
+    check_cap,
+    check_fork_count,
     check_fork_room,
     copy_tree,
     copy_tree_under,
     disk_usage,
+    over_cap,
+    record_fork_layer,
     scrub,
+    spool_room,
+    stacked_bytes,
     start_copy,
     strip_setid,
 )
@@ -113,13 +119,18 @@ class EdgeState(EdgePart):
             timings_ms=info.timings_ms,
         )
 
-    async def checkpoint(self, sandbox_id: str, *, leave_running: bool = True) -> Checkpoint:
+    async def checkpoint(
+        self, sandbox_id: str, *, leave_running: bool = True, max_bytes: int | None = None
+    ) -> Checkpoint:
         """Checkpoint the sandbox's processes (CRIU) together with a copy of its files, taken
         while they are stopped, so that memory and files match. Only processes that run on
         their own can be checkpointed (not a running exec or a session: their pipes end in
-        this edge); anything else fails with a coded reason that says what to do instead."""
+        this edge); anything else fails with a coded reason that says what to do instead.
+        `max_bytes`: what was reserved for it (quota_exceeded past it: its files alone before
+        anything is written, the whole once written, and then it is not kept)."""
         sb = self.life._get(sandbox_id)  # resumes a paused sandbox: CRIU cannot seize frozen tasks
         sb.backend.require_checkpoint()
+        check_cap("the checkpoint", sandbox_id, sb.handle.disk_usage()[0], max_bytes)
         cid = f"{self.name}-ckpt-{secrets.token_hex(6)}"
         dest = self._checkpoints_dir() / cid
         dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -142,6 +153,9 @@ class EdgeState(EdgePart):
         if sb.backend.host_files:
             info.size_bytes += await asyncio.get_running_loop().run_in_executor(None, disk_usage, dest / "fs")
         info.timings_ms["total"] = (time.perf_counter() - t0) * 1000
+        if max_bytes is not None and info.size_bytes > max_bytes:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise over_cap("the checkpoint", sandbox_id, info.size_bytes, max_bytes)
         info.save()
         result = self._checkpoint_model(dest)
         await self.execs.log_event(
@@ -246,27 +260,48 @@ class EdgeState(EdgePart):
         """The owner shift from the sandbox's own id range to the layer store's canonical one."""
         return sb.handle.id_base, self.settings.uid_offset
 
-    async def _frozen_copy(self, sb: Sandbox, dst: Path) -> None:
-        """Copy the writable layer while the sandbox is frozen (a consistent point in time)."""
+    async def _frozen_copy(self, sb: Sandbox, dst: Path, cap: int | None) -> None:
+        """Copy the writable layer while the sandbox is frozen (a consistent point in time),
+        refused before the copy if it holds more than `cap` (holes stay holes)."""
         was_paused = sb.record.state is SandboxState.PAUSED
         if not was_paused:
             await sb.backend.freeze(sb.handle)
         try:
+            check_cap("the snapshot", sb.id, sb.handle.disk_usage()[0], cap)
             await copy_tree(self._copy_tool, sb.handle.writable_layer(), dst, self._to_store(sb))
         finally:
             if not was_paused:
                 sb.backend.thaw(sb.handle)
 
-    async def _guest_layer(self, sb: Sandbox, stage: Path) -> None:
+    async def _guest_layer(self, sb: Sandbox, stage: Path, cap: int | None) -> None:
         """A writable layer only the guest's kernel reads (a microVM's disk): its backend
         streams it as an OCI layer tar, which is unpacked here like any tarball nothing
         vouches for, its owners shifted into the store's range (ids beyond a container's are
-        refused with the path named)."""
-        # what the disk can hold, and the headers of every inode (names of up to 4 KiB)
-        limit = (sb.record.spec.disk_mb << 20) + sb.record.spec.disk_inodes * 10240
+        refused with the path named).
+
+        The tar holds a sparse file's holes as zeros, so the spool is capped before a byte
+        lands: at `cap` (what the project's quota has left), at what the disk can hold with
+        the headers of every inode (names of up to 4 KiB), and at what the store's file
+        system can take twice (the spool, then the layer unpacked from it)."""
+        spec = sb.record.spec
+        bounds = {"disk": (spec.disk_mb << 20) + spec.disk_inodes * 10240, "store": spool_room(stage.parent)}
+        if cap is not None:
+            bounds["cap"] = cap
+        binding = min(bounds, key=lambda k: bounds[k])
+        limit = bounds[binding]
         loop = asyncio.get_running_loop()
         with tempfile.TemporaryFile(dir=stage.parent) as spool:
-            await sb.backend.archive_writable(sb.handle, spool.fileno(), limit)
+            try:
+                await sb.backend.archive_writable(sb.handle, spool.fileno(), limit)
+            except errors.CapacityExhausted:
+                if binding == "cap":
+                    raise over_cap("the snapshot", sb.id, limit + 1, limit) from None
+                if binding == "store":
+                    raise errors.CapacityExhausted(
+                        f"the snapshot of sandbox {sb.id} needs more than the {limit >> 20} MiB this "
+                        f"edge's layer store can take now; retry later, or make the sandbox's files smaller"
+                    ) from None
+                raise
             spool.seek(0)
 
             def unpack() -> None:
@@ -275,7 +310,11 @@ class EdgeState(EdgePart):
 
             await loop.run_in_executor(None, unpack)
 
-    async def snapshot(self, sandbox_id: str, scrub_paths: builtins.list[str] | None = None) -> SnapshotInfo:
+    async def snapshot(
+        self, sandbox_id: str, scrub_paths: builtins.list[str] | None = None, *, max_bytes: int | None = None
+    ) -> SnapshotInfo:
+        """A snapshot of the sandbox's files (see the module). `max_bytes`: what was reserved
+        for it: a copy that would be bigger is refused (quota_exceeded) before it is made."""
         sb = self.life._get(sandbox_id)
         sb.backend.require(Capability.SNAPSHOT, "snapshot")
         if sb.record.extra_lower:
@@ -288,9 +327,9 @@ class EdgeState(EdgePart):
         loop = asyncio.get_running_loop()
         with self.layers.staging() as stage:
             if sb.backend.host_files:
-                await self._frozen_copy(sb, stage)
+                await self._frozen_copy(sb, stage, max_bytes)
             else:
-                await self._guest_layer(sb, stage)
+                await self._guest_layer(sb, stage, max_bytes)
             lower = [self.layers.layer_path(r) for r in reversed(base.layers)]  # as the sandbox sees them
 
             def clean() -> builtins.list[str]:
@@ -399,7 +438,9 @@ class EdgeState(EdgePart):
             )
         return infos
 
-    async def fork(self, sandbox_id: str, n: int) -> builtins.list[SandboxInfo]:
+    async def fork(
+        self, sandbox_id: str, n: int, *, max_layer_bytes: int | None = None
+    ) -> builtins.list[SandboxInfo]:
         """`n` new sandboxes from this one's current files, copy-on-write, independent afterwards.
 
         The parent is frozen while its writable layer is copied (a consistent point in time)
@@ -413,6 +454,9 @@ class EdgeState(EdgePart):
         /.dsec) before `layers_ready`, and the edge reads nothing in a child (its user database,
         its workdir) before the copy is complete, so no overlayfs lookup can see a half-copied
         layer. Overlapping the two roughly halves a fork (both are CPU-bound).
+
+        `max_layer_bytes`: what was reserved for the shared layer (its project's quota); a
+        bigger one is refused (quota_exceeded) before anything is copied.
         """
         if not 1 <= n <= 256:
             raise errors.InvalidRequest(f"fork count must be between 1 and 256, got {n}")
@@ -423,14 +467,17 @@ class EdgeState(EdgePart):
             self.life._admit(spec)
         if not sb.backend.host_files:
             return await self._fork_disks(sb, n)
-        return await self._fork_layers(sb, n)
+        return await self._fork_layers(sb, n, max_layer_bytes)
 
-    async def _fork_layers(self, sb: Sandbox, n: int) -> builtins.list[SandboxInfo]:
-        """The fork of a backend whose writable layer is a directory the host reaches (see fork)."""
+    async def _fork_layers(self, sb: Sandbox, n: int, cap: int | None) -> builtins.list[SandboxInfo]:
+        """The fork of a backend whose writable layer is a directory the host reaches (see
+        fork). The layer is measured with the parent frozen and refused before the copy if it
+        is over `cap` (what was reserved for it) or the parent's share of the run tmpfs."""
         sandbox_id, spec = sb.id, sb.record.spec
-        check_fork_room(self._forks_root(), sandbox_id, sb.handle.writable_layer())  # before the copy
+        forks = self._forks_root()
+        check_fork_count(forks, sandbox_id)  # before anything is frozen
         t0 = time.perf_counter()
-        shared = self._forks_root() / f"{sandbox_id}-{secrets.token_hex(4)}"
+        shared = forks / f"{sandbox_id}-{secrets.token_hex(4)}"
         tree = shared / "tree"
         parent_chain = _chain(sb.record.extra_lower)
         flatten = len(parent_chain) >= MAX_FORK_CHAIN
@@ -452,6 +499,9 @@ class EdgeState(EdgePart):
         copy = None
         ready: asyncio.Future[None] | None = None
         try:
+            need = layer_bytes + sum(stacked_bytes(Path(p)) for p in parent_chain if flatten)
+            check_fork_room(forks, sandbox_id, need, cap=cap, budget=spec.disk_mb << 20)
+            record_fork_layer(shared, need)  # (counted against the parent's share from now on)
             copy = start_copy(
                 self._copy_tool,
                 sb.handle.writable_layer(),
@@ -465,6 +515,7 @@ class EdgeState(EdgePart):
                 for layer in parent_chain:
                     await copy_tree_under(self._copy_tool, Path(layer), tree)
                 layer_bytes = await asyncio.get_running_loop().run_in_executor(None, disk_usage, tree)
+                record_fork_layer(shared, layer_bytes)
             ready = asyncio.ensure_future(copy.wait())
             ready.add_done_callback(copy_done)
             labels = inherited_labels(spec.labels, fork_of=sandbox_id)

@@ -328,8 +328,15 @@ class SnapshotInfo(_Model):
     created_at: float
 
 
+_MAX_BYTES = (
+    "refuse (quota_exceeded) a copy bigger than this many bytes before it is made; the apiserver "
+    "lowers it to what the project's snapshot quota has left"
+)
+
+
 class SnapshotRequest(_Model):
     scrub: list[str] = Field(default_factory=list, max_length=1024, description="absolute paths to leave out")
+    max_bytes: int | None = Field(None, ge=0, description=_MAX_BYTES)
 
 
 class ProtectRequest(_Model):
@@ -340,6 +347,7 @@ class CheckpointRequest(_Model):
     leave_running: bool = Field(
         True, description="keep the processes running after the dump (else kill them)"
     )
+    max_bytes: int | None = Field(None, ge=0, description=_MAX_BYTES)
 
 
 class CheckpointTree(_Model):
@@ -378,3 +386,6 @@ class RestoreRequest(_Model):
 
 class ForkRequest(_Model):
     n: int = Field(1, ge=1, le=256)
+    max_layer_bytes: int | None = Field(
+        None, ge=0, description=_MAX_BYTES.replace("snapshot quota", "snapshot and memory quotas")
+    )

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Query, Request, Response
 
 from dsec import errors
+from dsec.apiserver.app.charges import ChargedCopy, copy_bound_mb, fork_layer_mb
 from dsec.apiserver.app.control import _place
 from dsec.apiserver.app.state import ApiServerState, _PrincipalFn, respond_then
 from dsec.edgeapi import EdgeAPI, edge_of
@@ -286,26 +287,28 @@ def _install_state_routes(app: FastAPI, st: ApiServerState, principal: _Principa
         scope = iam.visible_projects(p)
         edge = directory.edge_for(sid, scope)
         source = await edge.get(sid, scope)
-        iam.check_backend(source.spec.project, source.spec.backend)  # the policy may have narrowed since
+        spec = source.spec
+        iam.check_backend(spec.project, spec.backend)  # the policy may have narrowed since
         keys = [f"pending-{secrets.token_hex(8)}" for _ in range(body.n)]
-        # The fork layer counts like a snapshot: a slot and the parent's writable layer as it
-        # is now, refused here before anything is copied; its real size once copied (below).
-        layer_key = f"pending-{secrets.token_hex(8)}"
-        iam.reserve_snapshot(layer_key, source.spec.project, _mib(source.telemetry.get("disk_used_bytes", 0)))
         reserved: list[str] = []
         try:
             for key in keys:
-                iam.reserve(key, source.spec.project, source.spec.cpu, source.spec.memory_mb, pending=True)
+                iam.reserve(key, spec.project, spec.cpu, spec.memory_mb, pending=True)
                 reserved.append(key)
-            infos = await edge.fork(sid, body.n, scope)
+            # The fork layer counts like a snapshot, and as memory (it lives on the edge's run
+            # tmpfs): what it should take, or what the quotas have left, is its cap (charges.py).
+            want = fork_layer_mb(source)
+            layer = ChargedCopy(iam, spec.project, want, in_ram=True, asked=body.max_layer_bytes)
+            infos = await layer.run(
+                lambda cap: edge.fork(sid, body.model_copy(update={"max_layer_bytes": cap}), scope)
+            )
         except BaseException:
-            iam.release_snapshot(layer_key)
             for key in reserved:
                 _release_or_abandon(iam, key)
             raise
         for key, info in zip(keys, infos, strict=True):
             await _account_create(st, key, info)
-        await _charge_fork_layer(iam, edge, scope, layer_key, infos)
+        await _charge_fork_layer(iam, edge, scope, layer, infos)
         for info in infos:
             st.events.publish(
                 "created",
@@ -350,37 +353,29 @@ def _install_state_routes(app: FastAPI, st: ApiServerState, principal: _Principa
         return Response(status_code=204)
 
 
-def _mib(n_bytes: int) -> int:
-    return -(-n_bytes // (1 << 20))
-
-
 async def _charge_fork_layer(
-    iam: IAM, edge: EdgeAPI, scope: set[str] | None, pending: str, infos: list[SandboxInfo]
+    iam: IAM, edge: EdgeAPI, scope: set[str] | None, pending: ChargedCopy, infos: list[SandboxInfo]
 ) -> None:
-    """Move a fork's pending snapshot reservation to its layer (``fork:<layer id>``, released
-    by the reconciler once no edge reports the layer) at the size the edge copied; if that
-    is over the quota (the parent wrote more after it was measured), the children are stopped
-    (which frees the layer) and the fork is refused."""
+    """Move a fork's pending reservation to its layer (``fork:<layer id>``, released by the
+    reconciler once no edge reports the layer) at the size the edge copied; if that is over
+    the quota, the children are stopped (which frees the layer) and the fork is refused."""
     layer = infos[0].fork_layer if infos else None
-    if layer is None:  # an edge from before fork layers were reported: nothing to vouch for it
-        iam.release_snapshot(pending)
+    if layer is None:  # no shared layer (a microVM's children have disks of their own)
+        pending.release()
         return
-    key = f"fork:{layer.id}"
-    iam.rekey_snapshot(pending, key)
-    try:
-        iam.resize_snapshot(key, _mib(layer.size_bytes))
-    except errors.DsecError:
+
+    async def undo() -> None:
         await asyncio.gather(*(edge.stop(i.id, scope) for i in infos), return_exceptions=True)
         for i in infos:
             iam.release(i.id)
-        iam.release_snapshot(key)
-        raise
+
+    await pending.settle(f"fork:{layer.id}", layer.size_bytes, undo)
 
 
 def _install_snapshot_route(app: FastAPI, st: ApiServerState, principal: _PrincipalFn) -> None:
-    """Snapshots count against their project's quota (max_snapshots, max_snapshot_mb): a slot
-    is reserved before the copy, the size once it is known; over the limit, the snapshot is
-    deleted again and the caller gets quota_exceeded."""
+    """Snapshots and checkpoints count against their project's quota (max_snapshots,
+    max_snapshot_mb): a slot and what is left, up to the copy's bound, before the copy (its
+    cap on the edge), the real size once it is known (charges.py)."""
     iam, directory = st.iam, st.directory
 
     @app.post("/v1/sandboxes/{sid}/snapshot", response_model=SnapshotInfo, status_code=201)
@@ -388,40 +383,27 @@ def _install_snapshot_route(app: FastAPI, st: ApiServerState, principal: _Princi
         p = principal(request)
         scope = iam.visible_projects(p)
         edge = directory.edge_for(sid, scope)
-        project = (await edge.get(sid, scope)).spec.project
-        pending = f"pending-{secrets.token_hex(8)}"
-        iam.reserve_snapshot(pending, project, 0)  # the count, before paying for the copy
-        try:
-            info = await edge.snapshot(sid, body, scope)
-        finally:
-            iam.release_snapshot(pending)
-        try:
-            iam.reserve_snapshot(info.id, project, -(-info.size_bytes // (1 << 20)))
-        except errors.DsecError:
-            with contextlib.suppress(errors.DsecError):
-                await edge.delete_snapshot(info.id, scope)
-            raise
+        spec = (await edge.get(sid, scope)).spec
+        copy = ChargedCopy(iam, spec.project, copy_bound_mb(spec), asked=body.max_bytes)
+        info = await copy.run(
+            lambda cap: edge.snapshot(sid, body.model_copy(update={"max_bytes": cap}), scope)
+        )
+        await copy.settle(info.id, info.size_bytes, lambda: edge.delete_snapshot(info.id, scope))
         return model_response(info, 201)
 
     @app.post("/v1/sandboxes/{sid}/checkpoint", response_model=Checkpoint, status_code=201)
     async def checkpoint(sid: str, request: Request, body: CheckpointRequest | None = None) -> Response:
-        """A memory checkpoint (its images and its copy of the files) counts like a snapshot:
-        a slot (and at least 1 MiB) before the dump, its size once known."""
+        """A memory checkpoint (its images and its copy of the files) counts like a snapshot
+        (at least 1 MiB): its bound is its memory and its files."""
         scope = iam.visible_projects(principal(request))
         edge = directory.edge_for(sid, scope)
-        project = (await edge.get(sid, scope)).spec.project
-        pending = f"pending-{secrets.token_hex(8)}"
-        iam.reserve_snapshot(pending, project, 1)  # refused here, before anything is written
-        try:
-            info = await edge.checkpoint(sid, body or CheckpointRequest(), scope)
-        finally:
-            iam.release_snapshot(pending)
-        try:
-            iam.reserve_snapshot(info.id, project, max(1, -(-info.size_bytes // (1 << 20))))
-        except errors.DsecError:
-            with contextlib.suppress(errors.DsecError):
-                await edge.delete_checkpoint(info.id, scope)
-            raise
+        spec = (await edge.get(sid, scope)).spec
+        req = body or CheckpointRequest()
+        copy = ChargedCopy(iam, spec.project, copy_bound_mb(spec, memory=True), asked=req.max_bytes)
+        info = await copy.run(
+            lambda cap: edge.checkpoint(sid, req.model_copy(update={"max_bytes": cap}), scope)
+        )
+        await copy.settle(info.id, info.size_bytes, lambda: edge.delete_checkpoint(info.id, scope), min_mb=1)
         return model_response(info, 201)
 
 
