@@ -370,3 +370,14 @@ class Backend(ABC):
     def stray_mounts(self, known: set[str]) -> list[str]:
         """Mounts of sandboxes that are not in `known`, for the reconciler to remove."""
         return []
+
+
+def log_tail(path: Path, limit: int) -> str:
+    """The last `limit` bytes of a log, stripped, for an error message: only the tail is read
+    (a guest's console can grow to whatever its VM's memory allows)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - limit))
+            return f.read(limit).decode(errors="replace").strip()
+    except OSError:
+        return ""

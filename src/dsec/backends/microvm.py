@@ -86,6 +86,7 @@ from dsec.backends.base import (
     Capability,
     SandboxHandle,
     WhileStopped,
+    log_tail,
 )
 from dsec.backends.criu import CheckpointInfo
 from dsec.backends.guestchannel import GuestChannel
@@ -162,9 +163,7 @@ class MicroVm(SandboxHandle):
         return not self.exited.done()
 
     def exit_reason(self) -> str:
-        console = ""
-        with contextlib.suppress(OSError):
-            console = (self.dir / "console.log").read_text(errors="replace").strip()[-300:]
+        console = log_tail(self.dir / "console.log", 300)  # the guest writes it: only its tail is read
         if self.exit_status is not None and self.exit_status[0] in (os.CLD_KILLED, os.CLD_DUMPED):
             why = f"its QEMU was killed by {signal.Signals(self.exit_status[1]).name}"
         else:
