@@ -27,6 +27,7 @@ from the code with :func:`error_from_wire`.
      ├── PathEscape (403, also PermissionError)   a path leaves the sandbox
      ├── QuotaExceeded (429)
      ├── CapacityExhausted (503)                   the edge or cluster is full
+     ├── GraderUnavailable (503)                   a grader (verify, trusted exec) could not run
      ├── ExecTimeout (408, also TimeoutError)
      ├── Unavailable (503)                         transient: safe to retry
      └── InternalError (500)                       a platform bug or host failure
@@ -144,6 +145,13 @@ class QuotaExceeded(DsecError, code="quota_exceeded", status=429): ...
 
 
 class CapacityExhausted(DsecError, code="capacity_exhausted", status=503, retryable=True): ...
+
+
+class GraderUnavailable(DsecError, code="grader_unavailable", status=503):
+    """A verify or trusted exec could not run its command (the platform could not set it up,
+    or its helper failed): an environment fault, never the task's result. Nothing the agent
+    does to its sandbox (its disk, inodes, pids or memory exhausted) causes it; see the
+    message for the host's reason."""
 
 
 class ExecTimeout(DsecError, TimeoutError, code="exec_timeout", status=408): ...

@@ -47,3 +47,14 @@ def test_every_error_class_is_drawn_under_its_parent_with_its_status():
 def test_wire_codes_are_unique():
     codes = [c.code for c in classes() if c is not errors.DsecError]
     assert len(codes) == len(set(codes)), sorted(codes)
+
+
+def test_a_grader_that_could_not_run_is_its_own_error_not_a_transient_one():
+    """`grader_unavailable` (issue #25): an environment fault a trainer must not score, and not
+    `unavailable` (the SDK would move to another apiserver and send a verify again)."""
+    body = {"error": {"code": "grader_unavailable", "message": "the vault is gone"}}
+    err = errors.error_from_wire(503, body)
+    assert type(err) is errors.GraderUnavailable and err.message == "the vault is gone"
+    assert not isinstance(err, errors.Unavailable) and not err.retryable
+    wire = errors.GraderUnavailable("x").to_wire()
+    assert wire == {"error": {"code": "grader_unavailable", "message": "x"}}
