@@ -10,8 +10,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -97,4 +98,20 @@ def running_service(edge_name: str) -> Iterator[tuple[str, str]]:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
         shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
+async def in_process_edge(name: str) -> AsyncIterator[Any]:
+    """An Edge in this process (root) with a throwaway run dir; closed and removed after."""
+    from dsec.config import EdgeSettings
+    from dsec.edge import Edge
+
+    run_dir = Path(tempfile.mkdtemp(prefix="dsec-bench-", dir="/run"))
+    edge = Edge(EdgeSettings(name=name, run_dir=run_dir, reconcile_interval_s=3600, fncall_image=""))
+    await edge.start()
+    try:
+        yield edge
+    finally:
+        await edge.close()
         shutil.rmtree(run_dir, ignore_errors=True)

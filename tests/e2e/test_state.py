@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 from pathlib import Path
 
@@ -160,6 +161,11 @@ def test_protect_and_verify_through_the_sdk(service):
         assert r.stdout == "graded 7\n" and r.seq is not None
         with pytest.raises(errors.InvalidRequest):
             sb.protect(["relative/path"])
+        # a grader the platform cannot run (its vault copy lost on the node) is an error the
+        # SDK raises, never an ExecResult with an exit code a trainer would score
+        shutil.rmtree(next(service.data_dir.glob(f"**/vault/{sb.id}")) / "t0")
+        with pytest.raises(errors.GraderUnavailable):
+            sb.verify("sh /grader/test.sh")
         sb.stop()
 
 

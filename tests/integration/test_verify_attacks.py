@@ -16,12 +16,19 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
+import signal
 import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
 from dsec import errors
+from dsec.config import EdgeSettings
+from dsec.edge import Edge
+from dsec.isolation.cgroups import CgroupHost
 from dsec.models import ExecRequest, SandboxSpec
 
 pytestmark = [pytest.mark.root, pytest.mark.asyncio]
@@ -228,40 +235,154 @@ async def test_a_program_only_the_agent_wrote_does_not_run_trusted(edge):
     await edge.stop(sb.id)
 
 
-async def test_a_live_agent_cannot_signal_trace_or_read_a_trusted_exec(edge):
+async def test_an_agent_sees_nothing_of_a_trusted_exec_and_cannot_touch_it(edge):
+    """The agent's processes are frozen while a trusted exec runs (issue #25): before, a
+    background process read the grader's command line (and the helper's: every host path)
+    from /proc while it ran."""
     sb = await edge.create(SandboxSpec(image="python"))
-    marker = f"mark{secrets.token_hex(4)}"
-    # The agent (root, CAP_KILL, CAP_SETUID) hunts every process whose command line holds the
-    # marker: kill -9, become its uid, read its environment, root and memory.
+    marker, secret = f"mark{secrets.token_hex(4)}", f"s3cr3t{secrets.token_hex(4)}"
+    # The agent (root, CAP_KILL, CAP_SETUID) logs every command line and environment it can
+    # read, and kills whatever carries the marker.
     hunter = (
-        "while :; do for d in /proc/[0-9]*; do p=${d#/proc/}; "
-        f"grep -q {marker} $d/cmdline 2>/dev/null || continue; [ $p = $$ ] && continue; "
-        "echo $p >> /work/found; kill -9 $p 2>> /work/kill-errors; "
-        "cat $d/environ >> /work/stolen 2>/dev/null; ls $d/root/ >> /work/stolen 2>/dev/null; "
-        'python3 -c "import os,sys; os.setuid(int(sys.argv[2])); '
-        "print(open(sys.argv[1]+'/environ').read())\" "
-        "$d $(awk '/^Uid/{print $2}' $d/status) >> /work/stolen 2>/dev/null; "
-        "done; sleep 0.02; done"
+        "while :; do for d in /proc/[0-9]*; do p=${d#/proc/}; [ $p = $$ ] && continue; "
+        "tr '\\0' ' ' < $d/cmdline >> /work/seen 2>/dev/null; echo >> /work/seen; "
+        "cat $d/environ >> /work/seen 2>/dev/null; "
+        f"grep -q {marker} $d/cmdline 2>/dev/null || continue; "
+        "echo $p >> /work/found; kill -9 $p 2>> /work/found; done; sleep 0.02; done"
     )
     await edge.write_file(sb.id, "/work/hunter.sh", hunter.encode(), 0o755)
     await sh(edge, sb.id, "setsid nohup sh /work/hunter.sh >/dev/null 2>&1 &")
+    await sh(edge, sb.id, "for i in $(seq 1000); do [ -s /work/seen ] && break; sleep 0.01; done")
     r = await edge.exec(
         sb.id,
         ExecRequest(
-            cmd=["sh", "-c", "sleep 1.5; echo survived; exit 3", marker],
-            env={"TRUSTED_SECRET": "s3cr3t"},
+            cmd=["sh", "-c", "sleep 1; echo survived; exit 3", marker],
+            env={"TRUSTED_SECRET": secret},
             trusted=True,
         ),
     )
     assert (r.exit_code, r.stdout) == (3, "survived\n"), r
-    found = (await edge.read_file(sb.id, "/work/found")).decode()
-    assert found.strip()  # the hunter did find it
-    assert b"Operation not permitted" in await edge.read_file(sb.id, "/work/kill-errors")
-    stolen = b""
-    with contextlib.suppress(errors.FileNotFound):
-        stolen = await edge.read_file(sb.id, "/work/stolen")
-    assert b"s3cr3t" not in stolen and b"TRUSTED_SECRET" not in stolen
+    # the hunter lives on (frozen, not killed) and saw nothing of it
+    r = await sh(
+        edge,
+        sb.id,
+        "n=$(wc -c < /work/seen); for i in $(seq 1000); do "
+        "[ $(wc -c < /work/seen) -gt $n ] && echo on && break; sleep 0.01; done",
+    )
+    assert r.stdout == "on\n"
+    seen = await edge.read_file(sb.id, "/work/seen")
+    for leak in (marker, secret, "TRUSTED_SECRET", "dsec-trusted", "--lower", str(edge.settings.data_dir)):
+        assert leak.encode() not in seen, leak
+    with pytest.raises(errors.FileNotFound):
+        await edge.read_file(sb.id, "/work/found")
     await edge.stop(sb.id)
+
+
+def _helpers_of(pid: int) -> list[Path]:
+    """/proc of the dsec-trusted helpers this process started."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = (d / "stat").read_text()
+                if (
+                    stat.split("(", 1)[1].startswith("dsec-trusted")
+                    and int(stat.rsplit(")", 1)[1].split()[1]) == pid
+                ):
+                    out.append(d)
+    return out
+
+
+async def test_a_trusted_command_travels_in_a_descriptor_and_new_execs_wait_for_it(edge):
+    """The helper's argv and environ (which its child shares in the sandbox's pid namespace
+    until it execs) hold none of the command, its env or the host's paths; an exec started
+    while a trusted one runs waits for it (it would see it otherwise)."""
+    sb = await edge.create(SandboxSpec(image="python"))
+    marker, secret = f"mark{secrets.token_hex(4)}", f"s3cr3t{secrets.token_hex(4)}"
+    req = ExecRequest(
+        cmd=["sh", "-c", "echo ready; sleep 1; echo done", marker],
+        env={"TRUSTED_SECRET": secret},
+        trusted=True,
+    )
+    look = "for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f; echo; done"
+    other = None
+    out = b""
+    async for kind, item in edge.exec_stream(sb.id, req):
+        if kind == "stdout" and isinstance(item, bytes):
+            out += item
+            if other is None:  # the command runs: its helper is alive
+                helpers = _helpers_of(os.getpid())
+                assert helpers
+                for h in helpers:
+                    shown = (h / "cmdline").read_bytes() + (h / "environ").read_bytes()
+                    for leak in (marker, secret, "--lower", "--protect", str(edge.settings.edge_run_dir)):
+                        assert leak.encode() not in shown, (leak, shown)
+                    assert (h / "environ").read_bytes() == b""
+                other = asyncio.ensure_future(sh(edge, sb.id, look))
+    assert out == b"ready\ndone\n"
+    assert other is not None
+    r = await other
+    assert r.exit_code == 0 and marker not in r.stdout, r.stdout
+    await edge.stop(sb.id)
+
+
+FILL = (
+    "mkdir -m 777 /work/w; head -c 100000000 /dev/zero > /work/fill; "
+    "head -c 16000000 /dev/zero > /dev/shm/fill; "
+    "cd /work && i=0; while : > n$i; do i=$((i+1)); done; true"
+)
+GRADER = (
+    "import subprocess\n"
+    "b = bytearray(32 << 20)\n"
+    "print(subprocess.run(['echo', 'forked'], capture_output=True, text=True).stdout.strip())\n"
+    "for f in ('/tmp/out', '/work/w/out'):\n"
+    "    open(f, 'w').write('x' * 100000)\n"
+    "    print(len(open(f).read()))\n"
+)
+
+
+async def test_an_agent_that_used_up_its_sandbox_cannot_keep_a_grader_from_running(edge):
+    """Disk, inodes, pids and memory (its tmpfs pages stay charged when it dies) all used up
+    by the agent: the grader still runs, with room of its own (issue #25). Before, verify made
+    the protected paths' mount points in the agent's full layer and failed, and a trusted
+    exec ran out of pids and memory in the sandbox's cgroup."""
+    sb = await edge.create(SandboxSpec(image="python", disk_mb=32, disk_inodes=1024, memory_mb=64, pids=32))
+    await edge.write_file(sb.id, "/work/tests/check.py", FAIL_PY.encode())
+    assert await edge.protect(sb.id, ["/work/tests"]) == ["/work/tests"]
+    r = await sh(edge, sb.id, FILL)
+    assert "No space left on device" in r.stderr, r
+    # every pid the agent may have, held by processes of another session (they outlive the call)
+    await sh(edge, sb.id, "setsid sh -c 'while :; do sleep 1000 & done' >/dev/null 2>&1 </dev/null; true")
+    assert edge.get(sb.id).telemetry["disk_used_inodes"] >= 1000
+    r = await edge.exec(sb.id, ExecRequest(cmd=["python3", "-c", GRADER], trusted=True))
+    assert (r.exit_code, r.stdout) == (0, "forked\n100000\n100000\n"), r
+    with pytest.raises(errors.FileNotFound):  # its writes were its own
+        await edge.read_file(sb.id, "/work/w/out")
+    r = await edge.verify(
+        sb.id, ExecRequest(cmd="python3 -c 'b = bytearray(32 << 20)' && python3 /work/tests/check.py")
+    )
+    assert (r.exit_code, r.stdout) == (1, "grading\n"), r
+    with pytest.raises(errors.FileNotFound):  # and the agent's tree was never touched
+        await edge.read_file(sb.id, "/work/tests/check.py")
+    await edge.stop(sb.id)
+
+
+async def test_a_grader_that_cannot_run_is_an_environment_fault(edge):
+    """When the platform cannot run the grader (here: its vault copy is gone from the host),
+    the call fails with `grader_unavailable`, never an exit code a trainer would score."""
+    sid = await graded_sandbox(edge)
+    shutil.rmtree(edge._vault(sid) / "t0")
+    with pytest.raises(errors.GraderUnavailable) as e:
+        await edge.verify(sid, ExecRequest(cmd="python3 /grader/check.py"))
+    assert (e.value.code, e.value.status) == ("grader_unavailable", 503)
+    assert "could not be set up" in e.value.message
+    # nothing stays frozen or behind
+    assert (await sh(edge, sid, "echo alive")).stdout == "alive\n"
+    trusted_dirs = [h / "dsec-trusted" / sid for h in edge.cgroups.hierarchies()]
+    assert not [g for d in trusted_dirs if d.exists() for g in d.iterdir() if g.is_dir()]
+    await edge.stop(sid)
+    await edge.close()  # (the teardown runs in the background)
+    assert not any(d.exists() for d in trusted_dirs)
 
 
 async def test_protected_tests_inside_work_beat_a_planted_symlink(edge):
@@ -281,7 +402,8 @@ async def test_protected_tests_inside_work_beat_a_planted_symlink(edge):
             sb.id, ExecRequest(cmd="python3 /work/tests/check.py; echo rc=$?; cat /work/tests/data/expected")
         )
         assert r.stdout == "grading\nrc=1\n42\n", r
-        assert (await sh(edge, sb.id, "ls /work/tests")).exit_code != 0  # gone again
+        # the agent's tree is left as the agent made it: the grader's mount points are its own
+        assert (await sh(edge, sb.id, "cat /work/tests/check.py")).stdout == "print('fake')\n"
         assert not _upper_holds(edge, sb.id, secret.encode())
     await edge.stop(sb.id)
 
@@ -410,3 +532,75 @@ async def test_a_grader_run_as_a_module_does_not_import_the_agents_files(edge) -
         assert r.stdout == "/\n"
     finally:
         await edge.stop(sb.id)
+
+
+KILLED_DURING_A_GRADER = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from dsec.config import EdgeSettings
+    from dsec.edge import Edge
+    from dsec.models import ExecRequest, SandboxSpec
+
+    async def main():
+        edge = Edge(EdgeSettings.model_validate_json(sys.argv[1]))
+        await edge.start()
+        sb = await edge.create(SandboxSpec(image="python"))
+        tick = "while :; do date +%s%N > /work/tick; sleep 0.01; done"
+        await edge.exec(sb.id, ExecRequest(cmd=f"setsid sh -c '{tick}' >/dev/null 2>&1 &"))
+        req = ExecRequest(cmd=f"echo ready; exec sleep {sys.argv[2]}", trusted=True, timeout=3000)
+        async for _ in edge.exec_stream(sb.id, req):
+            print(json.dumps(sb.id), flush=True)
+            await asyncio.sleep(3600)
+
+    asyncio.run(main())
+    """
+)
+
+
+def _running(cmdline: bytes) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if d.name.isdigit() and (d / "cmdline").read_bytes() == cmdline:
+                out.append(int(d.name))
+    return out
+
+
+async def test_an_edge_killed_during_a_trusted_exec_leaves_nothing_frozen(edge_dirs, python_image):
+    """The next edge process kills the grader the dead one left and thaws the agent."""
+    settings = EdgeSettings(
+        name="t" + secrets.token_hex(4), reconcile_interval_s=3600, fncall_image="", **edge_dirs
+    )
+    seconds = f"1000.{secrets.randbelow(10**6)}"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_DURING_A_GRADER, settings.model_dump_json(), seconds],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        sid = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()  # type: ignore[union-attr]
+    grader = f"sleep\0{seconds}\0".encode()
+    edge = Edge(settings)
+    started = False
+    try:
+        assert _running(grader)
+        assert CgroupHost.detect().user_frozen(sid)
+        await edge.start()
+        started = True
+        assert not _running(grader) and not edge.cgroups.user_frozen(sid)
+        r = await sh(
+            edge,
+            sid,
+            "t=$(cat /work/tick); for i in $(seq 1000); do "
+            "[ $(cat /work/tick) != $t ] && break; sleep 0.01; done; echo $i",
+        )
+        assert int(r.stdout) < 1000  # the agent runs again
+        assert (await sh(edge, sid, "echo ok", trusted=True)).stdout == "ok\n"
+    finally:
+        if not started:  # (stops what the killed edge left)
+            await edge.start()
+        await edge.close()

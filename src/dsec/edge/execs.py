@@ -54,6 +54,7 @@ class EdgeExec(EdgePart):
         self.monitor = monitor  # misbehaviour and denied connections after each exec
         self._epoch = epoch  # exec cgroup and session names carry it (see Edge.__init__)
         self._trusted_tool: Path | None = None  # dsec-trusted, built on the first trusted exec
+        self._freeze = trusted.AgentFreeze(self.cgroups)  # the agent stopped while one runs
         self._inflight: dict[tuple[str, str, int], asyncio.Future[None]] = {}  # (project, trajectory, step)
 
     # --- exec ----------------------------------------------------------------------
@@ -137,26 +138,30 @@ class EdgeExec(EdgePart):
             uid_offset=self.settings.uid_offset,
             id_base=sb.handle.id_base,
             tmp_mb=sb.record.spec.disk_mb,
+            cpu=sb.record.spec.cpu,
+            memory_bytes=sb.record.spec.memory_mb << 20,
+            pids=sb.record.spec.pids,
         )
         if stdin is None and req.stdin is not None:
             stdin = req.stdin.encode()
-        return await trusted.run_trusted(
-            spec,
-            sb.handle,
-            self.cgroups,
-            self._group_name(sb),
-            sb.root_fd,
-            ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) else list(req.cmd),
-            trusted.clean_env(req.env),
-            # Not the workdir: `python3 -m X`, pytest's rootdir/conftest discovery and the like
-            # load modules from their cwd, which would be the agent's files. A caller who
-            # names a cwd in a task dir takes that on knowingly.
-            cwd=req.cwd or "/",
-            stdin=stdin,
-            timeout=req.timeout,
-            cap=min(req.max_output_bytes, sb.record.spec.max_output_bytes) if cap is None else cap,
-            sink=sink,
-        )
+        async with self._freeze.hold(sb.id):  # the agent sees nothing of it, and cannot starve it
+            return await trusted.run_trusted(
+                spec,
+                sb.handle,
+                self.cgroups,
+                self._group_name(sb),
+                sb.root_fd,
+                ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) else list(req.cmd),
+                trusted.clean_env(req.env),
+                # Not the workdir: `python3 -m X`, pytest's rootdir/conftest discovery and the like
+                # load modules from their cwd, which would be the agent's files. A caller who
+                # names a cwd in a task dir takes that on knowingly.
+                cwd=req.cwd or "/",
+                stdin=stdin,
+                timeout=req.timeout,
+                cap=min(req.max_output_bytes, sb.record.spec.max_output_bytes) if cap is None else cap,
+                sink=sink,
+            )
 
     @staticmethod
     def _trusted_checks(sb: Sandbox, req: ExecRequest) -> builtins.list[str]:

@@ -185,7 +185,7 @@ async def spawn(
             os.close(fd)
         raise InternalError(f"cannot create an exec cgroup: {e}") from e
     try:
-        cgroup_fds = [group.procs_fd] if group.procs_fd >= 0 else []
+        cgroup_fds = group.fds()  # (v1: the user's freezer group too: see CgroupHost.freeze_user)
         ident, pid, exited = await container.channel.spawn(launch, stdio=stdio, cgroup_fds=cgroup_fds)
         group.bind(ident)
     except OSError as e:

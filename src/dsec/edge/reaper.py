@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -104,6 +105,8 @@ class EdgeReaper(EdgePart):
                 self.store.delete(rec.id)
                 continue
             self.sandboxes[rec.id] = sb
+            with contextlib.suppress(OSError):  # a trusted exec the last edge process left running
+                self.cgroups.end_trusted(rec.id)  # (its result had nobody to go to), the agent thawed
             if rec.spec.network is not None:
                 try:
                     await self.life._apply_network(sb, rec.spec.network, check=False, resolv=False)

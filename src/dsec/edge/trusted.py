@@ -9,10 +9,18 @@ its own from the image's layers (read-only; forks', checkpoints' and snapshots' 
 the sandbox's own writes, so they are left out), with only the task directories (default
 /work) taken live from the sandbox, and for verify the protected paths bound read-only
 straight from the host's vault. It runs in the sandbox's pid, net, ipc, uts and cgroup
-namespaces and cgroups, as an id that maps to a host id outside the sandbox's range, in a
-user namespace of its own (the sandbox's root can neither signal, trace nor read it), with
-no capabilities, no_new_privs, the sandbox's seccomp filter and a clean environment. Its exit
-status comes from waitpid in a helper process that stays in the host's namespaces.
+namespaces, as an id that maps to a host id outside the sandbox's range, in a user namespace
+of its own (the sandbox's root can neither signal, trace nor read it), with no capabilities,
+no_new_privs, the sandbox's seccomp filter and a clean environment. Its exit status comes
+from waitpid in a helper process that stays in the host's namespaces.
+
+Nothing the agent does can watch or starve it: the agent's processes are frozen for its
+whole run (`AgentFreeze`: the user's cgroup, not the sandbox's init), its command, env and
+paths reach the helper in a memfd (never an argv or environ /proc shows), it runs in a
+cgroup of its own with the sandbox's limits (outside the sandbox's: the memory and pids the
+agent holds are not taken from it), and every mount point and scratch byte it needs is in
+its own mounts, never in the agent's writable layer. When it still cannot run, the call
+fails with `grader_unavailable` (an environment fault), never with an exit code.
 
 Protected paths leave the sandbox by a host-side copy (openat2 walks that follow nothing)
 into the vault, owned by the trusted id; nothing of the sandbox ever runs on them, and they
@@ -31,26 +39,18 @@ import signal
 import stat
 import tarfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from dsec import errors
 from dsec.aio import wait_for
 from dsec.backends.base import SandboxHandle
-from dsec.edge.files import (
-    MAX_ARCHIVE,
-    MAX_ARCHIVE_ENTRIES,
-    RESOLVE,
-    RESOLVE_WALK,
-    SandboxFiles,
-    stats_sorted,
-    walk_open,
-)
-from dsec.edge.process import Outputs, PipeReader, RawResult, exit_code, release_group
+from dsec.edge.files import MAX_ARCHIVE, MAX_ARCHIVE_ENTRIES, RESOLVE, RESOLVE_WALK, stats_sorted, walk_open
+from dsec.edge.process import Outputs, PipeReader, RawResult, exit_code
 from dsec.isolation import linux
 from dsec.isolation.cgroups import CgroupHost, ExecGroup, keyed_value
-from dsec.isolation.procs import spawn_quick, wait_quick
+from dsec.isolation.procs import sealed_memfd, spawn_quick, wait_quick
 from dsec.isolation.spec import DEFAULT_PATH
 from dsec.layers import LayerStore
 from dsec.layers.store import Image
@@ -69,6 +69,7 @@ _NAMESPACES = ("mnt", "pid", "net", "ipc", "uts", "cgroup")
 # Layers a sandbox wrote (snapshots of it): never part of a trusted root.
 _SANDBOX_LAYERS = frozenset({"snapshot"})
 _KILL_WAIT_S = 5.0
+FREEZE_TIMEOUT_S = 5.0  # the agent's processes must be stopped by then, or the command does not run
 MAX_PROTECTED = 64  # protected paths per sandbox (the helper's limit)
 
 
@@ -359,42 +360,6 @@ def convert_blob(blob: Path, dest: Path, is_dir: bool, owner: int) -> tuple[str,
     return "d", ""
 
 
-def prepare_mount_points(files: SandboxFiles, entries: Sequence[Protected], dirs: Sequence[str]) -> list[str]:
-    """For protected paths inside a task directory: make their mount points in the sandbox's
-    tree (every agent process is gone: verify killed them), replacing whatever the agent left
-    at the path or in place of a parent (a symlink there would redirect the mount). Returns
-    the paths made, to remove afterwards."""
-    made = []
-    for e in entries:
-        task = next((d for d in dirs if under(e.path, d)), None)
-        if task is None or any(under(e.path, o.path) for o in entries if o is not e):
-            continue  # mounted in the image's tree, or inside another protected tree
-        parts = PurePosixPath(e.path).relative_to(task).parts
-        cur = PurePosixPath(task)
-        for part in parts[:-1]:
-            cur = cur / part
-            try:
-                if files.stat(str(cur)).type == "dir":
-                    continue
-                files.delete(str(cur), recursive=True)
-            except errors.FileNotFound:
-                pass
-            files._mkdirs(str(cur))
-        with contextlib.suppress(errors.FileNotFound):
-            files.delete(e.path, recursive=True)
-        if e.kind == "d":
-            files._mkdirs(e.path)
-        elif e.kind == "f":
-            files.write(e.path, b"", 0o644)
-        else:
-            parent, name = posixpath.split(e.path)
-            with files._open(parent, os.O_PATH | os.O_DIRECTORY) as dfd:
-                os.symlink(e.link, name, dir_fd=dfd)
-                os.chown(name, files.uid, files.gid, dir_fd=dfd, follow_symlinks=False)
-        made.append(e.path)
-    return made
-
-
 # --- running -----------------------------------------------------------------------------
 
 
@@ -410,11 +375,56 @@ class TrustedSpec:
     seccomp: Path | None
     uid_offset: int  # the layer store's canonical range (layers' owners, and the trusted id's)
     id_base: int  # the sandbox's own range
-    tmp_mb: int
+    tmp_mb: int  # its /tmp, /dev/shm and its writes in the task directories (each)
+    cpu: float  # its own cgroup's limits: the sandbox's
+    memory_bytes: int
+    pids: int
 
 
 def clean_env(extra: dict[str, str]) -> dict[str, str]:
     return {"PATH": DEFAULT_PATH, "HOME": "/tmp", "LANG": "C.UTF-8", **extra}
+
+
+class AgentFreeze:
+    """The agent's processes (the sandbox's user cgroup, not its init) frozen while trusted
+    commands run: one hold per command, frozen at the first and thawed after the last. The
+    freeze starts and the thaw ends on the event loop, so no start can follow a thaw out of
+    order. A process that joins meanwhile (an exec or session run) is frozen as it joins."""
+
+    def __init__(self, cgroups: CgroupHost) -> None:
+        self.cgroups = cgroups
+        self._holds: dict[str, int] = {}
+
+    @contextlib.asynccontextmanager
+    async def hold(self, sandbox_id: str, timeout: float = FREEZE_TIMEOUT_S) -> AsyncIterator[None]:
+        n = self._holds.get(sandbox_id, 0)
+        self._holds[sandbox_id] = n + 1
+        try:
+            await self._frozen(sandbox_id, n == 0, timeout)
+            yield
+        finally:
+            self._holds[sandbox_id] -= 1
+            if not self._holds[sandbox_id]:
+                del self._holds[sandbox_id]
+                with contextlib.suppress(OSError):  # (a sandbox stopped meanwhile)
+                    self.cgroups.thaw_user(sandbox_id)
+
+    async def _frozen(self, sandbox_id: str, first: bool, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        try:
+            if first:
+                self.cgroups.freeze_user(sandbox_id)
+            while not self.cgroups.user_frozen(sandbox_id):
+                if time.monotonic() > end:
+                    raise errors.GraderUnavailable(
+                        f"the processes of sandbox {sandbox_id} did not stop within {timeout:g} s "
+                        "(one may be stuck in the kernel): the trusted command did not run"
+                    )
+                await asyncio.sleep(0.001)
+        except OSError as e:
+            raise errors.GraderUnavailable(
+                f"cannot freeze the processes of sandbox {sandbox_id} for a trusted command: {e}"
+            ) from e
 
 
 class _Launch:
@@ -443,29 +453,17 @@ class _Launch:
 
 
 def _helper_args(
-    spec: TrustedSpec,
-    container: SandboxHandle,
-    cgroups: CgroupHost,
-    procs_fd: int,
-    root_fd: int,
-    launch: _Launch,
+    spec: TrustedSpec, container: SandboxHandle, group: ExecGroup, root_fd: int, launch: _Launch
 ) -> list[str]:
-    """Everything but the command: namespaces, cgroups, layers, mounts, ids."""
-    args = [str(spec.tool)]
+    """Every option but the command's: namespaces, cgroups, layers, mounts, ids."""
+    args = []
     for n in _NAMESPACES:
         fd = launch.give(os.open(f"/proc/{container.pid}/ns/{n}", os.O_RDONLY | os.O_CLOEXEC))
         args += ["--ns", n, str(fd)]
     if not container.alive():  # the pid could have been reused between the check and the opens
         raise errors.SandboxNotRunning(f"sandbox {container.id} is not running")
-    args += ["--cgroup", str(procs_fd)]
-    seen = {cgroups.tracking_dir(container.id)}
-    for d in cgroups.sandbox_dirs(container.id):  # v1: memory, cpu... (v2: only the tracking dir)
-        if d in seen:
-            continue
-        seen.add(d)
-        with contextlib.suppress(FileNotFoundError):
-            fd = launch.give(os.open(d / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC))
-            args += ["--cgroup", str(fd)]
+    for fd in group.fds():  # its own group, and on v1 the sandbox's in the other hierarchies
+        args += ["--cgroup", str(fd)]
     args += ["--root", str(launch.give(os.dup(root_fd))), "--scratch", str(spec.scratch)]
     for lower in spec.lowers:
         args += ["--lower", str(lower)]
@@ -479,6 +477,12 @@ def _helper_args(
     args += ["--layer-ids", str(spec.uid_offset)]
     args += ["--tmp-mb", str(spec.tmp_mb)]
     return args
+
+
+def _options_fd(args: Sequence[str]) -> int:
+    """A sealed memfd holding the helper's options, each NUL-terminated: what /proc shows of
+    the helper (and of its child in the sandbox's pid namespace) is `dsec-trusted <fd>`."""
+    return sealed_memfd("dsec-trusted-options", b"".join(a.encode() + b"\0" for a in args))
 
 
 async def run_trusted(
@@ -503,13 +507,17 @@ async def run_trusted(
     if not container.alive():
         raise errors.SandboxNotRunning(f"sandbox {container.id} is not running")
     trusted_host_id(spec.uid_offset)
+    if any("\0" in a for a in (*argv, *env, *env.values(), cwd)):
+        raise errors.InvalidRequest("the command, its environment and cwd cannot hold NUL characters")
     try:
-        group = cgroups.open_exec_group(container.id, group_name)
+        group = cgroups.open_trusted_group(
+            container.id, group_name, cpu=spec.cpu, memory_bytes=spec.memory_bytes, pids=spec.pids
+        )
     except OSError as e:
-        raise errors.InternalError(f"cannot create an exec cgroup: {e}") from e
+        raise errors.GraderUnavailable(f"cannot create the trusted command's cgroup: {e}") from e
     launch = _Launch()
     try:
-        args = _helper_args(spec, container, cgroups, group.procs_fd, root_fd, launch)
+        args = _helper_args(spec, container, group, root_fd, launch)
         status_r, status_w = launch.pipe()
         out_r, out_w = launch.pipe()
         err_r, err_w = launch.pipe()
@@ -522,15 +530,9 @@ async def run_trusted(
         args += ["--status", str(status_w), "--cwd", cwd]
         for k, v in env.items():
             args += ["--env", f"{k}={v}"]
-        args += ["--", *argv]
-        try:
-            pid, pidfd = spawn_quick(args, out_w, err_w, [*launch.theirs, group.procs_fd], stdin_fd=in_r)
-        except OSError as e:
-            if e.errno == errno.E2BIG:
-                raise errors.InvalidRequest(
-                    "the command and its environment are too large to start; pass less (e.g. data on stdin)"
-                ) from e
-            raise
+        options = launch.give(_options_fd([*args, "--", *argv]))
+        inherit = [*launch.theirs, *group.fds()]
+        pid, pidfd = spawn_quick([str(spec.tool), str(options)], out_w, err_w, inherit, stdin_fd=in_r, env={})
     except BaseException:
         launch.close(launch.theirs)
         launch.close(launch.ours)
@@ -548,12 +550,11 @@ async def run_trusted(
         outputs.close()
         status.close()
         refused = keyed_value(group.path / "pids.events", "max")
-        await asyncio.get_running_loop().run_in_executor(None, group.kill)
-        release_group(group)
+        await asyncio.get_running_loop().run_in_executor(None, _end_group, group)
     code = _result(bytes(status.buf), container.id)
     if code is None and not timed_out and helper_rc not in (None, -signal.SIGKILL):
         detail = bytes(err.buf).decode(errors="replace").strip()[-300:]
-        raise errors.InternalError(
+        raise errors.GraderUnavailable(
             f"the trusted command of sandbox {container.id} could not start "
             f"(helper exit {helper_rc}): {detail}"
         )
@@ -566,6 +567,12 @@ async def run_trusted(
         timed_out=timed_out,
         pids_limit_hits=refused,
     )
+
+
+def _end_group(group: ExecGroup) -> None:
+    """Kill what is left of the command's tree and remove its cgroups."""
+    group.kill()
+    group.remove()
 
 
 async def _wait(
@@ -607,11 +614,7 @@ def _result(report: bytes, sandbox_id: str) -> int | None:
     for line in report.decode(errors="replace").splitlines():
         kind, _, rest = line.partition(" ")
         if kind == "E":
-            if rest.startswith("protected"):
-                raise errors.Conflict(
-                    f"a protected path of sandbox {sandbox_id} cannot be put in place: {rest}"
-                )
-            raise errors.InternalError(
+            raise errors.GraderUnavailable(
                 f"the trusted command of sandbox {sandbox_id} could not be set up: {rest}"
             )
         if kind == "X":

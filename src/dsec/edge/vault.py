@@ -151,7 +151,7 @@ class EdgeVault:
         sb = self._get(sandbox_id)
         sb.backend.require(Capability.TRUSTED_EXEC, "trusted exec")  # before anything is killed
         req = req.model_copy(update={"trusted": True})
-        dirs = self._trusted_checks(sb, req)  # a 400 before anything is killed
+        self._trusted_checks(sb, req)  # a 400 before anything is killed
         for s in list(sb.sessions.values()):
             with contextlib.suppress(Exception):
                 s.close(kill=False)
@@ -163,16 +163,14 @@ class EdgeVault:
 
         async def run() -> dict[str, Any]:
             async with self._vault_lock(sandbox_id):
+                # The mount points of the protected paths are the trusted command's own (see
+                # dsec.edge.trusted): nothing is written into the agent's tree, whose space
+                # (inodes included) the agent may have used up.
                 protected = self._protected(sandbox_id, self._vault_index(sandbox_id))
-                made: builtins.list[str] = []
                 try:
-                    made = await sb.files.run(lambda f: trusted.prepare_mount_points(f, protected, dirs))
                     raw = await self._run_trusted(sb, req, protected=protected)
                 finally:
                     await sb.backend.kill_user_processes(sb.handle)  # nothing the verifier started stays
-                    for path in made:
-                        with contextlib.suppress(errors.DsecError):
-                            await self._delete_path(sb, path)
             result = raw.to_exec_result()
             result.misbehaviour = self._misbehaviour(sb, raw)
             return result.model_dump()

@@ -3,8 +3,11 @@
 The OCI runtime creates and limits a sandbox's cgroup (``/dsec/<sandbox>``).
 Here we add what the runtime does not do: a child cgroup per exec or session,
 so that a timeout can kill a whole process tree, even processes that called
-setsid() or were reparented. Every host path comes from :class:`CgroupHost`
-so that the logic runs on a fake tree in unit tests.
+setsid() or were reparented; the freezer of the user's processes alone (not the
+init), which a trusted exec holds; and the trusted exec's own cgroup
+(``/dsec-trusted/<sandbox>/<exec>``), outside the sandbox's, so that what the
+user's processes hold (memory, pids) is not taken from it. Every host path comes
+from :class:`CgroupHost` so that the logic runs on a fake tree in unit tests.
 """
 
 from __future__ import annotations
@@ -26,6 +29,12 @@ PARENT = "dsec"
 # start an exec (say, `kill -9 -1`) when something inside forks without end.
 USER_GROUP = "dsec-user"
 PID_RESERVE = 16
+# Trusted execs (dsec.edge.trusted) run in <hierarchy>/dsec-trusted/<sandbox>/<exec>.
+TRUSTED_PARENT = "dsec-trusted"
+# v1: the hierarchies where a trusted exec has a group of its own (what the user's processes
+# can hold on to); in the others it joins the sandbox's group.
+_TRUSTED_OWN_V1 = ("memory", "pids")
+_TRUSTED_CONTROLLERS = "+memory +pids +cpu"
 # v1 hierarchies the runtime populates for a sandbox; we track execs in pids.
 # the v1 hierarchies a host process of a sandbox joins (create_for_process)
 _HOST_PROCESS_V1 = ("memory", "cpu", "cpuacct", "pids", "freezer")
@@ -102,8 +111,9 @@ class CgroupHost:
         """Sandbox ids that have a cgroup in any hierarchy (for the reconciler)."""
         out: set[str] = set()
         for h in self.hierarchies():
-            with contextlib.suppress(FileNotFoundError):
-                out.update(p.name for p in (h / PARENT).iterdir() if p.is_dir())
+            for parent in (PARENT, TRUSTED_PARENT):
+                with contextlib.suppress(FileNotFoundError):
+                    out.update(p.name for p in (h / parent).iterdir() if p.is_dir())
         return out
 
     # --- sandbox-level --------------------------------------------------------
@@ -169,9 +179,18 @@ class CgroupHost:
         return out
 
     def remove_sandbox(self, sandbox_id: str) -> None:
-        """Kill what is left and remove every cgroup of the sandbox (leaf first)."""
+        """Kill what is left and remove every cgroup of the sandbox (leaf first), its trusted
+        execs' too."""
+        self.end_trusted(sandbox_id)  # (thaws too: on v1 a frozen task takes SIGKILL only once thawed)
         for d in self.sandbox_dirs(sandbox_id):
             remove_tree(d)
+
+    def end_trusted(self, sandbox_id: str) -> None:
+        """Kill and remove what trusted execs of the sandbox left (an edge that died during
+        one), and thaw its user's processes they had frozen."""
+        for h in self.hierarchies():
+            remove_tree(h / TRUSTED_PARENT / sandbox_id)
+        self.thaw_user(sandbox_id)
 
     # --- pause / resume ---------------------------------------------------------
 
@@ -222,8 +241,66 @@ class CgroupHost:
 
     def remove_parent_if_empty(self) -> None:
         for h in self.hierarchies():
-            with contextlib.suppress(OSError):
-                (h / PARENT).rmdir()
+            for parent in (PARENT, TRUSTED_PARENT):
+                with contextlib.suppress(OSError):
+                    (h / parent).rmdir()
+
+    # --- the user's processes frozen (while a trusted exec runs) ------------------------
+
+    def user_freezer(self, sandbox_id: str) -> Path:
+        """The cgroup that freezes the user's processes and not the init: dsec-user (v2), the
+        freezer hierarchy's dsec-user (v1), which every exec's process joins at its start."""
+        if self.version == 2:
+            return self.user_dir(sandbox_id)
+        return self.v1_mounts.get("freezer", self.root / "freezer") / PARENT / sandbox_id / USER_GROUP
+
+    def freeze_user(self, sandbox_id: str) -> None:
+        """Start freezing the user's processes (user_frozen says when it holds). New ones
+        are frozen as they join (a spawn then waits for the thaw)."""
+        d = self.user_freezer(sandbox_id)
+        if self.version == 2:
+            (d / "cgroup.freeze").write_text("1")
+            return
+        d.mkdir(exist_ok=True)
+        self._gather_user(sandbox_id)
+        (d / "freezer.state").write_text("FROZEN")
+
+    def user_frozen(self, sandbox_id: str) -> bool:
+        """Whether every process of the user is frozen now. v1: one started before its exec
+        joined the freezer group (an older edge's, a restored one) is moved in, and the
+        answer is no until it is frozen there too."""
+        d = self.user_freezer(sandbox_id)
+        if self.version == 2:
+            return b"frozen 1" in _read_bytes(d / "cgroup.events")
+        if _read_bytes(d / "freezer.state").strip() != b"FROZEN":
+            return False
+        return self._gather_user(sandbox_id) == 0
+
+    def _gather_user(self, sandbox_id: str) -> int:
+        """v1: move the user's processes (the pids hierarchy's dsec-user tree, read first) that
+        are not in the freezer group into it; how many were not. A process that is not can
+        only have been forked by one that is not either, which the first read holds: none is
+        missed."""
+        procs = _tree_procs(self.user_dir(sandbox_id))
+        d = self.user_freezer(sandbox_id)
+        have = set(read_procs(d))
+        outside = 0
+        for pid in procs:
+            if pid not in have:
+                try:
+                    (d / "cgroup.procs").write_text(str(pid))
+                except ProcessLookupError:
+                    continue  # gone meanwhile
+                outside += 1
+        return outside
+
+    def thaw_user(self, sandbox_id: str) -> None:
+        d = self.user_freezer(sandbox_id)
+        with contextlib.suppress(FileNotFoundError):
+            if self.version == 2:
+                (d / "cgroup.freeze").write_text("0")
+            else:
+                (d / "freezer.state").write_text("THAWED")
 
     def user_dir(self, sandbox_id: str) -> Path:
         return self.tracking_dir(sandbox_id) / USER_GROUP
@@ -238,6 +315,8 @@ class CgroupHost:
         d.mkdir(exist_ok=True)
         if self.version == 1:
             (d / "pids.max").write_text(str(pids))
+            with contextlib.suppress(FileNotFoundError):  # no freezer hierarchy
+                self.user_freezer(sandbox_id).mkdir(exist_ok=True)
 
     def create_for_process(self, sandbox_id: str, *, cpu: float, memory_bytes: int, pids: int) -> None:
         """The cgroups of a sandbox whose processes the edge starts itself (not an OCI
@@ -245,22 +324,13 @@ class CgroupHost:
         if self.version == 2:
             d = self.root / PARENT / sandbox_id
             d.mkdir(parents=True)
-            (d / "memory.max").write_text(str(memory_bytes))
-            (d / "memory.swap.max").write_text("0")
-            (d / "cpu.max").write_text(f"{max(1000, int(cpu * 100000))} 100000")
-            (d / "pids.max").write_text(str(pids))
+            _limit_v2(d, cpu, memory_bytes, pids)
             return
         for name in _HOST_PROCESS_V1:
             if name in self.v1_mounts:
                 (self.v1_mounts[name] / PARENT / sandbox_id).mkdir(parents=True, exist_ok=True)
-        mem = self.v1_mounts["memory"] / PARENT / sandbox_id
-        (mem / "memory.limit_in_bytes").write_text(str(memory_bytes))
-        with contextlib.suppress(OSError):  # no swap accounting: nothing to limit
-            (mem / "memory.memsw.limit_in_bytes").write_text(str(memory_bytes))
-        cpu_dir = self.v1_mounts["cpu"] / PARENT / sandbox_id
-        (cpu_dir / "cpu.cfs_period_us").write_text("100000")
-        (cpu_dir / "cpu.cfs_quota_us").write_text(str(max(1000, int(cpu * 100000))))
-        (self.v1_mounts["pids"] / PARENT / sandbox_id / "pids.max").write_text(str(pids))
+        dirs = {n: self.v1_mounts[n] / PARENT / sandbox_id for n in ("memory", "cpu", "pids")}
+        _limit_v1(dirs, cpu, memory_bytes, pids)
 
     def join(self, sandbox_id: str, pid: int) -> None:
         """Move host process `pid` into the sandbox's cgroups (see create_for_process)."""
@@ -280,7 +350,54 @@ class CgroupHost:
         except OSError:
             d.rmdir()
             raise
-        return ExecGroup(d, fd, self.version)
+        group = ExecGroup(d, fd, self.version)
+        if self.version == 1:  # and the user's freezer group, so a trusted exec's freeze holds it
+            with contextlib.suppress(FileNotFoundError):  # (no freezer hierarchy here)
+                group.join_fds.append(_open_procs(self.user_freezer(sandbox_id)))
+        return group
+
+    def open_trusted_group(
+        self, sandbox_id: str, name: str, *, cpu: float, memory_bytes: int, pids: int
+    ) -> ExecGroup:
+        """The cgroups of one trusted exec: a group of its own with the sandbox's limits,
+        outside the sandbox's (what the user's processes hold is not taken from it) and outside
+        dsec-user (frozen meanwhile); v1: the sandbox's own in the other hierarchies (cpu,
+        devices, freezer, ...). `path` is the group that tracks its processes (pids)."""
+        if self.version == 2:
+            own = {"pids": self.root / TRUSTED_PARENT / sandbox_id / name}
+        else:
+            own = {n: self.v1_mounts[n] / TRUSTED_PARENT / sandbox_id / name for n in _TRUSTED_OWN_V1}
+        made: list[Path] = []
+        group = None
+        try:
+            for d in own.values():
+                if self.version == 2:
+                    for parent in (d.parent.parent, d.parent):  # controllers for the groups below
+                        parent.mkdir(exist_ok=True)
+                        _enable_controllers(parent)
+                else:
+                    d.parent.mkdir(parents=True, exist_ok=True)
+                d.mkdir()
+                made.append(d)
+            if self.version == 2:
+                _limit_v2(own["pids"], cpu, memory_bytes, pids)
+            else:
+                _limit_v1(own, None, memory_bytes, pids)
+            group = ExecGroup(own["pids"], _open_procs(own["pids"]), self.version)
+            group.own = made
+            for n, d in own.items():
+                if n != "pids":
+                    group.join_fds.append(_open_procs(d))
+            for n, h in self.v1_mounts.items() if self.version == 1 else ():
+                if n not in _TRUSTED_OWN_V1 and (h / PARENT / sandbox_id).is_dir():
+                    group.join_fds.append(_open_procs(h / PARENT / sandbox_id))
+        except BaseException:
+            if group is not None:
+                group.close_fd()
+            for d in made:
+                remove_tree(d)
+            raise
+        return group
 
 
 class ExecGroup:
@@ -290,14 +407,21 @@ class ExecGroup:
         self.path = path
         self.procs_fd = procs_fd
         self.version = version
+        self.join_fds: list[int] = []  # cgroup.procs of the other groups its process joins
+        self.own: list[Path] = []  # groups removed with it besides `path` (a trusted exec's)
+
+    def fds(self) -> list[int]:
+        """Every cgroup.procs its process joins (the shim's child writes "0" to each)."""
+        return [fd for fd in (self.procs_fd, *self.join_fds) if fd >= 0]
 
     def bind(self, ident: int) -> None:
         """Told the shim's id of the process started in it (a cgroup needs nothing more)."""
 
     def close_fd(self) -> None:
-        if self.procs_fd >= 0:
-            os.close(self.procs_fd)
-            self.procs_fd = -1
+        for fd in self.fds():
+            os.close(fd)
+        self.procs_fd = -1
+        self.join_fds = []
 
     def procs(self) -> list[int]:
         return read_procs(self.path)
@@ -307,7 +431,49 @@ class ExecGroup:
 
     def remove(self) -> None:
         self.close_fd()
-        remove_tree(self.path)
+        for d in dict.fromkeys([self.path, *self.own]):
+            remove_tree(d)
+
+
+def _open_procs(d: Path) -> int:
+    return os.open(d / "cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
+
+
+def _enable_controllers(d: Path) -> None:
+    """Let the groups below `d` have memory, pids and cpu limits (v2); each one the host has."""
+    try:
+        (d / "cgroup.subtree_control").write_text(_TRUSTED_CONTROLLERS)
+    except OSError:
+        for c in _TRUSTED_CONTROLLERS.split():
+            with contextlib.suppress(OSError):
+                (d / "cgroup.subtree_control").write_text(c)
+
+
+def _limit_v2(d: Path, cpu: float, memory_bytes: int, pids: int) -> None:
+    (d / "memory.max").write_text(str(memory_bytes))
+    with contextlib.suppress(OSError):  # no swap accounting: nothing to limit
+        (d / "memory.swap.max").write_text("0")
+    (d / "cpu.max").write_text(f"{max(1000, int(cpu * 100000))} 100000")
+    (d / "pids.max").write_text(str(pids))
+
+
+def _limit_v1(dirs: dict[str, Path], cpu: float | None, memory_bytes: int, pids: int) -> None:
+    """The limits on v1 groups by hierarchy (memory, pids; cpu unless None)."""
+    mem = dirs["memory"]
+    (mem / "memory.limit_in_bytes").write_text(str(memory_bytes))
+    with contextlib.suppress(OSError):  # no swap accounting: nothing to limit
+        (mem / "memory.memsw.limit_in_bytes").write_text(str(memory_bytes))
+    if cpu is not None:
+        (dirs["cpu"] / "cpu.cfs_period_us").write_text("100000")
+        (dirs["cpu"] / "cpu.cfs_quota_us").write_text(str(max(1000, int(cpu * 100000))))
+    (dirs["pids"] / "pids.max").write_text(str(pids))
+
+
+def _read_bytes(f: Path) -> bytes:
+    try:
+        return f.read_bytes()
+    except FileNotFoundError:
+        return b""
 
 
 def read_procs(d: Path) -> list[int]:

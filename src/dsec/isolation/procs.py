@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import signal
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from dsec.isolation import linux
@@ -50,10 +51,34 @@ def reap_strays(comms: frozenset[str] = frozenset({"crun", "runc"})) -> int:
     return n
 
 
+def sealed_memfd(name: str, data: bytes) -> int:
+    """A memfd holding `data`, sealed (nothing can change it), read from its start: how a
+    helper gets what no path or /proc entry may show (a session run's script, a trusted
+    exec's options)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.lseek(fd, 0, os.SEEK_SET)
+        seals = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def spawn_quick(
-    argv: Sequence[str], out_fd: int, err_fd: int, inherit: Sequence[int] = (), *, stdin_fd: int | None = None
+    argv: Sequence[str],
+    out_fd: int,
+    err_fd: int,
+    inherit: Sequence[int] = (),
+    *,
+    stdin_fd: int | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> tuple[int, int]:
-    """Start a helper program; its (pid, pidfd).
+    """Start a helper program (with this process's environment, or `env`); its (pid, pidfd).
 
     posix_spawn (vfork under glibc) and a pidfd watched by the event loop: no
     fork of this large process and no child-watcher thread per process, which
@@ -73,7 +98,7 @@ def spawn_quick(
         pid = os.posix_spawnp(
             argv[0],
             list(argv),
-            os.environ,
+            os.environ if env is None else env,
             file_actions=[
                 (os.POSIX_SPAWN_DUP2, stdin_fd, 0),
                 (os.POSIX_SPAWN_DUP2, out_fd, 1),

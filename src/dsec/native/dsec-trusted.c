@@ -2,7 +2,13 @@
  * dsec-trusted: run one platform command (verify, an exec marked trusted) in a
  * sandbox with a toolchain the sandbox cannot have changed.
  *
- *   dsec-trusted OPTIONS -- ARGV...
+ *   dsec-trusted FD
+ *
+ * FD holds the options and the command, each string NUL-terminated (a sealed
+ * memfd the edge wrote): the command, its environment and every host path travel
+ * there, never in an argv or environ a process of the sandbox could read from
+ * /proc (the child below is in the sandbox's pid namespace until it execs, and
+ * the edge starts this program with an empty environment). The options:
  *
  *   --status FD           where the result goes: "X <wait status>\n", or
  *                         "E <message>\n" when the command could not be set up
@@ -20,7 +26,7 @@
  *   --layer-ids BASE      the host id the layers' root files have (the store's
  *                         canonical range): the layers are idmapped from it to
  *                         OFFSET, so they show the owners the sandbox sees
- *   --cwd DIR  --env K=V (repeat)  --tmp-mb N
+ *   --cwd DIR  --env K=V (repeat)  --tmp-mb N  -- ARGV...
  *
  * Two processes. This one (P) stays in the host's pid, user and mount namespaces,
  * as host root: code in the sandbox can neither signal nor trace it, and it
@@ -36,7 +42,11 @@
  *   3. in a new mount namespace of its own: an overlay of the image's own layers
  *      (never the sandbox's writable layer, forks' or checkpoints' layers) with a
  *      private, empty upper that receives only the mount points made here; the
- *      task directories on top (nosuid, nodev); the protected paths bound
+ *      task directories on top (nosuid, nodev), each an overlay of the sandbox's
+ *      tree under a private layer that holds the protected paths' mount points,
+ *      with a private upper: nothing is ever written into the sandbox's own
+ *      layer (whose space, inodes included, the sandbox may have used up), and
+ *      what the command writes there stays its own; the protected paths bound
  *      read-only straight from the host's vault; a minimal /dev, a private /tmp;
  *      then the root is remounted read-only, a fresh /proc of the sandbox's pid
  *      namespace mounted, and pivot_root(2) drops the host's tree;
@@ -79,6 +89,7 @@
 #define MAX_ITEMS 64
 #define MAX_LOWER 128
 #define MAX_ENV 70000
+#define MAX_CONFIG (64 << 20)
 #define TRUSTED_RESOLVE (RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
 
 extern char **environ;
@@ -276,6 +287,100 @@ static void write_file(const char *path, const char *data) {
     close(fd);
 }
 
+/* The task directory `path` lies in, or -1. */
+static int task_of(const char *path) {
+    const char *rest;
+    for (int j = 0; j < n_tasks; j++)
+        if (is_under(path, tasks[j], &rest)) return j;
+    return -1;
+}
+
+/* Whether protected path i lies inside one given before it (shortest first). */
+static int under_other(int i) {
+    const char *rest;
+    for (int j = 0; j < i; j++)
+        if (is_under(protects[i].dest, protects[j].dest, &rest)) return 1;
+    return 0;
+}
+
+/* In the private layer `layer` (a directory of ours), the mount point of protected path p,
+ * `rest` its path below the task directory: its parents as directories, itself as its kind.
+ * In the overlay, a directory here hides whatever the sandbox has at that name unless that is
+ * a directory too (then they merge, and the vault's bind covers it), a file or symlink hides
+ * anything: the sandbox's tree is never changed, whatever it left there. */
+static void mount_point_in(int layer, const struct protect *p, const char *rest) {
+    char buf[4096];
+    if (rel(rest, buf, sizeof buf) < 0) die("path", p->dest);
+    int dfd = fcntl(layer, F_DUPFD_CLOEXEC, 3);
+    if (dfd < 0) die("dup", p->dest);
+    char *save = NULL, *part = strtok_r(buf, "/", &save);
+    while (part) {
+        char *next = strtok_r(NULL, "/", &save);
+        if (!next) break;
+        if (mkdirat(dfd, part, 0755) < 0 && errno != EEXIST) die("mkdir", p->dest);
+        if (fchownat(dfd, part, (uid_t)id_offset, (gid_t)id_offset, AT_SYMLINK_NOFOLLOW) < 0) die("chown", p->dest);
+        int sub = (int)sys_openat2(dfd, part, O_PATH | O_DIRECTORY, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS);
+        if (sub < 0) die("open", p->dest);
+        close(dfd);
+        dfd = sub;
+        part = next;
+    }
+    if (!part) { errno = EINVAL; die("protected path", p->dest); }
+    place(dfd, part, p->kind, p->src, p->dest);
+    if (fchownat(dfd, part, (uid_t)id_offset, (gid_t)id_offset, AT_SYMLINK_NOFOLLOW) < 0) die("chown", p->dest);
+    close(dfd);
+}
+
+/* Each task directory: an overlay of the sandbox's tree (trees[i], gone: nothing) under a
+ * private layer with the mount points of the protected paths inside it, and a private upper
+ * on a tmpfs of --tmp-mb (charged to this command's own cgroup, never to the sandbox). */
+static void mount_tasks(int rfd, int *trees) {
+    char path[4096], opts[8192];
+    snprintf(path, sizeof path, "%s/t", scratch);
+    if (mkdir(path, 0700) < 0) die("mkdir", path);
+    snprintf(opts, sizeof opts, "mode=0700,size=%ldm", tmp_mb);
+    if (mount("dsec-trusted-work", path, "tmpfs", MS_NOSUID | MS_NODEV, opts) < 0) die("mount", path);
+    for (int i = 0; i < n_tasks; i++) {
+        static const char *subs[] = {"s", "a", "u", "w"}; /* layer, sandbox's tree, upper, work */
+        for (int k = 0; k < 4; k++) {
+            snprintf(path, sizeof path, "%s/t/%s%d", scratch, subs[k], i);
+            if (mkdir(path, 0755) < 0) die("mkdir", path);
+        }
+        struct stat st = {.st_mode = S_IFDIR | 0755, .st_uid = (uid_t)id_offset, .st_gid = (gid_t)id_offset};
+        int live = trees[i] >= 0;
+        if (live) {
+            if (fstat(trees[i], &st) < 0) die("stat", tasks[i]);
+            snprintf(path, sizeof path, "%s/t/a%d", scratch, i);
+            if (syscall(SYS_move_mount, trees[i], "", AT_FDCWD, path, MOVE_MOUNT_F_EMPTY_PATH) < 0)
+                die("move_mount", tasks[i]);
+            close(trees[i]);
+        }
+        /* The merged root shows the upper's owner and mode: the sandbox's directory's. */
+        snprintf(path, sizeof path, "%s/t/u%d", scratch, i);
+        if (chown(path, st.st_uid, st.st_gid) < 0 || chmod(path, st.st_mode & 07777) < 0) die("chown", path);
+        snprintf(path, sizeof path, "%s/t/s%d", scratch, i);
+        int layer = open(path, O_PATH | O_DIRECTORY | O_CLOEXEC);
+        if (layer < 0) die("open", path);
+        for (int j = 0; j < n_protects; j++) {
+            const char *rest;
+            if (task_of(protects[j].dest) == i && !under_other(j) && is_under(protects[j].dest, tasks[i], &rest))
+                mount_point_in(layer, &protects[j], rest);
+        }
+        close(layer);
+        if (live)
+            snprintf(opts, sizeof opts, "lowerdir=%s/t/s%d:%s/t/a%d,upperdir=%s/t/u%d,workdir=%s/t/w%d",
+                     scratch, i, scratch, i, scratch, i, scratch, i);
+        else
+            snprintf(opts, sizeof opts, "lowerdir=%s/t/s%d,upperdir=%s/t/u%d,workdir=%s/t/w%d",
+                     scratch, i, scratch, i, scratch, i);
+        int t = mkdir_in(rfd, tasks[i]);
+        if (t < 0) die("mkdir", tasks[i]);
+        snprintf(path, sizeof path, "/proc/self/fd/%d", t);
+        if (mount("dsec-task", path, "overlay", MS_NOSUID | MS_NODEV, opts) < 0) die("mount overlay", tasks[i]);
+        close(t);
+    }
+}
+
 static void child(int ready_w, int go_r) {
     char path[4096], opts[8192];
     /* P ends (the edge killed it): so does everything set up here, before the command. */
@@ -335,41 +440,20 @@ static void child(int ready_w, int go_r) {
     int rfd = open(path, O_PATH | O_DIRECTORY | O_CLOEXEC);
     if (rfd < 0) die("open", path);
 
-    /* Task directories (live, writable as the sandbox has them; nosuid, nodev). */
-    for (int i = 0; i < n_tasks; i++) {
-        int t = mkdir_in(rfd, tasks[i]);
-        if (t < 0) die("mkdir", tasks[i]);
-        if (trees[i] < 0) {
-            /* What the sandbox removed stays removed: an empty, read-only directory. */
-            snprintf(path, sizeof path, "/proc/self/fd/%d", t);
-            if (mount("dsec-empty", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k,mode=0755") < 0)
-                die("mount", tasks[i]);
-        } else {
-            if (sys_move_mount(trees[i], t) < 0) die("move_mount", tasks[i]);
-            if (sys_mount_setattr(trees[i], MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV) < 0) die("mount_setattr", tasks[i]);
-        }
-        close(t);
-    }
+    /* Task directories: the sandbox's tree (read as it is: its processes are frozen or gone)
+     * under a private layer of mount points, with a private upper (nosuid, nodev). */
+    mount_tasks(rfd, trees);
     /* Protected paths, shortest first (a path inside another one lands on its mount point). */
     for (int i = 0; i < n_protects; i++) {
         struct protect *p = &protects[i];
-        const char *rest = NULL;
-        int task = -1;
-        for (int j = 0; j < n_tasks; j++)
-            if (trees[j] >= 0 && is_under(p->dest, tasks[j], &rest)) { task = j; break; }
-        int under_other = 0;
-        for (int j = 0; j < i; j++) {
-            const char *r2;
-            if (is_under(p->dest, protects[j].dest, &r2)) under_other = 1;
-        }
         int target;
-        if (task >= 0 || under_other) {
-            /* Inside the sandbox's tree (the edge made the mount point, with every agent process
-             * gone) or inside another protected tree: nothing there is followed. */
+        if (task_of(p->dest) >= 0 || under_other(i)) {
+            /* In a task directory (its mount point is in the private layer mount_tasks made) or
+             * inside another protected tree (the vault's copy holds it): nothing is followed. */
             target = (int)sys_openat2(rfd, p->dest + 1, p->kind == 'd' ? O_PATH | O_DIRECTORY : O_PATH,
                                       RESOLVE_IN_ROOT | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS);
             if (target < 0 && p->kind != 'l') die("protected mount point", p->dest);
-            if (p->kind == 'l') { if (target >= 0) close(target); continue; } /* made by the edge */
+            if (p->kind == 'l') { if (target >= 0) close(target); continue; } /* the layer, the copy hold it */
         } else {
             char name[256];
             int dfd = parent_in(rfd, p->dest, name, sizeof name);
@@ -562,7 +646,42 @@ static void parse(int argc, char **argv) {
         if (protects[j].dest[0] != '/' || !protects[j].dest[1]) usage("protected paths are absolute, not /");
 }
 
+/* The options from descriptor `fd`: NUL-terminated strings, as argv[1..]. */
+static void load(const char *fd_arg, int *argc, char ***argv) {
+    int fd = (int)num(fd_arg);
+    size_t cap = 1 << 16, len = 0;
+    char *buf = malloc(cap);
+    for (;;) {
+        if (!buf) usage("out of memory");
+        if (len == cap) {
+            if (cap >= MAX_CONFIG) usage("options too large");
+            cap *= 2;
+            buf = realloc(buf, cap);
+            continue;
+        }
+        ssize_t n = pread(fd, buf + len, cap - len, (off_t)len);
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) usage("cannot read the options");
+        if (n == 0) break;
+        len += (size_t)n;
+    }
+    close(fd);
+    if (len && buf[len - 1]) usage("the options must end with a NUL");
+    int n = 1;
+    for (size_t i = 0; i < len; i++) n += !buf[i];
+    char **v = calloc((size_t)n + 1, sizeof *v);
+    if (!v) usage("out of memory");
+    v[0] = "dsec-trusted";
+    int k = 1;
+    for (size_t i = 0, start = 0; i < len; i++)
+        if (!buf[i]) { v[k++] = buf + start; start = i + 1; }
+    *argc = k;
+    *argv = v;
+}
+
 int main(int argc, char **argv) {
+    if (argc != 2) usage("one argument: the descriptor that holds the options");
+    load(argv[1], &argc, &argv);
     parse(argc, argv);
     /* The command's uid maps to a host id no sandbox maps; the sandbox's other ids keep theirs. */
     char map[256];

@@ -31,6 +31,7 @@ from dsec.edge.sessions.pydriver import PY_DRIVER
 from dsec.edge.sessions.tools import HOST_BASH, TRUSTED_BASH, ansi_c_quote, prepare_tools
 from dsec.errors import InternalError, InvalidRequest, SessionNotFound
 from dsec.isolation.cgroups import CgroupHost, ExecGroup
+from dsec.isolation.procs import sealed_memfd
 from dsec.models import SessionKind, SessionResult
 
 # --- the sessions --------------------------------------------------------------------------
@@ -56,18 +57,7 @@ def _script_fd(script: bytes) -> int:
     """A sealed memfd holding a run's script: bash reads it from the descriptor itself (never
     through a path such as /dev/fd/3, which the sandbox's root can replace), and closes it
     before the code runs."""
-    fd = os.memfd_create("dsec-session-run", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        view = memoryview(script)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.lseek(fd, 0, os.SEEK_SET)
-        seals = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return sealed_memfd("dsec-session-run", script)
 
 
 def _host_pid(group: ExecGroup, ns_pid: int) -> int | None:
