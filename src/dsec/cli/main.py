@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -262,22 +264,16 @@ def edge_cmd(
 @edge_app.command("drain")
 def edge_drain(edge: Annotated[str, typer.Argument(help="the edge's name (dsec status)")]) -> None:
     """No new placements on EDGE (maintenance); its sandboxes keep working. Admins only."""
-    try:
-        with _client() as c:
-            c.drain_edge(edge)
-    except errors.DsecError as e:
-        _fail(e)
+    with _client() as c:
+        c.drain_edge(edge)
     err_console.print(f"edge {edge} is draining: no new placements; its sandboxes keep working")
 
 
 @edge_app.command("undrain")
 def edge_undrain(edge: Annotated[str, typer.Argument(help="the edge's name")]) -> None:
     """EDGE takes placements again. Admins only."""
-    try:
-        with _client() as c:
-            c.undrain_edge(edge)
-    except errors.DsecError as e:
-        _fail(e)
+    with _client() as c:
+        c.undrain_edge(edge)
     err_console.print(f"edge {edge} takes placements again")
 
 
@@ -401,10 +397,17 @@ def image_ls(data_dir: DataDir = Path("/var/lib/dsec"), as_json: JsonOut = False
 # --- sandboxes -----------------------------------------------------------------------------
 
 
-def _client() -> Any:
+@contextlib.contextmanager
+def _client() -> Iterator[Any]:
+    """The SDK's client from the CLI's config; an error the service answers ends the command
+    with its code and message (exit 2)."""
     from dsec.client import Client
 
-    return Client()
+    try:
+        with Client() as c:
+            yield c
+    except errors.DsecError as e:
+        _fail(e)
 
 
 @sandbox_app.command("create")
@@ -421,26 +424,23 @@ def sandbox_create(
     """Create one or a batch of sandboxes."""
     labels = dict(x.split("=", 1) for x in label)
     kw = {"cpu": cpu, "memory_mb": memory_mb, "ttl_idle_s": ttl_idle_s, "project": project, "labels": labels}
-    try:
-        with _client() as c:
-            if count == 1:
-                sbs = [c.create(image, **kw)]
-            else:
-                sbs = []
-                with Progress(
-                    TextColumn("creating"),
-                    BarColumn(),
-                    TextColumn("{task.completed}/{task.total}"),
-                    console=err_console,
-                    disable=as_json,
-                ) as bar:
-                    task = bar.add_task("create", total=count)
-                    for start in range(0, count, 64):
-                        n = min(64, count - start)
-                        sbs += c.create_many(n, image, **kw)
-                        bar.advance(task, n)
-    except errors.DsecError as e:
-        _fail(e)
+    with _client() as c:
+        if count == 1:
+            sbs = [c.create(image, **kw)]
+        else:
+            sbs = []
+            with Progress(
+                TextColumn("creating"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total}"),
+                console=err_console,
+                disable=as_json,
+            ) as bar:
+                task = bar.add_task("create", total=count)
+                for start in range(0, count, 64):
+                    n = min(64, count - start)
+                    sbs += c.create_many(n, image, **kw)
+                    bar.advance(task, n)
     if as_json:
         print(json.dumps([s.id for s in sbs]))
     else:
@@ -451,11 +451,8 @@ def sandbox_create(
 @sandbox_app.command("ls")
 def sandbox_ls(project: str | None = None, as_json: JsonOut = False) -> None:
     """List your sandboxes."""
-    try:
-        with _client() as c:
-            infos = c.list(project=project)
-    except errors.DsecError as e:
-        _fail(e)
+    with _client() as c:
+        infos = c.list(project=project)
     if as_json:
         print(json.dumps([i.model_dump(mode="json") for i in infos]))
         return
@@ -472,11 +469,8 @@ def sandbox_exec(
     """Run a command (one argument: a shell string; several: an argv, after `--` if a word
     starts with `-`). The exit code is the command's."""
     cmd: str | list[str] = command[0] if len(command) == 1 else command
-    try:
-        with _client() as c:
-            r = c.sandbox(sandbox_id).exec(cmd, timeout=timeout)
-    except errors.DsecError as e:
-        _fail(e)
+    with _client() as c:
+        r = c.sandbox(sandbox_id).exec(cmd, timeout=timeout)
     if as_json:
         print(r.model_dump_json())
         return
@@ -488,31 +482,25 @@ def sandbox_exec(
 @sandbox_app.command("shell")
 def sandbox_shell(sandbox_id: str) -> None:
     """An interactive line-by-line bash session in a sandbox (state kept between lines)."""
-    try:
-        with _client() as c:
-            session = c.sandbox(sandbox_id).session("bash")
-            while True:
-                try:
-                    line = input(f"{sandbox_id}$ ")
-                except EOFError:
-                    break
-                if not line.strip():
-                    continue
-                r = session.run(line, timeout=600)
-                sys.stdout.write(r.output)
-            session.close()
-    except errors.DsecError as e:
-        _fail(e)
+    with _client() as c:
+        session = c.sandbox(sandbox_id).session("bash")
+        while True:
+            try:
+                line = input(f"{sandbox_id}$ ")
+            except EOFError:
+                break
+            if not line.strip():
+                continue
+            r = session.run(line, timeout=600)
+            sys.stdout.write(r.output)
+        session.close()
 
 
 @sandbox_app.command("rm")
 def sandbox_rm(sandbox_ids: list[str]) -> None:
     """Stop and remove sandboxes."""
-    try:
-        with _client() as c:
-            c.stop_many(sandbox_ids)
-    except errors.DsecError as e:
-        _fail(e)
+    with _client() as c:
+        c.stop_many(sandbox_ids)
 
 
 # --- tokens ----------------------------------------------------------------------------------
@@ -550,11 +538,8 @@ def _save_own_token(token: str) -> Path | None:
 def token_rotate(principal: Who = None, as_json: JsonOut = False) -> None:
     """Issue a new token; the old one stops working at once. Your own token (no PRINCIPAL) is
     also written to the client config file it came from."""
-    try:
-        with _client() as c:
-            token = c.rotate_token(principal)
-    except errors.DsecError as e:
-        _fail(e)
+    with _client() as c:
+        token = c.rotate_token(principal)
     saved = _save_own_token(token) if principal is None else None
     if as_json:
         print(json.dumps({"principal": principal, "token": token, "config": str(saved) if saved else None}))
@@ -570,23 +555,17 @@ def token_rotate(principal: Who = None, as_json: JsonOut = False) -> None:
 def token_revoke(principal: Who = None) -> None:
     """Revoke a token at once: PRINCIPAL's (admins only) or your own. An admin can issue a new
     one with `dsec token rotate PRINCIPAL`."""
-    try:
-        with _client() as c:
-            c.revoke_token(principal)
-    except errors.DsecError as e:
-        _fail(e)
+    with _client() as c:
+        c.revoke_token(principal)
     err_console.print(f"revoked the token of {principal or 'this client'}")
 
 
 @app.command()
 def status(as_json: JsonOut = False) -> None:
     """Health of the service and its edges."""
-    try:
-        with _client() as c:
-            health = c.health()
-            edges = c.edges()
-    except errors.DsecError as e:
-        _fail(e)
+    with _client() as c:
+        health = c.health()
+        edges = c.edges()
     if as_json:
         print(json.dumps({"health": health, "edges": [ed.model_dump(mode="json") for ed in edges]}))
         return
