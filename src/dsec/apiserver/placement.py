@@ -404,21 +404,14 @@ class EdgeDirectory:
             return  # this process could not listen (see _watch_lag): silence proves nothing
         if not view.lost and not answered and view.silent_for() >= self.lost_after_s:
             log.warning("edge %s has not answered for %.1f s: given up", view.api.name, view.silent_for())
-            if self.on_lost is not None:  # its sandboxes are recorded lost before any call hears so
-                try:
-                    await self.on_lost(view.api)
-                except Exception:
-                    log.exception("giving up edge %s failed; retried at the next poll", view.api.name)
-                    return
+            # its sandboxes are recorded lost before any call hears so
+            if not await _hook(self.on_lost, view, "giving up edge %s failed; retried at the next poll"):
+                return
             view.lost = True
             view.gone.set()
         elif view.lost and answered:
-            if self.on_back is not None:
-                try:
-                    await self.on_back(view.api)
-                except Exception:
-                    log.exception("taking edge %s back failed; retried at the next poll", view.api.name)
-                    return
+            if not await _hook(self.on_back, view, "taking edge %s back failed; retried at the next poll"):
+                return
             view.lost = False
             view.gone = asyncio.Event()
             log.warning("edge %s answers again: taking placements", view.api.name)
@@ -601,3 +594,14 @@ class EdgeDirectory:
 
     def note_placed(self, view: EdgeView) -> None:
         view.recent.append(time.monotonic())
+
+
+async def _hook(fn: LostHook | None, view: EdgeView, failed: str) -> bool:
+    """Run an edge-lost/back hook; False (logged) if it failed: the next poll tries again."""
+    if fn is not None:
+        try:
+            await fn(view.api)
+        except Exception:
+            log.exception(failed, view.api.name)
+            return False
+    return True
