@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 
 from dsec import errors
 from dsec.apiserver.app import create_api_app
+from dsec.apiserver.app.control import _reconcile_disks
 from dsec.edge.local import LocalEdge
 from dsec.iam import IAM, Quota
 from dsec.models import ExecRequest, SandboxSpec
@@ -199,3 +201,59 @@ async def test_a_sandboxs_fork_layers_share_of_the_run_tmpfs_is_its_disk(edge):
     r = await edge.exec(sb.id, ExecRequest(cmd="rm /work/big && echo alive"))
     assert r.stdout == "alive\n"
     assert len(await edge.fork(sb.id, 1)) == 1  # a small layer still fits beside the first
+
+
+async def test_microvm_fork_disks_are_charged_before_they_are_copied(edge, tmp_path, monkeypatch):
+    """Each child of a microVM's fork gets a copy of its parent's disk on the edge's run tmpfs
+    (host memory), written by the edge. Before, those copies were charged to nothing: a fork
+    whose children fitted the memory quota copied the disk once per child however big it
+    was. Now the copies reserve their allocated size (holes stay holes) against the memory
+    quota before the copy; a fork they do not fit is refused with nothing copied, no child
+    and no disk left; the copies that fit are charged until their child stops."""
+    import dsec.backends.microvm as microvm
+
+    copied: list[Path] = []
+    sparse_copy = microvm._sparse_copy
+
+    async def counted(src: Path, dst: Path) -> None:  # the real copy, counted
+        if src.name == "rw.ext4":
+            copied.append(dst)
+        await sparse_copy(src, dst)
+
+    monkeypatch.setattr(microvm, "_sparse_copy", counted)
+    scratch = edge.settings.edge_run_dir / "fork-disks"
+    async with tenant(edge, tmp_path / "iam.db", Quota(max_memory_mb=4096)) as (c, iam):
+        sid = await create(c, backend="microvm", memory_mb=256, disk_mb=256)
+        await sh(c, sid, "mkdir -p /srv && head -c 67108864 /dev/urandom > /srv/big && sync")  # 64 MiB
+        r = await c.post(f"/v1/sandboxes/{sid}/fork", json={"n": 1})
+        assert r.status_code == 201, r.text
+        (kid,) = r.json()["sandboxes"]
+        copy_mb = iam.snapshot_reservations()[f"disk:{kid['id']}"][1]
+        assert copy_mb >= 64 and copy_mb == -(-kid["fork_layer"]["size_bytes"] // MiB)
+        assert iam.usage("cq").memory_mb == 2 * 256 + copy_mb
+        # room for two more children and one copy, not two: refused before any copy
+        iam.set_quota("cq", Quota(max_memory_mb=iam.usage("cq").memory_mb + 2 * 256 + copy_mb))
+        copied.clear()
+        refused(await c.post(f"/v1/sandboxes/{sid}/fork", json={"n": 2}), "max_memory_mb")
+        assert copied == [] and list(scratch.iterdir()) == []
+        assert len((await c.get("/v1/sandboxes")).json()["sandboxes"]) == 2  # no child
+        assert set(iam.snapshot_reservations()) == {f"disk:{kid['id']}"}
+        assert iam.usage("cq").memory_mb == 2 * 256 + copy_mb
+        # one child fits, with its copy charged
+        r = await c.post(f"/v1/sandboxes/{sid}/fork", json={"n": 1})
+        assert r.status_code == 201, r.text
+        (kid2,) = r.json()["sandboxes"]
+        assert len(copied) == 1
+        copy2_mb = iam.snapshot_reservations()[f"disk:{kid2['id']}"][1]
+        assert copy2_mb >= 64 and iam.usage("cq").memory_mb == 3 * 256 + copy_mb + copy2_mb
+        # released when each child stops: through the apiserver, or (the reconciler) otherwise
+        assert (await c.delete(f"/v1/sandboxes/{kid['id']}")).status_code == 204
+        assert set(iam.snapshot_reservations()) == {f"disk:{kid2['id']}"}
+        assert iam.usage("cq").memory_mb == 2 * 256 + copy2_mb
+        asked_at = time.time()
+        assert _reconcile_disks(iam, {sid, kid2["id"]}, asked_at, 0) == []  # (alive)
+        await edge.stop(kid2["id"])  # (as its TTL would)
+        assert _reconcile_disks(iam, {sid}, asked_at, 0) == [f"disk:{kid2['id']}"]
+        iam.reconcile({sid}, older_than_s=0)
+        assert iam.snapshot_reservations() == {} and iam.usage("cq").memory_mb == 256
+        assert (await c.delete(f"/v1/sandboxes/{sid}")).status_code == 204

@@ -346,10 +346,13 @@ class Backend(ABC):
         self.require(Capability.SNAPSHOT, "snapshot")
         raise NotImplementedError
 
-    async def copy_writable_disk(self, handle: SandboxHandle, dests: Sequence[Path]) -> None:
+    async def copy_writable_disk(
+        self, handle: SandboxHandle, dests: Sequence[Path], check: Callable[[int], None]
+    ) -> None:
         """Copy the sandbox's writable disk to each of `dests`, at one consistent point (a
         fork, where `host_files` is false: the writable layer is a disk, and each child starts
-        from a copy of it as its own)."""
+        from a copy of it as its own). `check` is given the bytes the disk takes at that
+        point, before anything is copied (it raises to refuse the copy)."""
         self.require(Capability.FORK, "fork")
         raise NotImplementedError
 

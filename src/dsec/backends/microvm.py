@@ -72,7 +72,7 @@ import secrets
 import shutil
 import signal
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -356,14 +356,18 @@ class MicrovmBackend(Backend):
             await _sparse_copy(blank, disk)
         return blank
 
-    async def copy_writable_disk(self, handle: SandboxHandle, dests: Sequence[Path]) -> None:
+    async def copy_writable_disk(
+        self, handle: SandboxHandle, dests: Sequence[Path], check: Callable[[int], None]
+    ) -> None:
         """The guest flushes its writable disk and holds its writers (FIFREEZE), QEMU is
-        frozen, the disk is copied once per destination; then all runs on. A paused VM is
-        thawed for the flush and paused again."""
+        frozen, `check` is given the blocks the disk holds (a sparse copy takes no more),
+        the disk is copied once per destination; then all runs on. A paused VM is thawed
+        for the flush and paused again."""
         vm = self._own(handle)
         async with self._disk_held(vm):
             await self.freeze(vm)
             try:
+                check((vm.dir / "rw.ext4").stat().st_blocks * 512)
                 for dest in dests:
                     await _sparse_copy(vm.dir / "rw.ext4", dest)
             finally:

@@ -278,7 +278,8 @@ def scrub(tree: Path, paths: list[str], owner: int, lower: list[Path] | None = N
     for raw in paths:  # resolve every path before changing anything
         if not raw.startswith("/") or "\0" in raw:
             raise errors.InvalidRequest(f"scrub path {raw!r} must be absolute, e.g. /work/answers")
-        rel = PurePosixPath(os.path.normpath("/" + raw.lstrip("/"))).relative_to("/")  # ("//x": POSIX keeps //)
+        # (lstrip: for "//x", POSIX normpath keeps the leading //)
+        rel = PurePosixPath(os.path.normpath("/" + raw.lstrip("/"))).relative_to("/")
         if str(rel) in ("", "."):
             raise errors.InvalidRequest("refusing to scrub /")
         # The name itself, in its real parent directory (a symlinked parent resolved) ...
@@ -413,7 +414,13 @@ def check_fork_room(forks: Path, sandbox_id: str, need: int, *, cap: int | None,
             f"({budget >> 20} MiB); stop the children of earlier forks, or fork a snapshot",
             limit="fork_space",
         )
-    st = os.statvfs(forks)
+    check_run_tmpfs_room(forks, sandbox_id, need)
+
+
+def check_run_tmpfs_room(directory: Path, sandbox_id: str, need: int) -> None:
+    """Refuse (quota_exceeded) a fork's copy of `need` bytes into the run tmpfs `directory`
+    is on past what that tmpfs must keep free for the others."""
+    st = os.statvfs(directory)
     free, size = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
     if need > free - FORK_TMPFS_RESERVE * size:
         raise errors.QuotaExceeded(

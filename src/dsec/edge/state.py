@@ -31,6 +31,7 @@ from dsec.edge.snapshots import (
     check_cap,
     check_fork_count,
     check_fork_room,
+    check_run_tmpfs_room,
     copy_tree,
     copy_tree_under,
     disk_usage,
@@ -411,18 +412,28 @@ class EdgeState(EdgePart):
         with contextlib.suppress(errors.DsecError):
             self.layers.delete_layer(image.layers[-1])
 
-    async def _fork_disks(self, sb: Sandbox, n: int) -> builtins.list[SandboxInfo]:
+    async def _fork_disks(self, sb: Sandbox, n: int, cap: int | None) -> builtins.list[SandboxInfo]:
         """A fork where the writable layer is a disk (a microVM): the backend copies it once
         per child at one consistent point, and each child starts on its copy, its own from
-        then on (no shared layer: a disk cannot be stacked)."""
+        then on (no shared layer: a disk cannot be stacked). The copies live on the run tmpfs
+        (host memory): with the parent frozen, what they take (the disk's allocated bytes
+        each, holes stay holes) is refused before the copy over `cap` (what was reserved for
+        them all) or what the tmpfs must keep free; each child's `fork_layer` is its own
+        copy's size (charged to the project until the child stops)."""
         t0 = time.perf_counter()
         scratch = self.settings.edge_run_dir / "fork-disks"
         scratch.mkdir(mode=0o700, exist_ok=True)
         disks = [scratch / f"{sb.id}-{secrets.token_hex(6)}.img" for _ in range(n)]
         labels = inherited_labels(sb.record.spec.labels, fork_of=sb.id)
         child = sb.record.spec.model_copy(update={"labels": labels})
+
+        def room(disk_bytes: int) -> None:
+            check_cap("the fork's disk copies", sb.id, n * disk_bytes, cap)
+            check_run_tmpfs_room(scratch, sb.id, n * disk_bytes)
+
         try:
-            await sb.backend.copy_writable_disk(sb.handle, disks)
+            await sb.backend.copy_writable_disk(sb.handle, disks, room)
+            sizes = [d.stat().st_blocks * 512 for d in disks]
             results = await asyncio.gather(
                 *(self.life._create(child, None, t0, writable_from=d) for d in disks), return_exceptions=True
             )
@@ -436,6 +447,8 @@ class EdgeState(EdgePart):
             raise (
                 failed[0] if isinstance(failed[0], errors.DsecError) else errors.InternalError(str(failed[0]))
             )
+        for i, size in zip(infos, sizes, strict=True):
+            i.fork_layer = ForkLayer(id=i.id, size_bytes=size)
         return infos
 
     async def fork(
@@ -455,8 +468,9 @@ class EdgeState(EdgePart):
         its workdir) before the copy is complete, so no overlayfs lookup can see a half-copied
         layer. Overlapping the two roughly halves a fork (both are CPU-bound).
 
-        `max_layer_bytes`: what was reserved for the shared layer (its project's quota); a
-        bigger one is refused (quota_exceeded) before anything is copied.
+        `max_layer_bytes`: what was reserved for the shared layer (its project's quota), or
+        for a microVM's disk copies together; a bigger copy is refused (quota_exceeded)
+        before anything is copied.
         """
         if not 1 <= n <= 256:
             raise errors.InvalidRequest(f"fork count must be between 1 and 256, got {n}")
@@ -466,7 +480,7 @@ class EdgeState(EdgePart):
         for _ in range(n):
             self.life._admit(spec)
         if not sb.backend.host_files:
-            return await self._fork_disks(sb, n)
+            return await self._fork_disks(sb, n, max_layer_bytes)
         return await self._fork_layers(sb, n, max_layer_bytes)
 
     async def _fork_layers(self, sb: Sandbox, n: int, cap: int | None) -> builtins.list[SandboxInfo]:

@@ -117,7 +117,8 @@ class SandboxSpec(_Model):
 
 class ForkLayer(_Model):
     """The shared layer a fork copied the parent's writable layer into (the fork response
-    only): it lives on the edge until no sandbox stacks it any more."""
+    only): it lives on the edge until no sandbox stacks it any more. A microVM's child has
+    none: this is its own copy of the parent's disk (id: the child's), held until it stops."""
 
     id: str
     size_bytes: int

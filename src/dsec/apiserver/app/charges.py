@@ -51,16 +51,52 @@ def fork_layer_mb(source: SandboxInfo) -> int:
     return min(copy_bound_mb(source.spec), used + used // 4 + 16)
 
 
+def own_disks(spec: SandboxSpec) -> bool:
+    """Whether a fork's children each get a copy of their parent's disk (a microVM: a disk
+    cannot be stacked), not one shared layer."""
+    return spec.backend == "microvm"
+
+
+def disk_key(sandbox_id: str) -> str:
+    """The snapshot reservation of a fork child's own copy of its parent's disk."""
+    return f"disk:{sandbox_id}"
+
+
+def fork_copies_mb(source: SandboxInfo, n: int) -> tuple[int, int]:
+    """What a fork of `n` children is expected to copy into the edge's run tmpfs, and how many
+    copies it makes: one shared layer, or a disk per child (each at most its disk_mb)."""
+    if not own_disks(source.spec):
+        return fork_layer_mb(source), 1
+    return n * min(source.spec.disk_mb, fork_layer_mb(source)), n
+
+
 class ChargedCopy:
     """One copy's reservation, from before it is made until it settles (see the module)."""
 
     def __init__(
-        self, iam: IAM, project: str, want_mb: int, *, in_ram: bool = False, asked: int | None = None
+        self,
+        iam: IAM,
+        project: str,
+        want_mb: int,
+        *,
+        in_ram: bool = False,
+        asked: int | None = None,
+        copies: int = 1,
     ) -> None:
-        """Reserve (QuotaExceeded: no slot, or nothing left). `asked`: the caller's own cap."""
+        """Reserve (QuotaExceeded: no slot, or nothing left). `asked`: the caller's own cap.
+        `copies`: the copy is that many (a microVM fork's disks), each settled under a key of
+        its own, so each holds a slot from now on (the MiB are held together until then)."""
         self.iam, self.asked = iam, asked
         self.key = f"pending-{secrets.token_hex(8)}"
         self.mb = iam.reserve_snapshot_up_to(self.key, project, want_mb, in_ram=in_ram)
+        self.slots: list[str] = []  # the other copies' slots, of no MiB yet
+        try:
+            for _ in range(copies - 1):
+                self.slots.append(f"pending-{secrets.token_hex(8)}")
+                iam.reserve_snapshot_up_to(self.slots[-1], project, 0, in_ram=in_ram)
+        except BaseException:
+            self.release()
+            raise
 
     @property
     def cap(self) -> int:
@@ -88,10 +124,11 @@ class ChargedCopy:
             raise
 
     def release(self) -> None:
-        try:
-            self.iam.release_snapshot(self.key)
-        except errors.DsecError:
-            self.iam.abandon(self.key)  # (the database is away: the reconciler releases it)
+        for key in (self.key, *self.slots):
+            try:
+                self.iam.release_snapshot(key)
+            except errors.DsecError:
+                self.iam.abandon(key)  # (the database is away: the reconciler releases it)
 
     async def settle(
         self, key: str, size_bytes: int, undo: Callable[[], Awaitable[object]], *, min_mb: int = 0
@@ -99,11 +136,19 @@ class ChargedCopy:
         """The copy is made: its reservation moves to `key` at its real size. Over the quota
         (it grew past what was reserved: a snapshot's sparse files count at their full
         size), it is undone and refused."""
-        self.iam.rekey_snapshot(self.key, key)
+        await self.settle_each({key: max(min_mb, mib(size_bytes))}, undo)
+
+    async def settle_each(self, sizes_mb: dict[str, int], undo: Callable[[], Awaitable[object]]) -> None:
+        """`settle` for copies made several (`copies`): each key at its own size. The first
+        gives up what it held for all before the others take theirs."""
+        for pending, key in zip((self.key, *self.slots), sizes_mb, strict=True):
+            self.iam.rekey_snapshot(pending, key)
         try:
-            self.iam.resize_snapshot(key, max(min_mb, mib(size_bytes)))
+            for key, mb in sizes_mb.items():
+                self.iam.resize_snapshot(key, mb)
         except errors.DsecError:
             with contextlib.suppress(errors.DsecError):
                 await undo()
-            self.iam.release_snapshot(key)
+            for key in sizes_mb:
+                self.iam.release_snapshot(key)
             raise

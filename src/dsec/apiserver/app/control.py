@@ -11,12 +11,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from dsec import errors
+from dsec.apiserver.app.charges import disk_key
 from dsec.apiserver.app.state import ApiServerState
 from dsec.apiserver.placement import EdgeView
 from dsec.apiserver.tenancy import (
     Visibility,
 )
 from dsec.edgeapi import EdgeAPI, edge_of
+from dsec.iam import IAM
 from dsec.models import (
     EdgeStatus,
     SandboxInfo,
@@ -165,10 +167,20 @@ async def _reconcile_quota(
         try:
             if complete:
                 st.iam.reconcile(set(live), older_than_s=grace_s, as_of=asked_at)
+                _reconcile_disks(st.iam, set(live), asked_at, grace_s)
             await _reconcile_fork_layers(st, grace_s)
             await _stop_orphans(st, live, suspects, orphan_after_s)
         except errors.DsecError as e:  # (the IAM's database is away: next round)
             log.warning("reconciling quota failed, retrying in %.0f s: %s", interval_s, e)
+
+
+def _reconcile_disks(iam: IAM, live: set[str], asked_at: float, grace_s: float) -> list[str]:
+    """Release the charge of a microVM fork child's copy of its parent's disk (disk:<id>) once
+    the child is gone without a stop through here (the edge's TTL, a crash): `live`, the
+    sandboxes the edges listed at `asked_at`; a copy charged later is not a candidate."""
+    held = {disk_key(sid) for sid in live}
+    older = grace_s + time.time() - asked_at
+    return iam.reconcile_snapshots(held, older_than_s=older, prefix=disk_key(""))
 
 
 async def _stop_orphans(

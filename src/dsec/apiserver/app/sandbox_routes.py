@@ -16,7 +16,14 @@ from typing import Any
 from fastapi import FastAPI, Query, Request, Response
 
 from dsec import errors
-from dsec.apiserver.app.charges import ChargedCopy, copy_bound_mb, fork_layer_mb
+from dsec.apiserver.app.charges import (
+    ChargedCopy,
+    copy_bound_mb,
+    disk_key,
+    fork_copies_mb,
+    mib,
+    own_disks,
+)
 from dsec.apiserver.app.control import _place
 from dsec.apiserver.app.state import ApiServerState, _PrincipalFn, respond_then
 from dsec.edgeapi import EdgeAPI, edge_of
@@ -295,10 +302,13 @@ def _install_state_routes(app: FastAPI, st: ApiServerState, principal: _Principa
             for key in keys:
                 iam.reserve(key, spec.project, spec.cpu, spec.memory_mb, pending=True)
                 reserved.append(key)
-            # The fork layer counts like a snapshot, and as memory (it lives on the edge's run
-            # tmpfs): what it should take, or what the quotas have left, is its cap (charges.py).
-            want = fork_layer_mb(source)
-            layer = ChargedCopy(iam, spec.project, want, in_ram=True, asked=body.max_layer_bytes)
+            # The fork layer (a microVM: each child's copy of the disk) counts like a snapshot,
+            # and as memory (it lives on the edge's run tmpfs): what it should take, or what
+            # the quotas have left, is its cap (charges.py).
+            want, copies = fork_copies_mb(source, body.n)
+            layer = ChargedCopy(
+                iam, spec.project, want, in_ram=True, asked=body.max_layer_bytes, copies=copies
+            )
             infos = await layer.run(
                 lambda cap: edge.fork(sid, body.model_copy(update={"max_layer_bytes": cap}), scope)
             )
@@ -357,10 +367,12 @@ async def _charge_fork_layer(
     iam: IAM, edge: EdgeAPI, scope: set[str] | None, pending: ChargedCopy, infos: list[SandboxInfo]
 ) -> None:
     """Move a fork's pending reservation to its layer (``fork:<layer id>``, released by the
-    reconciler once no edge reports the layer) at the size the edge copied; if that is over
-    the quota, the children are stopped (which frees the layer) and the fork is refused."""
+    reconciler once no edge reports the layer) at the size the edge copied, or to each child's
+    copy of a microVM's disk (``disk:<child id>``, released when the child is stopped); if
+    that is over the quota, the children are stopped (which frees the layer) and the fork is
+    refused."""
     layer = infos[0].fork_layer if infos else None
-    if layer is None:  # no shared layer (a microVM's children have disks of their own)
+    if layer is None:  # an edge that reports no copy: nothing to vouch for it
         pending.release()
         return
 
@@ -369,7 +381,11 @@ async def _charge_fork_layer(
         for i in infos:
             iam.release(i.id)
 
-    await pending.settle(f"fork:{layer.id}", layer.size_bytes, undo)
+    if not own_disks(infos[0].spec):
+        await pending.settle(f"fork:{layer.id}", layer.size_bytes, undo)
+        return
+    sizes = {disk_key(i.id): mib(i.fork_layer.size_bytes if i.fork_layer else 0) for i in infos}
+    await pending.settle_each(sizes, undo)
 
 
 def _install_snapshot_route(app: FastAPI, st: ApiServerState, principal: _PrincipalFn) -> None:
@@ -490,6 +506,8 @@ def _install_sandbox_stop_routes(
             except errors.DsecError:  # the database is away: released once it is back
                 iam.abandon(sid)
                 project = None
+            with contextlib.suppress(errors.DsecError):  # (else by the reconciler)
+                iam.release_snapshot(disk_key(sid))  # its copy of a microVM parent's disk, if any
             st.events.publish("stopped", id=sid, edge=edge.name, project=project)
 
         if after is None:
