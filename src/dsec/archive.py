@@ -6,16 +6,21 @@ A sandbox's tools, its guest kernel and its files are the agent's, so every name
 in an archive of them is hostile until checked. An archive that passes holds only:
 
 * directories, regular files, symbolic links and hard links to an earlier regular file;
-* relative names without `..` or NUL, each at most PATH_MAX, each only once;
+* relative names without `..` or NUL, each at most PATH_MAX (a part at most NAME_MAX), each
+  only once;
 * nothing below a link or a file (a member never goes through a link: "link, then a file
   through it" is refused whichever comes first);
 * links that resolve inside the archive root, followed as the kernel would follow them
   (a `..` after a link climbs from where the link led, not from its name), at most
-  MAX_LINK_CHAIN links deep and with a bounded amount of work for the whole archive.
+  MAX_LINK_CHAIN links deep and with a bounded amount of work for the whole archive;
+* no link resolves through a name that only a case-insensitive or normalising file system
+  (macOS, Windows: where a trainer may extract) would take for another link of the archive
+  ("Q" -> "." and "x" -> "q/.." stay inside on Linux, and climb out of the destination there).
 """
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Callable
 from typing import Literal
 
@@ -23,6 +28,7 @@ from dsec import errors
 
 Kind = Literal["dir", "file", "link"]
 PATH_MAX = 4095  # bytes of a name, a link's target, or a path a link resolves to
+NAME_MAX = 255  # bytes of one part of a name (every Linux file system's bound)
 MAX_LINK_CHAIN = 40  # links followed from one link (the kernel's own MAXSYMLINKS)
 MAX_RESOLVE_STEPS = 4_000_000  # components walked to check every link of one archive
 _MEMO_CHARS = 32 << 20  # resolved paths remembered per archive (beyond: walked again)
@@ -31,10 +37,12 @@ _IMPLIED = "directory"  # a parent no member declared (yet): made as a directory
 
 def member_name(name: str, what: str) -> str:
     """A member's name, normalised ("a/b"; "" for the archive root). Refuses absolute names,
-    `..`, NUL bytes and names longer than PATH_MAX."""
+    `..`, NUL bytes, names longer than PATH_MAX and parts longer than NAME_MAX (which no
+    file system holds: an extractor would stop there, midway)."""
     if not name or "\0" in name:
         raise errors.InvalidRequest(f"{what}: a member name {name[:80]!r} is empty or holds a NUL byte")
-    if len(name.encode("utf-8", "surrogateescape")) > PATH_MAX:
+    size = len(name.encode("utf-8", "surrogateescape"))
+    if size > PATH_MAX:
         raise errors.InvalidRequest(
             f"{what}: member {name[:80]!r}... has a name longer than {PATH_MAX} bytes"
         )
@@ -43,18 +51,41 @@ def member_name(name: str, what: str) -> str:
     parts = [p for p in name.split("/") if p not in ("", ".")]
     if ".." in parts:
         raise errors.PathEscape(f"{what}: member {name[:200]!r} climbs out of the archive with '..'")
+    for p in parts if size > NAME_MAX else ():
+        if len(p.encode("utf-8", "surrogateescape")) > NAME_MAX:
+            raise errors.InvalidRequest(
+                f"{what}: member {name[:80]!r}... has a part longer than {NAME_MAX} bytes, which no "
+                "file system holds"
+            )
     return "/".join(parts)
+
+
+def folded(name: str) -> str:
+    """`name` as a case-insensitive, normalising file system compares it (macOS's APFS and
+    HFS+, Windows' NTFS): case folded, Unicode decomposed, format characters dropped."""
+    if name.isascii():
+        return name.lower()
+    decomposed = unicodedata.normalize("NFKD", unicodedata.normalize("NFKD", name).casefold())
+    return "".join(c for c in decomposed if unicodedata.category(c) != "Cf")
 
 
 class ArchiveTree:
     """The names of one archive as they stream by (`add`), then every link checked once all
     are known (`check_links`). `foreign(path)`: whether `path`, which no member names, is a
-    symbolic link already there (the SDK's destination); the edge has none."""
+    symbolic link already there (the SDK's destination); the edge has none.
+    `any_link_target`: a symbolic link may point anywhere, as data: for an archive that only
+    a sandbox's own tar unpacks, into an emptied directory of its own (a trusted exec's copy
+    of the task files, dsec.edge.gradersandbox), where no member goes through a link either
+    way and links are written last; nothing on the host resolves them."""
 
-    def __init__(self, what: str, foreign: Callable[[str], bool] | None = None) -> None:
+    def __init__(
+        self, what: str, foreign: Callable[[str], bool] | None = None, *, any_link_target: bool = False
+    ) -> None:
         self.what = what
+        self.any_link_target = any_link_target
         self.kinds: dict[str, str] = {"": "dir"}
         self.links: dict[str, str] = {}
+        self._folded_links: set[str] = set()
         self._foreign = foreign
         self._resolved: dict[str, str] = {}
         self._memo_chars = 0
@@ -85,13 +116,23 @@ class ArchiveTree:
         if kind == "link":
             if not target or "\0" in target or len(target.encode("utf-8", "surrogateescape")) > PATH_MAX:
                 raise errors.InvalidRequest(f"{w}: link {name[:200]!r} has an empty, NUL or over-long target")
+            if self.any_link_target:
+                self.kinds[name] = kind
+                return
             if target.startswith("/"):
                 raise errors.PathEscape(
                     f"{w}: link {name[:200]!r} points at {target[:200]!r}, an absolute path: links in an "
                     "archive must stay inside it; archive the directory it points into, or replace the "
                     "link with a relative one (or a copy) first"
                 )
+            fold = folded(name)
+            if fold in self._folded_links:
+                raise errors.InvalidRequest(
+                    f"{w}: link {name[:200]!r} and another link of the archive differ only by case or "
+                    "Unicode form: one would replace the other on macOS or Windows; rename one of them"
+                )
             self.links[name] = target
+            self._folded_links.add(fold)
         elif target is not None and self.kinds.get(target) != "file":  # a hard link: to a file before it
             raise errors.PathEscape(
                 f"{w}: hard link {name[:200]!r} names {target[:200]!r}, which is no regular file "
@@ -147,6 +188,12 @@ class ArchiveTree:
             if key in self.links:
                 cur = self._prefixes(self._resolve(key, chain))
             else:
+                if self._folded_links and folded(key) in self._folded_links:
+                    raise errors.PathEscape(
+                        f"{w}: link {link[:200]!r} -> {target[:200]!r} passes through {key[:200]!r}, "
+                        "which a case-insensitive file system (macOS, Windows) takes for another link "
+                        "of the archive; rename one of them"
+                    )
                 if self._foreign is not None and key not in self.kinds and self._foreign(key):
                     raise errors.PathEscape(
                         f"{w}: link {link[:200]!r} -> {target[:200]!r} passes through {key[:200]!r}, a "
