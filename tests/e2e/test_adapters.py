@@ -89,6 +89,11 @@ async def test_tool_rewards_and_named_trajectories(service):
         assert ids[0] == ids[1] and ids[0] in await _running(client)
         j, _ = await tool.create(trajectory_id="t-1")
         assert await tool.calc_reward(j) == 1.0
+        # the agent cannot make the reward command pass: a bash of its own first on the PATH
+        # (it is root in its sandbox) is not what the reward runs
+        fake = "printf '#!/bin/sh\\nexit 0\\n' > /usr/local/bin/bash; chmod +x /usr/local/bin/bash"
+        await tool.execute(j, {"command": f"{fake}; echo no > /work/out"})
+        assert await tool.calc_reward(j) == 0.0
         await tool.release_trajectory("t-1")
         assert ids[0] not in await _running(client)
 

@@ -230,8 +230,11 @@ class DsecCodeTool(_BaseTool):
         return ToolResponse(text=text), 0.0, metrics
 
     async def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
-        """1.0 or 0.0 from, in order: ``reward_command`` (exit code 0 in the sandbox), or
-        ``ground_truth`` (equals the last call's stdout, stripped); 0.0 when neither is set."""
+        """1.0 or 0.0 from, in order: ``reward_command`` (exit code 0 of a trusted exec in the
+        sandbox: the image's own tools over the sandbox's /work, the agent frozen meanwhile, so
+        nothing the agent left behind can make it pass), or ``ground_truth`` (equals the last
+        call's stdout, stripped); 0.0 when neither is set. A grader the platform could not run
+        raises (``GraderUnavailable``): an environment fault, not a reward of 0."""
         key = self._instances.get(instance_id)
         traj = self._trajectories.get(key) if key else None
         if traj is None:
@@ -242,7 +245,7 @@ class DsecCodeTool(_BaseTool):
                 return 0.0
             async with traj.lock:
                 result = await traj.sandbox.exec(
-                    ["bash", "-c", command], timeout=float(self.config.get("timeout", 30.0))
+                    ["bash", "-c", command], timeout=float(self.config.get("timeout", 30.0)), trusted=True
                 )
             return 1.0 if result.exit_code == 0 else 0.0
         truth = kwargs.get("ground_truth", traj.ground_truth)
