@@ -271,8 +271,10 @@ def vm_argv(
     migration restores only into the same machine), apart from the disk files, the sockets
     and `incoming`."""
     # Under TCG the kernel's TSC calibration against the emulated PIT fails now and then
-    # (then it hangs without a clock source): give it the rate instead.
-    append = "console=ttyS0 quiet panic=-1" + ("" if kvm else " tsc_early_khz=2000000")
+    # (then it hangs without a clock source): give it the rate instead. The console is a host
+    # file: only critical messages go there (loglevel=3), or a guest could grow it with every
+    # message it can make its kernel print (an OOM kill's line is an error).
+    append = "console=ttyS0 quiet loglevel=3 panic=-1" + ("" if kvm else " tsc_early_khz=2000000")
     argv = [
         str(qemu),
         "-M", "microvm,isa-serial=on",
