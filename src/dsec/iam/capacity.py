@@ -6,8 +6,9 @@ IAM is declared at the top.
 * `bursts`: an announced burst as the wire shows it (`body`, a `Burst`) and what its acting
   apiserver needs to resume it (`progress`: grow rounds done, a node-provider request in flight;
   once cancelled, the edges still to be sent their pools' new boost). What a project announced in
-  total (pending bursts, the pool stock of finished ones) counts against its `max_sandboxes` and
-  its ancestors'; the cluster-wide bound on pending bursts has a per-project share.
+  total (pending bursts, the pool stock of finished ones) counts against its `max_sandboxes`,
+  `max_cpu` and `max_memory_mb` and its ancestors'; the cluster-wide bound on pending bursts has
+  a per-project share.
 * `burst_prewarms`: the pool sandboxes each burst asked of each edge (and until when the edge
   is held for it), so the next prewarm of a pool sets its boost to every burst's share.
 * `capacity_edges`: the edges the capacity loop drained because they idled (`idle`), is giving
@@ -24,7 +25,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -119,8 +120,9 @@ class CapacityStore:
         """Record an announced burst, or refuse it (429 quota_exceeded) when `max_active` are
         pending in the whole cluster, `max_project` in its project (None: no bound: an admin's),
         or when the sandboxes its project's subtree has announced would pass a `max_sandboxes`
-        of the project or an ancestor: pending bursts count their `count`, finished ones the
-        pool sandboxes they had pre-warmed since `pooled_since` (stock that is still warm).
+        (their CPUs and memory: `max_cpu`, `max_memory_mb`) of the project or an ancestor:
+        pending bursts count their `count`, finished ones the pool sandboxes they had
+        pre-warmed since `pooled_since` (stock that is still warm).
         Forget the project's oldest finished bursts beyond `keep`."""
         with self._write() as db:
             if max_active is not None:
@@ -313,36 +315,68 @@ class CapacityStore:
             db.execute("DELETE FROM capacity_edges WHERE state = 'released' AND since < ?", (before,))
 
 
+def _one(shape: dict[str, Any]) -> float:
+    return 1.0
+
+
+def _cpus(shape: dict[str, Any]) -> float:
+    return float(shape["cpu"])
+
+
+def _memory(shape: dict[str, Any]) -> float:
+    return float(shape["memory_mb"])
+
+
+# The quota a burst counts against: (project field, unit, what a sandbox of the burst takes).
+_DIMENSIONS: tuple[tuple[str, str, Callable[[dict[str, Any]], float]], ...] = (
+    ("max_sandboxes", "sandboxes", _one),
+    ("max_cpu", "CPUs", _cpus),
+    ("max_memory_mb", "MiB of memory", _memory),
+)
+
+
 def _check_announced(db: Database, burst: Burst, pooled_since: float) -> None:
     """Refuse `burst` if, with what its project's subtree has announced, the sandboxes announced
-    under the project or an ancestor would pass its `max_sandboxes` (the bursts of every project
-    below a bound count against it, as sandboxes do)."""
-    bounds = [(r["name"], r["max_sandboxes"]) for r in db.execute(_ANCESTORS_SQL, (burst.project,))]
-    bounds = [(name, bound) for name, bound in bounds if bound is not None]
+    under the project or an ancestor would pass its `max_sandboxes`, or their CPUs or memory its
+    `max_cpu` or `max_memory_mb` (the bursts of every project below a bound count against it, as
+    sandboxes do: a project held to 4 CPUs cannot have 1,000 one-CPU sandboxes pre-warmed)."""
+    rows = db.execute(_ANCESTORS_SQL, (burst.project,)).fetchall()
+    bounds = [(r["name"], dim, r[field]) for r in rows for dim, (field, _, _) in enumerate(_DIMENSIONS)]
+    bounds = [b for b in bounds if b[2] is not None]
     if not bounds:
         return
-    announced: dict[str, int] = {}
+    announced: dict[str, list[float]] = {}  # project -> what it announced, per dimension
+
+    def add(project: str, shape: dict[str, Any], n: int) -> None:
+        total = announced.setdefault(project, [0.0] * len(_DIMENSIONS))
+        for dim, (_, _, per) in enumerate(_DIMENSIONS):
+            total[dim] += n * per(shape)
+
     for project, body in db.execute(f"SELECT project, body FROM bursts WHERE {_ACTIVE_SQL}"):
-        announced[project] = announced.get(project, 0) + int(json.loads(body)["count"])
+        shape = json.loads(body)
+        add(project, shape, int(shape["count"]))
     pooled = db.execute(
-        "SELECT b.project, SUM(p.count) FROM burst_prewarms p JOIN bursts b ON b.id = p.burst"
-        f" WHERE NOT b.{_ACTIVE_SQL} AND p.at > ? GROUP BY b.project",
+        "SELECT b.project, b.body, SUM(p.count) FROM burst_prewarms p JOIN bursts b ON b.id = p.burst"
+        f" WHERE NOT b.{_ACTIVE_SQL} AND p.at > ? GROUP BY b.id, b.project, b.body",
         (pooled_since,),
     )
-    for project, n in pooled:
-        announced[project] = announced.get(project, 0) + int(n)
-    for name, bound in bounds:
+    for project, body, n in pooled:
+        add(project, json.loads(body), int(n))
+    mine = burst.model_dump()
+    for name, dim, bound in bounds:
+        field, unit, per = _DIMENSIONS[dim]
         subtree = {r[0] for r in db.execute(_DESCENDANTS_SQL.format(marks="?"), (name,))}
-        used = sum(n for project, n in announced.items() if project in subtree)
-        if used + burst.count > bound:
+        used = sum(total[dim] for project, total in announced.items() if project in subtree)
+        if used + burst.count * per(mine) > bound + 1e-9:
             via = "" if name == burst.project else f" (through its ancestor {name!r})"
             raise QuotaExceeded(
-                f"project {burst.project!r} cannot announce {burst.count} more sandboxes: "
-                f"{used} are already announced in bursts pending or pre-warmed under {name!r}, whose "
-                f"quota is {bound} sandboxes{via}; announce at most {max(bound - used, 0)}, or cancel "
-                "a burst (DELETE /v1/capacity/{id})",
+                f"project {burst.project!r} cannot announce {burst.count} more sandboxes: with the "
+                f"{used:g} {unit} already announced in bursts pending or pre-warmed under {name!r}, "
+                f"they would pass its quota of {bound:g} {unit}{via}; announce fewer or smaller "
+                "sandboxes, or cancel a burst (DELETE /v1/capacity/{id})",
                 reason="bursts_exceed_quota",
                 quota=bound,
                 announced=used,
                 project=name,
+                limit=field,
             )
