@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from enum import StrEnum
 from typing import Annotated, Literal
@@ -49,6 +50,9 @@ def check_env(v: dict[str, str]) -> dict[str, str]:
             "as a file or on stdin"
         )
     return v
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class _Model(BaseModel):
@@ -269,6 +273,9 @@ class FileEdit(_Model):
 
 
 class FileStat(_Model):
+    """A file's metadata. Its `path` and `name` are text: a byte of a name that is not UTF-8
+    (a sandbox may name its files anything) is shown as U+FFFD, as in exec output."""
+
     path: str
     name: str
     type: Literal["file", "dir", "symlink", "other"]
@@ -277,6 +284,12 @@ class FileStat(_Model):
     mtime: float
     uid: int
     gid: int
+
+    @field_validator("path", "name")
+    @classmethod
+    def _text(cls, v: str) -> str:
+        # os.fsdecode's surrogate escapes cannot be encoded as JSON: the answer was a 500
+        return v if v.isascii() else _SURROGATE.sub("\ufffd", v)
 
 
 class BackendInfo(_Model):
