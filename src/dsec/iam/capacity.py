@@ -134,16 +134,24 @@ class CapacityStore:
                         max=max_active,
                     )
             if max_project is not None:
+                # The share is a tenant's: its top-level project's whole tree (a tenant granted a
+                # parent with children must not hold a share in each child).
+                rows = db.execute(_ANCESTORS_SQL, (burst.project,)).fetchall()
+                top = rows[-1]["name"] if rows else burst.project
+                tree = [r[0] for r in db.execute(_DESCENDANTS_SQL.format(marks="?"), (top,))] or [top]
+                marks = ",".join("?" * len(tree))
                 (mine,) = db.execute(
-                    f"SELECT COUNT(*) FROM bursts WHERE {_ACTIVE_SQL} AND project = ?", (burst.project,)
+                    f"SELECT COUNT(*) FROM bursts WHERE {_ACTIVE_SQL} AND project IN ({marks})", tree
                 ).fetchone()
                 if mine >= max_project:
+                    where = "" if top == burst.project else f" (with the other projects under {top!r})"
                     raise QuotaExceeded(
-                        f"project {burst.project!r} has {mine} bursts pending, its share of this "
+                        f"project {burst.project!r} has {mine} bursts pending{where}, its share of this "
                         "cluster's bound: retry when one is done, or cancel one "
                         "(DELETE /v1/capacity/{id})",
                         reason="too_many_project_bursts",
                         max=max_project,
+                        project=top,
                     )
             _check_announced(db, burst, pooled_since)
             db.execute(
