@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from dsec.cluster.process import stop_server
+from dsec.cluster.process import ServerProcess
 from dsec.errors import InvalidRequest, Unavailable
 from dsec.privatefs import open_private
 
@@ -34,19 +34,21 @@ def find_bin_dir() -> Path:
     return found[-1].parent
 
 
-class PostgresServer:
+class PostgresServer(ServerProcess):
     """One server over `root` (its data in root/data, its socket in root/run, its password
     in root/password): made on first start, reused after."""
 
+    stop_signal = signal.SIGINT  # a fast shutdown: open transactions are rolled back
+    stop_timeout = 30.0
+
     def __init__(self, root: Path, *, host: str = "127.0.0.1", port: int = 5432) -> None:
+        super().__init__()
         self.root = root
         self.host = host
         self.port = port
         self.bin = find_bin_dir()
         self.data = root / "data"
         self.run = root / "run"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.pid = 0
 
     @property
     def password(self) -> str:
@@ -146,13 +148,6 @@ class PostgresServer:
 
         with psycopg.connect(self.url(), autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """A fast shutdown (SIGINT: open transactions are rolled back), SIGKILL if it lingers."""
-        if self.proc is None:
-            return
-        stop_server(self.proc, signal.SIGINT, timeout)
-        self.proc = None
 
     def kill(self) -> None:
         """SIGKILL the postmaster and its backends (a crash: it recovers from its WAL at start)."""

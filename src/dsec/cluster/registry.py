@@ -13,13 +13,12 @@ import json
 import os
 import pwd
 import shutil
-import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 
-from dsec.cluster.process import stop_server
+from dsec.cluster.process import ServerProcess
 from dsec.errors import InvalidRequest, Unavailable
 from dsec.privatefs import open_private
 
@@ -41,13 +40,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-class RegistryServer:
+class RegistryServer(ServerProcess):
     """One registry over `root` (its blobs in root/storage, its config in root/config.yml,
     its log in root/registry.log); the storage is kept across restarts, `remove` deletes it."""
 
     def __init__(
         self, root: Path, *, host: str = "127.0.0.1", port: int = 5000, htpasswd: Path | None = None
     ) -> None:
+        super().__init__()
         self.root = Path(root).absolute()
         self.host = host
         self.port = port
@@ -56,8 +56,6 @@ class RegistryServer:
         self.storage = self.root / "storage"
         self.config = self.root / "config.yml"
         self.log_path = self.root / "registry.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.pid = 0
 
     @property
     def url(self) -> str:
@@ -149,12 +147,6 @@ class RegistryServer:
         """Where the filesystem driver keeps a blob's bytes (for tests that corrupt one)."""
         algo, _, hexd = digest.partition(":")
         return self.storage / "docker/registry/v2/blobs" / algo / hexd[:2] / hexd / "data"
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.proc is None:
-            return
-        stop_server(self.proc, signal.SIGTERM, timeout)
-        self.proc = None
 
     def remove(self) -> None:
         self.stop()
