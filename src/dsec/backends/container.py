@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import ctypes
 import hashlib
 import json
 import logging
@@ -119,6 +120,13 @@ class Container(SandboxHandle):
             self.upper_fd = -1
 
 
+def landlock_abi() -> int:
+    """The host kernel's Landlock ABI version (0: none), as the shim asks it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return max(0, int(libc.syscall(444, None, 0, 1)))  # landlock_create_ruleset(.., _VERSION)
+
+
 class ContainerBackend(Backend):
     """Creates, adopts and destroys container sandboxes on this node."""
 
@@ -148,6 +156,12 @@ class ContainerBackend(Backend):
         self._seccomp_bpf: dict[str, str] = {}
         self._reaped_at = 0.0
         self._seccomp_learn: dict[str, str] = {}  # sandbox id -> profile key, to read after its start
+        if self.name == "container" and landlock_abi() < 6:
+            log.warning(
+                "this kernel has no Landlock signal scoping (ABI 6, Linux 6.12): container sandboxes "
+                "run every exec at one level, so what one exec leaves running can kill a later one "
+                "(native/dsec-landlock.h)"
+            )
 
     # --- create ---------------------------------------------------------------
 

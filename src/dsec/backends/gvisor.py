@@ -15,8 +15,12 @@ network namespace. What differs, host by host (docs/research/gvisor-runsc.md):
              fds are what an edge that restarts takes back, its namespaces are the
              sandbox's mounts (the file API reaches the root through
              /proc/<keeper>/root/<bundle>/rootfs) and network (--network=host in it).
-    exec:    the shim's protocol; no host cgroup per exec (sandbox processes are not host
-             processes): a timed-out exec's session is killed through the shim.
+    exec:    the shim's protocol; each exec at a level of its own (a PID namespace, its
+             /proc, a holder as its PID 1 that starts it: native/dsec-levels.h, dsec-gvisor.h);
+             no host cgroup per exec (sandbox processes are not host processes): a timed-out
+             exec's level is killed through the shim. The init keeps CAP_SYS_ADMIN (it makes
+             the levels) and has no seccomp filter; each holder installs the profile on
+             itself (`gvisor_rules`, sent to the init before its first ping).
     limits:  memory and cpu in the host cgroup of the sentry (an overrun ends the whole
              sandbox); the process limit as RLIMIT_NPROC inside (a host pids limit would
              crash the sentry when reached), the host's kept well above it.
@@ -71,6 +75,7 @@ from dsec.isolation.procs import (
     spawn_quick,
     wait_quick,
 )
+from dsec.isolation.seccomp import Rule, bpf_program, default_rules
 from dsec.isolation.spec import _mount
 
 log = logging.getLogger("dsec.backends.gvisor")
@@ -80,8 +85,35 @@ F_SETSIG = 10
 KEEP_BAD_TMP = 3  # the keeper's exit status: the rootfs's /tmp is no directory (dsec-shim.c)
 
 
-def _arg(index: int, value: int) -> dict[str, object]:
-    return {"index": index, "value": value, "op": "SCMP_CMP_EQ"}
+def gvisor_rules() -> tuple[Rule, ...]:
+    """The container profile as gVisor's sandboxes get it. syslog: gVisor's own log. The ENOSYS
+    rules (clone3, so libc falls back to clone): the sentry answers them EPERM, which breaks
+    every thread start; it implements what it implements, inside gVisor. gVisor gives PID 1 (a
+    level's holder, to the processes of its level) no init protection: the shim ignores every
+    catchable signal, and these rules keep the rest (SIGKILL, SIGSTOP) and its scheduling away
+    from it; its limits are the profile's prlimit64 rule, on every backend. A signal on I/O
+    readiness (fcntl F_SETSIG) could name SIGKILL for an owner that is PID 1: refused (SIGIO,
+    the default, is ignored)."""
+    keep = [r for r in default_rules() if r.syscall != "syslog" and r.action != "enosys"]
+    pid1 = (
+        "kill",
+        "tkill",
+        "tgkill",
+        "rt_sigqueueinfo",
+        "rt_tgsigqueueinfo",
+        "pidfd_open",
+        "sched_setaffinity",
+        "sched_setscheduler",
+        "sched_setparam",
+        "migrate_pages",
+        "move_pages",
+    )
+    why = "PID 1 (gVisor gives it no init protection)"
+    return (
+        *keep,
+        *(Rule("eperm", name, 0, "eq", 1, why=why) for name in pid1),
+        Rule("eperm", "fcntl", 1, "eq", F_SETSIG, why="F_SETSIG: a chosen signal on I/O readiness"),
+    )
 
 
 @dataclass
@@ -98,7 +130,7 @@ class GvisorSandbox(Container):
         return Path(f"/proc/{self.pid}/root{self.dir}/rootfs")
 
     def seccomp_program(self) -> Path | None:
-        return None  # the profile is applied inside the sentry (--oci-seccomp)
+        return None  # the profile is installed inside gVisor, by each exec level's holder
 
     def exec_group(self, cgroups: CgroupHost, name: str) -> ExecGroup:
         return ChannelGroup(self.channel, repeats=20)  # the shim signals the exec's session
@@ -133,6 +165,7 @@ class GvisorBackend(ContainerBackend):
             raise BackendUnavailable(f"runsc runs on none of the platforms {', '.join(PLATFORMS)} here")
         self.platforms = works
         self.platform = works[0]
+        self.seccomp = bpf_program(gvisor_rules())
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "detail": {"platform": self.platform, "platforms": self.platforms}}
@@ -146,8 +179,7 @@ class GvisorBackend(ContainerBackend):
             "--network=host",  # the host kernel's stack in the sandbox's own namespace (the keeper's)
             "--overlay2=none",  # writes reach the writable layer (snapshots, forks)
             "--file-access=shared",  # and the edge's own writes (uploads) reach the sandbox
-            "--oci-seccomp",  # the spec's profile, applied by the sentry to sandbox processes
-        ]
+        ]  # (no --oci-seccomp: each exec level's holder installs the profile, see _config)
 
     # --- create ---------------------------------------------------------------
 
@@ -164,42 +196,18 @@ class GvisorBackend(ContainerBackend):
         nproc = {"type": "RLIMIT_NPROC", "hard": plan.limits.pids, "soft": plan.pids}
         config["process"]["rlimits"].append(nproc)
         # The kernel log inside is gVisor's own (no host message can reach it): let dmesg read it.
+        # The init also makes each exec level's PID and mount namespace and mounts its /proc
+        # (native/dsec-levels.h): CAP_SYS_ADMIN, and CAP_SETPCAP to take both out of the
+        # bounding set of each level's holder, which starts the execs (dsec-gvisor.h).
         caps = config["process"]["capabilities"]  # (lists shared with the spec's defaults: copied)
-        config["process"]["capabilities"] = {k: [*v, "CAP_SYSLOG"] for k, v in caps.items()}
-        seccomp = linux["seccomp"]
-        # syslog: gVisor's own log. The ENOSYS rules (clone3, so libc falls back to clone): the
-        # sentry answers them EPERM, which breaks every thread start; it implements what it
-        # implements, inside gVisor.
-        seccomp["syscalls"] = [
-            r for r in seccomp["syscalls"] if r["names"] != ["syslog"] and r.get("errnoRet") != 38
-        ]
-        # gVisor gives PID 1 no init protection: the shim ignores every catchable signal, and
-        # these rules (the sentry applies them) keep the rest (SIGKILL, SIGSTOP) and its
-        # scheduling away from it; its limits are the profile's prlimit64 rule, on every
-        # backend. A signal on I/O readiness (fcntl F_SETSIG) could name SIGKILL for an owner
-        # that is PID 1: refused (SIGIO, the default, is ignored).
-        seccomp["syscalls"] += [
-            {"names": [name], "action": "SCMP_ACT_ERRNO", "errnoRet": 1, "args": [_arg(0, 1)]}
-            for name in (
-                "kill",
-                "tkill",
-                "tgkill",
-                "rt_sigqueueinfo",
-                "rt_tgsigqueueinfo",
-                "pidfd_open",
-                "sched_setaffinity",
-                "sched_setscheduler",
-                "sched_setparam",
-                "migrate_pages",
-                "move_pages",
-            )
-        ]
-        seccomp["syscalls"].append(
-            {"names": ["fcntl"], "action": "SCMP_ACT_ERRNO", "errnoRet": 1, "args": [_arg(1, F_SETSIG)]}
-        )
+        init_only = ["CAP_SYS_ADMIN", "CAP_SETPCAP"]
+        config["process"]["capabilities"] = {k: [*v, "CAP_SYSLOG", *init_only] for k, v in caps.items()}
+        # The profile is installed by each holder on itself (the init needs what it refuses:
+        # namespaces, mount), so it holds for every exec and nothing the init starts escapes it.
+        del linux["seccomp"]
+        mounts = [m for m in config["mounts"] if m["type"] != "mqueue"]
         # runsc mounts a tmpfs of its own on an image's empty /tmp, whose files would be
         # outside the writable layer: bind the overlay's own /tmp instead.
-        mounts = [m for m in config["mounts"] if m["type"] != "mqueue"]
         mounts.append(_mount("/tmp", "bind", f"{d}/rootfs/tmp", "rbind", "rw"))
         config["mounts"] = mounts
         self._write_config(d, config)
@@ -247,6 +255,7 @@ class GvisorBackend(ContainerBackend):
         """The shim's first pong, or the keeper's exit status (runsc's, when it failed)."""
         loop = asyncio.get_running_loop()
         edge_end.setblocking(False)
+        edge_end.send(b"C" + struct.pack("<I", 0) + self.seccomp)  # before any exec (dsec-gvisor.h)
         edge_end.send(b"P" + struct.pack("<I", 1))
         ready: asyncio.Future[None] = loop.create_future()
         loop.add_reader(edge_end.fileno(), resolve_once, ready)
@@ -290,7 +299,7 @@ class GvisorBackend(ContainerBackend):
         """No user cgroup: sandbox processes are not host processes (see _config)."""
 
     def _learn_seccomp(self, sandbox_id: str) -> None:
-        """The sentry applies the profile itself: nothing compiled to keep."""
+        """The profile is installed inside gVisor (see `_config`): nothing compiled to keep."""
 
     # --- adopt / destroy ------------------------------------------------------------
 

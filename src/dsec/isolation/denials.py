@@ -29,7 +29,7 @@ _AUDIT_SECCOMP = 1326
 _NLMSG = struct.Struct("=IHHII")
 _SANDBOX = re.compile(r"/dsec/([a-z0-9]+-[a-z0-9]+)(?:/|$)")
 
-OnDenied = Callable[[str, int, str], None]  # (sandbox id, syscall number, comm)
+OnDenied = Callable[[str, int, str, int], None]  # (sandbox id, syscall number, comm, host pid)
 
 
 def sandbox_of(pid: int) -> str | None:
@@ -128,9 +128,10 @@ class DeniedSyscalls:
         m = _RECORD.search(rec)
         if m is None:
             return
-        sid = self.sessions.get(int(m.group(1))) or sandbox_of(int(m.group(2)))
+        pid = int(m.group(2))
+        sid = self.sessions.get(int(m.group(1))) or sandbox_of(pid)
         if sid is not None:
-            self.on_denied(sid, int(m.group(4)), m.group(3).decode(errors="replace"))
+            self.on_denied(sid, int(m.group(4)), m.group(3).decode(errors="replace"), pid)
 
     def close(self) -> None:
         if self.sock is not None:

@@ -12,19 +12,21 @@ static void child_reset_signals(void) {
     signal(SIGPIPE, SIG_DFL);
 }
 
-/* A Landlock domain of its own for the process and what it starts, restricting no file
- * access (the rights it handles are allowed beneath /): sibling domains cannot
- * ptrace-access each other, so what an earlier exec left running cannot open a later
- * exec's /proc/<pid>/mem (and rewrite a grader's memory) or /proc/<pid>/fd (and write into
- * its output). It must handle REFER (ABI 2): a domain that does not refuses every link or
- * rename across directories (EXDEV), so ABI 1 kernels get no domain. Needs no_new_privs
- * (set before). A kernel without Landlock (gVisor's, an old one) skips it. */
-static int child_own_domain(void) {
-    const uint64_t rights = (1ULL << 0) | (1ULL << 13); /* LANDLOCK_ACCESS_FS_EXECUTE, _REFER */
+/* The running kernel's Landlock ABI version (0: none: gVisor's kernel, an old one). */
+static long landlock_abi(void) {
     long abi = syscall(444 /* landlock_create_ruleset */, NULL, 0, 1 /* _VERSION */);
-    if (abi < 2) return 0;
-    struct { uint64_t handled_access_fs; } attr = {rights};
-    int rs = (int)syscall(444, &attr, sizeof attr, 0);
+    return abi < 0 ? 0 : abi;
+}
+
+/* Put the calling thread in a new Landlock domain nested in its current one, restricting no
+ * file access (the rights it handles are allowed beneath /) and scoping what `scoped` names
+ * (LANDLOCK_SCOPE_SIGNAL, ABI 6: signals only to its own domain and those nested in it; 0:
+ * nothing). It must handle REFER (ABI 2): a domain that does not refuses every link or
+ * rename across directories (EXDEV). Needs no_new_privs. */
+static int landlock_domain(uint64_t scoped) {
+    const uint64_t rights = (1ULL << 0) | (1ULL << 13); /* LANDLOCK_ACCESS_FS_EXECUTE, _REFER */
+    struct { uint64_t handled_access_fs, handled_access_net, scoped; } attr = {rights, 0, scoped};
+    int rs = (int)syscall(444, &attr, scoped ? sizeof attr : sizeof attr.handled_access_fs, 0);
     if (rs < 0) return errno;
     struct __attribute__((packed)) { uint64_t allowed_access; int32_t parent_fd; } beneath = {rights, -1};
     beneath.parent_fd = open("/", O_PATH | O_CLOEXEC);
@@ -35,6 +37,15 @@ static int child_own_domain(void) {
     if (beneath.parent_fd >= 0) close(beneath.parent_fd);
     close(rs);
     return err;
+}
+
+/* A Landlock domain of its own for the process and what it starts: sibling domains cannot
+ * ptrace-access each other, so what an earlier exec left running cannot open a later exec's
+ * /proc/<pid>/mem (and rewrite a grader's memory), /proc/<pid>/environ or /proc/<pid>/fd (and
+ * write into its output). It scopes nothing (signals: the levels, dsec-landlock.h and
+ * dsec-levels.h). ABI 1 kernels (no REFER) and kernels without Landlock get no domain. */
+static int child_own_domain(void) {
+    return landlock_abi() < 2 ? 0 : landlock_domain(0);
 }
 
 /* stdio from in, out, err; the error pipe moved to 3 (close-on-exec, so it closes when the

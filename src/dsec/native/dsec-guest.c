@@ -96,6 +96,7 @@
 extern char **environ;
 
 #include "dsec-child.h"
+#include "dsec-levels.h"
 
 struct proc {
     uint32_t id;
@@ -303,8 +304,8 @@ static int drop_capabilities(void) {
 }
 
 static void child_exec(int errfd, int pin, int pout, int perr, int cgprocs, int32_t uid, int32_t gid,
-                       const char *cwd, char **argv, char **envp) {
-    int err = 0;
+                       const char *cwd, char **argv, char **envp, const struct ns_level *level) {
+    int err = ns_join(level); /* (forked into its PID namespace: ns_fork) */
     child_reset_signals();
     setsid();
     if (cgprocs >= 0 && write(cgprocs, "0", 1) != 1) err = errno;
@@ -613,9 +614,10 @@ static void handle_spawn(uint32_t id, const char *buf, uint32_t len) {
     if (pipe2(in, O_CLOEXEC) < 0 || pipe2(out, O_CLOEXEC) < 0 || pipe2(er, O_CLOEXEC) < 0 ||
         pipe2(errpipe, O_CLOEXEC) < 0)
         e = errno;
-    pid_t pid = e ? -1 : fork();
+    const struct ns_level *level = NULL;
+    pid_t pid = e ? -1 : (flags & 1) ? fork() : ns_fork(&level);
     if (pid == 0 && (flags & 1)) child_archive(errpipe[1], out[1], er[1]);
-    if (pid == 0) child_exec(errpipe[1], in[0], out[1], er[1], cgprocs, uid, gid, cwd, argv, envp);
+    if (pid == 0) child_exec(errpipe[1], in[0], out[1], er[1], cgprocs, uid, gid, cwd, argv, envp, level);
     if (!e && pid < 0) e = errno;
     free(argv);
     free(envp);
@@ -876,20 +878,21 @@ static int setup_cgroups(void) {
  * (a file: /dev/null over it; a directory: an empty read-only tmpfs), read-only paths (a
  * read-only bind of themselves). Paths this kernel lacks are skipped. Nothing inside can
  * undo them: no CAP_SYS_ADMIN, and the filter refuses mount and umount. */
-static int protect_paths(const char *masked, int nmasked, const char *readonly, int nreadonly) {
-    char path[4200];
+static int protect_paths(const char *root, const char *masked, int nmasked, const char *readonly, int nreadonly) {
+    char path[4200], null[64];
+    snprintf(null, sizeof null, "%s/dev/null", root);
     for (int i = 0; i < nmasked; i++, masked += strlen(masked) + 1) {
         struct stat st;
-        snprintf(path, sizeof path, "/root%s", masked);
+        snprintf(path, sizeof path, "%s%s", root, masked);
         if (lstat(path, &st) < 0) continue;
         unsigned long ro = MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC;
         int rc = S_ISDIR(st.st_mode) ? mount("dsec-masked", path, "tmpfs", ro, "size=0")
-                                     : mount("/root/dev/null", path, NULL, MS_BIND, NULL);
+                                     : mount(null, path, NULL, MS_BIND, NULL);
         if (rc == 0 && !S_ISDIR(st.st_mode)) rc = mount(NULL, path, NULL, MS_BIND | MS_REMOUNT | ro, NULL);
         if (rc < 0 && errno != ENOENT) return -1;
     }
     for (int i = 0; i < nreadonly; i++, readonly += strlen(readonly) + 1) {
-        snprintf(path, sizeof path, "/root%s", readonly);
+        snprintf(path, sizeof path, "%s%s", root, readonly);
         if (mount(path, path, NULL, MS_BIND | MS_REC, NULL) < 0) {
             if (errno == ENOENT) continue;
             return -1;
@@ -897,6 +900,11 @@ static int protect_paths(const char *masked, int nmasked, const char *readonly, 
         if (mount(NULL, path, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0) return -1;
     }
     return 0;
+}
+
+/* Each exec level's /proc, masked as the sandbox's is (dsec-levels.h). */
+static int level_proc(void) {
+    return protect_paths("", ns_masked, ns_nmasked, ns_readonly, ns_nreadonly) < 0 ? errno : 0;
 }
 
 /* Fresh entropy and the clock from the host: u32 seed_len, seed, i64 sec, i64 nsec. A
@@ -1003,7 +1011,8 @@ static int handle_setup(const char *buf, uint32_t len) {
     if (setup_cgroups() < 0) return errno;
     if (mount_root(nlower) < 0) return errno;
     rwfd = open("/rw", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (protect_paths(masked, nmasked, readonly, nreadonly) < 0) return errno;
+    if (protect_paths("/root", masked, nmasked, readonly, nreadonly) < 0) return errno;
+    if (ns_keep_proc_paths(masked, nmasked, readonly, nreadonly) < 0) return ENOMEM;
     /* Leave the initramfs: nothing of it stays reachable (its files are gone, /dev /proc
      * /sys of the agent are detached), then the overlay becomes "/". */
     unlink("/init");
@@ -1106,6 +1115,7 @@ int main(void) {
     }
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     signal(SIGPIPE, SIG_IGN);
+    ns_after_proc = level_proc;
     mkdir("/dev", 0755);
     mkdir("/proc", 0555);
     mkdir("/sys", 0555);

@@ -34,6 +34,7 @@
  *                 (the child writes "0" to each to join its own cgroup).
  *   edge -> shim  'K' u32 id, i32 signal      signal the child's process group (also shortly after it exited)
  *   edge -> shim  'P' u32 id                  ping, answered by 'p' u32 id
+ *   edge -> shim  'C' u32 id, seccomp program gVisor's init only (see dsec-gvisor.h)
  *   edge -> shim  'W' u32 id; SCM_RIGHTS: src, dst
  *                 fill: a forked child of the shim (so inside the sandbox's
  *                 cgroups: its memory is charged to the sandbox) copies src (a
@@ -75,6 +76,8 @@ extern char **environ;
 
 #include "dsec-idmap.h"
 #include "dsec-child.h"
+#include "dsec-landlock.h"
+#include "dsec-levels.h"
 
 #define CTL_FD 3
 #define MAX_MSG 262144
@@ -82,8 +85,9 @@ extern char **environ;
 #define MAX_CHILDREN 4096
 
 
-struct child { pid_t pid; uint32_t id; };
+struct child { pid_t pid; uint32_t id; char fill; };
 static struct child children[MAX_CHILDREN];
+static int nfills; /* of children: 'W' copies (the init's own code, in no exec level) */
 /* The last children reaped: a 'K' for one of them still reaches its process group (what it
  * forked lives on after it, in a fork bomb say, where no cgroup holds the exec). */
 #define RECENT 256
@@ -99,11 +103,13 @@ static void send_msg(char type, uint32_t id, int32_t value) {
     }
 }
 
-static int track(pid_t pid, uint32_t id) {
+static int track(pid_t pid, uint32_t id, char fill) {
     for (int i = 0; i < MAX_CHILDREN; i++) {
         if (children[i].pid == 0) {
             children[i].pid = pid;
             children[i].id = id;
+            children[i].fill = fill;
+            nfills += fill;
             return 0;
         }
     }
@@ -117,10 +123,17 @@ static void reap(void);
 static struct rlimit user_nproc = {RLIM_INFINITY, RLIM_INFINITY};
 /* `init gvisor`: the kernel gives PID 1 no protection from signals there (see run_init). */
 static int ignore_all;
+/* A level's holder (dsec-levels.h, gVisor): its own PID namespace, and the last exec it
+ * started (the only one its level holds: a later exec goes to a shallower level). */
+static char level_ns[48];
+static uint32_t level_last;
+
 
 static void close_fds(int *fds, int n) {
     for (int i = 0; i < n; i++) close(fds[i]);
 }
+
+#include "dsec-gvisor.h"
 
 /* In the child: join cgroups, wire stdio, drop to the user, exec. Never returns. */
 static void child_exec(int errfd, int *fds, int ncg, int32_t uid, int32_t gid,
@@ -146,6 +159,57 @@ static void child_exec(int errfd, int *fds, int ncg, int32_t uid, int32_t gid,
         if (setrlimit(RLIMIT_NPROC, &lim) < 0) err = errno;
     }
     child_run(err, errfd, argv, envp);
+}
+
+struct spawn_args {
+    int errfd, *fds, ncg;
+    int32_t uid, gid;
+    const char *cwd;
+    char **argv, **envp;
+};
+
+static void spawn_child(void *p) {
+    struct spawn_args *a = p;
+    child_exec(a->errfd, a->fds, a->ncg, a->uid, a->gid, a->cwd, a->argv, a->envp);
+}
+
+/* Every process of the sandbox but this one and its 'W' copies (a zombie is one until it is
+ * reaped). *out: malloc'ed. */
+static int sandbox_pids(pid_t **out) {
+    int n = 0, cap = 64;
+    pid_t *pids = malloc(sizeof(pid_t) * cap), me = getpid();
+    DIR *d = opendir("/proc");
+    struct dirent *e;
+    while (pids && d && (e = readdir(d)) != NULL) {
+        pid_t p = (pid_t)atoi(e->d_name);
+        int skip = p <= 0 || p == me;
+        for (int i = 0; !skip && nfills && i < MAX_CHILDREN; i++) skip = children[i].pid == p && children[i].fill;
+        if (skip) continue;
+        if (n == cap) {
+            pid_t *more = realloc(pids, sizeof(pid_t) * (cap *= 2));
+            if (!more) { free(pids); pids = NULL; break; }
+            pids = more;
+        }
+        pids[n++] = p;
+    }
+    if (d) closedir(d);
+    *out = pids;
+    return pids ? n : -1;
+}
+
+/* The exec's process: at a level of its own (dsec-landlock.h), or forked here. */
+static pid_t exec_fork(struct spawn_args *a) {
+    pid_t *pids = NULL, pid;
+    int n = 0;
+    if (ll_levels) {
+        reap(); /* what already ended is no process of a level */
+        if ((n = sandbox_pids(&pids)) < 0) { errno = ENOMEM; return -1; }
+    }
+    pid = ll_fork(pids, n, spawn_child, a);
+    int err = errno;
+    free(pids);
+    errno = err;
+    return pid;
 }
 
 static void handle_spawn(const char *buf, ssize_t len, int *fds, int nfds) {
@@ -177,17 +241,14 @@ static void handle_spawn(const char *buf, ssize_t len, int *fds, int nfds) {
     if (pipe2(errpipe, O_CLOEXEC) < 0) {
         free(argv); free(envp); close_fds(fds, nfds); send_msg('F', id, errno); return;
     }
-    pid_t pid = fork();
+    struct spawn_args a = {errpipe[1], fds, ncg, uid, gid, cwd, argv, envp};
+    pid_t pid = exec_fork(&a);
     /* At a process limit (a fork bomb that was just killed): what died may not be reaped
      * yet, and reaping it is what frees the slots. */
     for (int tries = 0; pid < 0 && errno == EAGAIN && tries < 50; tries++) {
         usleep(2000);
         reap();
-        pid = fork();
-    }
-    if (pid == 0) {
-        close(errpipe[0]);
-        child_exec(errpipe[1], fds, ncg, uid, gid, cwd, argv, envp);
+        pid = exec_fork(&a);
     }
     int fork_err = errno;
     close(errpipe[1]);
@@ -205,7 +266,8 @@ static void handle_spawn(const char *buf, ssize_t len, int *fds, int nfds) {
         send_msg('F', id, child_err);
         return;
     }
-    if (track(pid, id) < 0) { kill(pid, SIGKILL); send_msg('F', id, EAGAIN); return; }
+    if (track(pid, id, 0) < 0) { kill(pid, SIGKILL); send_msg('F', id, EAGAIN); return; }
+    level_last = id;
     send_msg('R', id, pid);
 }
 
@@ -266,33 +328,8 @@ static void handle_fill(const char *buf, ssize_t len, int *fds, int nfds) {
     int fork_err = errno;
     close_fds(fds, nfds);
     if (pid < 0) { send_msg('F', id, fork_err); return; }
-    if (track(pid, id) < 0) { kill(pid, SIGKILL); waitpid(pid, NULL, 0); send_msg('F', id, EAGAIN); return; }
+    if (track(pid, id, 1) < 0) { kill(pid, SIGKILL); waitpid(pid, NULL, 0); send_msg('F', id, EAGAIN); return; }
     send_msg('R', id, pid);
-}
-
-/* SIGKILL every process of session `sid` (a child leads its own, see child_exec): what moved
- * to a process group of its own is still in it. Only setsid leaves it. Where a cgroup holds
- * the exec, the edge kills that instead; this is for gVisor, where none can. */
-static void kill_session(pid_t sid) {
-    DIR *d = opendir("/proc");
-    if (d == NULL) return;
-    struct dirent *e;
-    char path[64], stat[1024];
-    while ((e = readdir(d)) != NULL) {
-        pid_t p = (pid_t)atoi(e->d_name);
-        if (p <= 1) continue;
-        snprintf(path, sizeof path, "/proc/%d/stat", p);
-        int fd = open(path, O_RDONLY | O_CLOEXEC);
-        if (fd < 0) continue;
-        ssize_t n = read(fd, stat, sizeof stat - 1);
-        close(fd);
-        if (n <= 0) continue;
-        stat[n] = 0;
-        char *rp = strrchr(stat, ')'); /* comm may hold spaces and parentheses */
-        int session = 0;
-        if (rp && sscanf(rp + 1, " %*c %*d %*d %d", &session) == 1 && session == sid) kill(p, SIGKILL);
-    }
-    closedir(d);
 }
 
 static void handle_kill(const char *buf, ssize_t len) {
@@ -303,7 +340,7 @@ static void handle_kill(const char *buf, ssize_t len) {
     for (int i = 0; i < MAX_CHILDREN; i++) {
         if (children[i].pid && children[i].id == id) {
             kill(-children[i].pid, sig);
-            if (sig == SIGKILL && ignore_all) kill_session(children[i].pid);
+            if (sig == SIGKILL && ignore_all) sweep(children[i].pid, id);
             return;
         }
     }
@@ -311,7 +348,7 @@ static void handle_kill(const char *buf, ssize_t len) {
         struct child *c = &recent[(recent_next - 1 - n) % RECENT];
         if (c->pid && c->id == id) {
             kill(-c->pid, sig); /* ESRCH once the group is gone */
-            if (sig == SIGKILL && ignore_all) kill_session(c->pid);
+            if (sig == SIGKILL && ignore_all) sweep(c->pid, id);
             return;
         }
     }
@@ -324,6 +361,7 @@ static void reap(void) {
         for (int i = 0; i < MAX_CHILDREN; i++) {
             if (children[i].pid == pid) {
                 send_msg('X', children[i].id, status);
+                nfills -= children[i].fill;
                 recent[recent_next++ % RECENT] = children[i];
                 children[i].pid = 0;
                 break;
@@ -332,42 +370,15 @@ static void reap(void) {
     }
 }
 
-static int run_init(int gvisor) {
+/* The protocol's loop: the init's, and (gVisor) each level's holder's. */
+static int serve(int sfd) {
     static char buf[MAX_MSG];
-    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
-    if (getrlimit(RLIMIT_NPROC, &user_nproc) == 0 && user_nproc.rlim_cur != user_nproc.rlim_max) {
-        struct rlimit mine = {user_nproc.rlim_max, user_nproc.rlim_max};
-        setrlimit(RLIMIT_NPROC, &mine);
-    } else {
-        user_nproc.rlim_cur = RLIM_INFINITY; /* nothing to keep in reserve */
-    }
-    signal(SIGPIPE, SIG_IGN);
-    /* A kernel protects the init of a pid namespace from signals it does not handle; gVisor
-     * does not (a `kill -TERM 1` inside would end the sandbox): there, ignore every signal
-     * that can be ignored (children reset them). SIGCHLD stays (blocked, read from the
-     * signalfd). */
-    ignore_all = gvisor;
-    if (ignore_all)
-        for (int s = 1; s < NSIG; s++)
-            if (s != SIGKILL && s != SIGSTOP && s != SIGCHLD) signal(s, SIG_IGN);
-    /* Our stdio came from the runtime's launcher: hold nothing of the host. */
-    int devnull = open("/dev/null", O_RDWR | O_CLOEXEC);
-    if (devnull >= 0) {
-        for (int i = 0; i < 3; i++) dup2(devnull, i);
-        if (devnull > 2) close(devnull);
-    }
-    sigset_t mask;
-    sigemptyset(&mask);
-    sigaddset(&mask, SIGCHLD);
-    sigprocmask(SIG_BLOCK, &mask, NULL);
-    int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
-    if (sfd < 0) return 1;
-    fcntl(CTL_FD, F_SETFD, FD_CLOEXEC);
-    fcntl(4, F_SETFD, FD_CLOEXEC);
-    fcntl(5, F_SETFD, FD_CLOEXEC); /* the writable layer (see crun-wrap), if given */
-    struct pollfd pfd[2] = {{.fd = CTL_FD, .events = POLLIN}, {.fd = sfd, .events = POLLIN}};
+    struct pollfd pfd[2 + NS_CHAINS * NS_LEVELS];
     for (;;) {
-        if (poll(pfd, 2, -1) < 0) {
+        pfd[0] = (struct pollfd){.fd = CTL_FD, .events = POLLIN};
+        pfd[1] = (struct pollfd){.fd = sfd, .events = POLLIN};
+        int nholders = gv_poll_set(pfd + 2);
+        if (poll(pfd, 2 + nholders, -1) < 0) {
             if (errno == EINTR) continue;
             return 1;
         }
@@ -377,6 +388,7 @@ static int run_init(int gvisor) {
             }
             reap();
         }
+        if (nholders) gv_poll_done(pfd + 2, nholders);
         if (pfd[0].revents & (POLLIN | POLLHUP | POLLERR)) {
             char cbuf[CMSG_SPACE(sizeof(int) * MAX_FDS)];
             struct iovec iov = {.iov_base = buf, .iov_len = sizeof buf};
@@ -408,9 +420,17 @@ static int run_init(int gvisor) {
                 continue;
             }
             switch (buf[0]) {
-            case 'S': handle_spawn(buf, len, fds, nfds); break;
-            case 'K': close_fds(fds, nfds); handle_kill(buf, len); break;
+            case 'S':
+                if (gv_top) gv_spawn(buf, len, fds, nfds);
+                else handle_spawn(buf, len, fds, nfds);
+                break;
+            case 'K':
+                close_fds(fds, nfds);
+                if (gv_top) gv_kill(buf, len);
+                else handle_kill(buf, len);
+                break;
             case 'W': handle_fill(buf, len, fds, nfds); break;
+            case 'C': close_fds(fds, nfds); if (gv_top) gv_configure(buf, len); break;
             case 'P': {
                 uint32_t id = 0;
                 close_fds(fds, nfds);
@@ -422,6 +442,48 @@ static int run_init(int gvisor) {
             }
         }
     }
+}
+
+static int run_init(int gvisor) {
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    if (getrlimit(RLIMIT_NPROC, &user_nproc) == 0 && user_nproc.rlim_cur != user_nproc.rlim_max) {
+        struct rlimit mine = {user_nproc.rlim_max, user_nproc.rlim_max};
+        setrlimit(RLIMIT_NPROC, &mine);
+    } else {
+        user_nproc.rlim_cur = RLIM_INFINITY; /* nothing to keep in reserve */
+    }
+    signal(SIGPIPE, SIG_IGN);
+    /* A kernel protects the init of a pid namespace from signals it does not handle; gVisor
+     * does not (a `kill -TERM 1` inside would end the sandbox): there, ignore every signal
+     * that can be ignored (children reset them). SIGCHLD stays (blocked, read from the
+     * signalfd). */
+    ignore_all = gvisor;
+    if (ignore_all)
+        for (int s = 1; s < NSIG; s++)
+            if (s != SIGKILL && s != SIGSTOP && s != SIGCHLD) signal(s, SIG_IGN);
+    /* Each exec at a level of its own: Landlock domains where the kernel scopes signals (ABI
+     * 6, dsec-landlock.h), PID namespaces in gVisor (dsec-levels.h, dsec-gvisor.h). A kernel
+     * without either (Landlock older than 6.12): every exec forks from here, as before, and
+     * what one leaves running can signal a later one. */
+    if (gvisor) gv_start();
+    else ll_levels = landlock_abi() >= 6;
+    /* Our stdio came from the runtime's launcher: hold nothing of the host. */
+    int devnull = open("/dev/null", O_RDWR | O_CLOEXEC);
+    if (devnull >= 0) {
+        for (int i = 0; i < 3; i++) dup2(devnull, i);
+        if (devnull > 2) close(devnull);
+    }
+    if (ll_levels) ll_start(); /* (its threads start while the edge finishes the create) */
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &mask, NULL);
+    int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+    if (sfd < 0) return 1;
+    fcntl(CTL_FD, F_SETFD, FD_CLOEXEC);
+    fcntl(4, F_SETFD, FD_CLOEXEC);
+    fcntl(5, F_SETFD, FD_CLOEXEC); /* the writable layer (see crun-wrap), if given */
+    return serve(sfd);
 }
 
 /* Mount the sandbox's writable tmpfs and its overlay root in a mount namespace of
