@@ -21,7 +21,7 @@ import contextlib
 import signal
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -218,6 +218,10 @@ class Backend(ABC):
     # whether the host reaches the sandbox's files (`handle.open_root()`); if not (a VM's
     # files are in a disk only its kernel mounts), the edge's file API runs processes inside
     host_files: ClassVar[bool] = True
+    # whether a trusted exec (verify) runs in a fresh sandbox of this backend, given the task's
+    # files as data (dsec.edge.gradersandbox), rather than as a host process that joins the
+    # sandbox's namespaces (dsec-trusted: its processes must be host processes)
+    trusted_in_fresh_sandbox: ClassVar[bool] = False
     # whether a memory checkpoint is restored by starting a new sandbox from it
     # (`SandboxPlan.restore_from`: a VM's memory and disk), rather than into a started one
     # (`restore`: CRIU's processes over the checkpoint's files)
@@ -339,11 +343,27 @@ class Backend(ABC):
         """Kill every process of the sandbox but its init (before a restore into it, and
         before and after a verifier runs)."""
 
+    @contextlib.asynccontextmanager
+    async def writes_held(self, handle: SandboxHandle) -> AsyncIterator[None]:
+        """The sandbox's writable layer at one consistent point while the body reads it
+        through the sandbox (a microVM's disk: flushed, its writers held); by default nothing
+        is held (the host reads a container's files at its own pace)."""
+        yield
+
     async def archive_writable(self, handle: SandboxHandle, out: int, limit: int) -> None:
         """Write the sandbox's writable layer as an OCI layer tar to `out` (at most `limit`
         bytes), at one consistent point: a snapshot where `host_files` is false (the host
         unpacks it as it unpacks any untrusted tarball)."""
         self.require(Capability.SNAPSHOT, "snapshot")
+        raise NotImplementedError
+
+    async def archive_tree(self, handle: SandboxHandle, path: str, out: int, limit: int) -> None:
+        """Write the tree at `path` as the sandbox's processes see it (a directory's contents,
+        or one file or link) as a tar to `out`, at most `limit` bytes, by the backend's own
+        archiver, no program of the image: a trusted exec's copy of a task directory, and
+        protect(), where `host_files` is false. FileNotFoundError where no link-free path
+        leads to it."""
+        self.require(Capability.TRUSTED_EXEC, "trusted exec")
         raise NotImplementedError
 
     async def copy_writable_disk(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import secrets
 import socket
@@ -57,10 +58,13 @@ class _Proc:
     out: _Stream
     err: _Stream
     status: int | None = None
+    stdin_file: bool = False  # stdin is a regular file (a session's script): read, not watched
 
 
 class GuestChannel(ShimChannel):
     """The shim protocol over a connected stream socket to a guest agent."""
+
+    passes_fds = False  # stdio is carried as bytes: a descriptor's other properties stay here
 
     def __init__(self, sock: socket.socket) -> None:  # no super(): another framing
         sock.setblocking(False)
@@ -111,7 +115,10 @@ class GuestChannel(ShimChannel):
             for ident in self._stalled:
                 proc = self._procs.get(ident)
                 if proc is not None and proc.stdin >= 0:
-                    self._loop.add_reader(proc.stdin, self._pump_stdin, ident)
+                    if proc.stdin_file:
+                        self._loop.call_soon(self._pump_stdin, ident)
+                    else:
+                        self._loop.add_reader(proc.stdin, self._pump_stdin, ident)
             self._stalled.clear()
         if self._wbuf and not self._writing:
             self._loop.add_writer(self.sock.fileno(), self._flush)
@@ -227,28 +234,34 @@ class GuestChannel(ShimChannel):
             fut.set_result(proc.status)
 
     def _pump_stdin(self, ident: int) -> None:
+        """Send what the process's stdin holds while the guest keeps up: a pipe's ready bytes
+        (called when it is readable), or a regular file (a memfd: epoll watches no files)
+        from its offset to its end; at the end, an empty frame."""
         proc = self._procs.get(ident)
-        if proc is None or proc.stdin < 0:
-            return
-        if len(self._wbuf) > STDIN_HIGH:  # the guest reads slowly: wait for it (see _flush)
-            self._loop.remove_reader(proc.stdin)
-            self._stalled.add(ident)
-            return
-        try:
-            data = os.read(proc.stdin, 1 << 16)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        with contextlib.suppress(InternalError, CapacityExhausted):
-            self._frame(b"I", ident, data)
-        if not data:
-            self._close_stdin(proc)
+        while proc is not None and proc.stdin >= 0:
+            if len(self._wbuf) > STDIN_HIGH:  # the guest reads slowly: wait for it (see _flush)
+                if not proc.stdin_file:
+                    self._loop.remove_reader(proc.stdin)
+                self._stalled.add(ident)
+                return
+            try:
+                data = os.read(proc.stdin, 1 << 16)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            with contextlib.suppress(InternalError, CapacityExhausted):
+                self._frame(b"I", ident, data)
+            if not data:
+                self._close_stdin(proc)
+            elif not proc.stdin_file:
+                return  # (a pipe: again once it is readable)
 
     def _close_stdin(self, proc: _Proc) -> None:
         if proc.stdin >= 0:
-            with contextlib.suppress(ValueError, OSError):
-                self._loop.remove_reader(proc.stdin)
+            if not proc.stdin_file:
+                with contextlib.suppress(ValueError, OSError):
+                    self._loop.remove_reader(proc.stdin)
             os.close(proc.stdin)
             proc.stdin = -1
 
@@ -306,11 +319,17 @@ class GuestChannel(ShimChannel):
         """Kill every sandbox process in the guest ('U')."""
         await self._ask(b"U", b"", "kill its processes", timeout)
 
-    async def archive(self, out: int, limit: int, timeout: float = 600.0) -> None:
+    async def archive(self, out: int, limit: int, timeout: float = 600.0, *, path: str | None = None) -> None:
         """Have the agent write the sandbox's writable layer as a tar (an OCI layer: see
-        dsec-guest.c) to `out`, a regular file: `limit` bytes at most (past them it is killed
-        and this fails), in `timeout` seconds."""
-        body = _SPAWN.pack(0, 0, 1, 0, 1) + b"\0dsec-archive\0"
+        dsec-guest.c), or the tree at `path` of the sandbox's own view (dsec-guest.c's
+        tar_path: FileNotFoundError where no link-free path leads), to `out`, a regular
+        file: `limit` bytes at most (past them it is killed and this fails), in `timeout`
+        seconds. Its own code, none of the image's."""
+        body = _SPAWN.pack(0, 0, 1 if path is None else 2, 0, 1) + b"\0dsec-archive\0"
+        if path is not None:
+            if "\0" in path:
+                raise InvalidRequest("a path cannot hold NUL bytes")
+            body += path.encode() + b"\0"
         with open(os.devnull, "rb") as null, open(os.devnull, "wb") as sink:
             ident, _, exited = await self._spawn(body, (null.fileno(), out, sink.fileno()), limit)
         try:
@@ -322,7 +341,9 @@ class GuestChannel(ShimChannel):
             raise CapacityExhausted(f"the archive of the writable disk exceeded {limit >> 20} MiB")
         if status:
             code = status >> 8 if status & 0x7F == 0 else status
-            raise InternalError(f"archiving the writable disk failed: {os.strerror(code)}")
+            if path is not None and code in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EXDEV):
+                raise FileNotFoundError(code, f"{path}: {os.strerror(code)}")
+            raise InternalError(f"archiving {path or 'the writable disk'} failed: {os.strerror(code)}")
 
     def _send_ping(self, ident: int) -> None:
         self._frame(b"P", ident)
@@ -353,10 +374,14 @@ class GuestChannel(ShimChannel):
         self._started[ident], self._exited[ident], self._procs[ident] = started, exited, proc
         try:
             self._frame(b"S", ident, body)
-            if stat.S_ISFIFO(os.fstat(proc.stdin).st_mode) or stat.S_ISSOCK(os.fstat(proc.stdin).st_mode):
+            mode = os.fstat(proc.stdin).st_mode
+            if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
                 os.set_blocking(proc.stdin, False)
                 self._loop.add_reader(proc.stdin, self._pump_stdin, ident)
-            else:  # /dev/null or a file: nothing to wait for
+            elif stat.S_ISREG(mode):  # a file (a memfd): its bytes from its offset, then its end
+                proc.stdin_file = True
+                self._pump_stdin(ident)
+            else:  # /dev/null: nothing to wait for
                 self._frame(b"I", ident, b"")
                 self._close_stdin(proc)
             pid = await started

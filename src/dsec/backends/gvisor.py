@@ -142,8 +142,9 @@ class GvisorBackend(ContainerBackend):
     name = "gvisor"
     capabilities = frozenset(
         {Capability.EXEC, Capability.FILES, Capability.PAUSE, Capability.SNAPSHOT, Capability.FORK}
-        | {Capability.NETWORK}
+        | {Capability.NETWORK, Capability.SESSIONS, Capability.TRUSTED_EXEC}
     )
+    trusted_in_fresh_sandbox = True  # its processes are the sentry's, not the host's
     dir_name = "gvisor"
     handle_class = GvisorSandbox
     stray_comms = frozenset({"runsc", "exe", "runsc-sandbox", "runsc-gofer"})
@@ -157,6 +158,8 @@ class GvisorBackend(ContainerBackend):
             raise BackendUnavailable(str(e)) from e
         super().__init__(host)
         _traversable(self.sandboxes_dir, own=host.run_dir)
+        if self.tools_dir is not None:
+            self.tools_dir = _readable_tools(self.tools_dir, host.run_dir / "tools-gvisor")
         self.runtime = str(binary)
         self.runtime_root = host.run_dir / "runsc"
         self.runtime_root.mkdir(parents=True, exist_ok=True)
@@ -403,6 +406,22 @@ def _traversable(d: Path, *, own: Path) -> None:
             f"{p} is not searchable by others (mode {mode & 0o777:o}): gVisor's sentry runs as an "
             "unprivileged host id and must reach the sandbox bundles below it; chmod o+x it"
         )
+
+
+def _readable_tools(tools: Path, dest: Path) -> Path:
+    """The tools bound at /.dsec-tools (a session's bash), readable: the sentry loads a
+    program by reading it as the process's user, so the host's execute-only copy (which makes
+    each shell non-dumpable on the host's kernel, a flag gVisor's /proc ignores) cannot start
+    there. Root's, read-only in the sandbox like the host's copy."""
+    dest.mkdir(mode=0o755, exist_ok=True)
+    for src in tools.iterdir():
+        target = dest / src.name
+        if src.is_file() and (not target.exists() or target.stat().st_size != src.stat().st_size):
+            tmp = dest / f".{src.name}-{os.getpid()}"
+            shutil.copyfile(src, tmp)
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, target)
+    return dest
 
 
 def _descendants(pid: int) -> set[int]:

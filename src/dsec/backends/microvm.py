@@ -204,8 +204,9 @@ class MicrovmBackend(Backend):
     name = "microvm"
     capabilities = frozenset(
         {Capability.EXEC, Capability.FILES, Capability.PAUSE, Capability.NETWORK, Capability.FORK}
-        | {Capability.SNAPSHOT, Capability.CHECKPOINT}
+        | {Capability.SNAPSHOT, Capability.CHECKPOINT, Capability.SESSIONS, Capability.TRUSTED_EXEC}
     )
+    trusted_in_fresh_sandbox = True  # the agent may own the guest's kernel: a grader trusts none of it
     net_hook = "forward"  # the guest's packets are forwarded from tap0
     host_files = False  # the file API runs processes in the guest (dsec.edge.guestfiles)
     restores_at_create = True  # a memory checkpoint starts a new VM (see the module)
@@ -234,6 +235,8 @@ class MicrovmBackend(Backend):
             log.warning("microvm: running guests under TCG emulation (slow): %s", why)
         self.accel_detail = "kvm" if self.kvm else f"tcg ({why})"
         self.seccomp = bpf_program()  # the container profile, for the agent to install in the guest
+        # /.dsec-tools (a session's bash) as the top layer: the agent binds it read-only
+        self.tools_layer = _tools_layer(self.cache, host.tools_dir, host.uid_offset)
         self._layer_images: dict[Path, Path] = {}
         self._template_locks: dict[str, asyncio.Lock] = {}  # (one event loop's: per backend)
 
@@ -252,9 +255,10 @@ class MicrovmBackend(Backend):
         """The isolation recipe of one sandbox, in order (see the module); whatever a failed
         step leaves is removed."""
         t0 = time.perf_counter()
-        if len(plan.lowerdirs) > MAX_LAYERS:
+        lowers = [*([self.tools_layer] if self.tools_layer else []), *plan.lowerdirs]
+        if len(lowers) > MAX_LAYERS:
             raise InvalidRequest(
-                f"image has too many layers ({len(plan.lowerdirs)}) for a microVM (at most {MAX_LAYERS}); "
+                f"image has too many layers ({len(lowers)}) for a microVM (at most {MAX_LAYERS}); "
                 "merge some layers"
             )
         d = self.vms_dir / plan.id
@@ -270,11 +274,11 @@ class MicrovmBackend(Backend):
                 memory_bytes=(mem_mb + QEMU_OVERHEAD_MB) << 20,
                 pids=QEMU_PIDS,
             )
-            shape = {"layers": [str(p) for p in plan.lowerdirs], "memory_mb": mem_mb, "cpus": cpus}
+            shape = {"layers": [str(p) for p in lowers], "memory_mb": mem_mb, "cpus": cpus}
             ckpt = plan.restore_from
             if ckpt is not None:  # refused before anything starts
                 _check_shape(ckpt, shape)
-            image = await self._image(plan)  # layers
+            image = await self._image(lowers)  # layers
             disk = d / "rw.ext4"
             fresh = plan.writable_from is None and ckpt is None
             blank = await self._blank_disk(plan, disk if fresh else None)
@@ -330,13 +334,13 @@ class MicrovmBackend(Backend):
         }
         return vm
 
-    async def _image(self, plan: base.SandboxPlan) -> qemu.GuestImage:
-        """The plan's layers as EROFS disks (each made once, from the store's canonical ids
-        shown as the guest's own)."""
+    async def _image(self, lowers: Sequence[Path]) -> qemu.GuestImage:
+        """The layers as EROFS disks (each made once, from the store's canonical ids shown
+        as the guest's own)."""
         idmap = [str(self.shim), "idmap-run", f"{self.host.uid_offset}:0:65536"]
         loop = asyncio.get_running_loop()
         disks = []
-        for layer in plan.lowerdirs:
+        for layer in lowers:
             img = self._layer_images.get(layer)
             if img is None or not img.exists():
                 img = await loop.run_in_executor(None, qemu.layer_image, self.cache, layer, idmap)
@@ -389,6 +393,11 @@ class MicrovmBackend(Backend):
         finally:
             if paused:
                 await self.freeze(vm)
+
+    @contextlib.asynccontextmanager
+    async def writes_held(self, handle: SandboxHandle) -> AsyncIterator[None]:
+        async with self._disk_held(self._own(handle)):
+            yield
 
     async def archive_writable(self, handle: SandboxHandle, out: int, limit: int) -> None:
         """The agent's tar of the overlay's upper directory (see the module), with the disk
@@ -444,6 +453,13 @@ class MicrovmBackend(Backend):
         )
         info.save()
         return info
+
+    async def archive_tree(self, handle: SandboxHandle, path: str, out: int, limit: int) -> None:
+        """The agent's archiver, given a path (dsec-guest.c's tar_path), with the disk held:
+        no tool of the image the agent may have replaced, whoever holds the pids."""
+        vm = self._own(handle)
+        async with self._disk_held(vm):
+            await vm.channel.archive(out, limit, path=path)
 
     def load_checkpoint(self, src: Path) -> CheckpointInfo:
         return CheckpointInfo.load(src)
@@ -637,6 +653,30 @@ class MicrovmBackend(Backend):
                     break  # not ours: its parent reaps it
                 await asyncio.sleep(0.01)
             _awaited.discard(pid)
+
+
+def _tools_layer(cache: Path, tools: Path | None, uid_offset: int) -> Path | None:
+    """The edge's tools (/.dsec-tools: a session's static bash) as a layer directory of the
+    store's canonical ids (made once per content): root's, execute-only as on the host, so
+    every shell is non-dumpable to the guest's other users. None without the tools."""
+    bash = tools / "bash" if tools is not None else None
+    if bash is None or not bash.is_file():
+        return None
+    digest = hashlib.sha256(bash.read_bytes()).hexdigest()[:16]
+    layer = cache / f"tools-{digest}"
+    if layer.is_dir():
+        return layer
+    tmp = cache / f".tools-{secrets.token_hex(6)}"
+    (tmp / ".dsec-tools").mkdir(parents=True)
+    shutil.copyfile(bash, tmp / ".dsec-tools" / "bash")
+    for path, mode in ((tmp, 0o755), (tmp / ".dsec-tools", 0o755), (tmp / ".dsec-tools" / "bash", 0o711)):
+        os.chown(path, uid_offset, uid_offset)
+        os.chmod(path, mode)
+    try:
+        os.rename(tmp, layer)
+    except OSError:  # another edge made it meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
+    return layer
 
 
 async def _sparse_copy(src: Path, dst: Path) -> None:

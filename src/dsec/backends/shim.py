@@ -54,6 +54,8 @@ def launch_strings(launch: Launch) -> tuple[list[str], list[str]]:
 class ShimChannel:
     """The edge's end of a sandbox's control socket."""
 
+    passes_fds = True  # a spawn's stdio reaches the process as the descriptors given
+
     def __init__(self, sock: socket.socket) -> None:
         sock.setblocking(False)
         self.sock = sock

@@ -22,6 +22,7 @@ from dsec.backends.base import Capability
 from dsec.backends.shim import Launch
 from dsec.edge import trusted
 from dsec.edge.core import EdgeCore, EdgePart
+from dsec.edge.gradersandbox import GraderSandboxes
 from dsec.edge.lifecycle import EdgeLifecycle
 from dsec.edge.process import RawResult, run_process
 from dsec.edge.sandbox import Sandbox
@@ -55,6 +56,10 @@ class EdgeExec(EdgePart):
         self._epoch = epoch  # exec cgroup and session names carry it (see Edge.__init__)
         self._trusted_tool: Path | None = None  # dsec-trusted, built on the first trusted exec
         self._freeze = trusted.AgentFreeze(self.cgroups)  # the agent stopped while one runs
+        # (trusted execs where no host process can join the sandbox: in fresh sandboxes)
+        self.graders = GraderSandboxes(
+            core, toolkit=lambda: life._toolkit, image=life._image, new_id=life._new_id, making=life._creating
+        )
         self._inflight: dict[tuple[str, str, int], asyncio.Future[None]] = {}  # (project, trajectory, step)
 
     # --- exec ----------------------------------------------------------------------
@@ -119,6 +124,20 @@ class EdgeExec(EdgePart):
         """Run `req` with the image's own toolchain (see dsec.edge.trusted)."""
         sb.backend.require(Capability.TRUSTED_EXEC, "trusted exec")
         dirs = self._trusted_checks(sb, req)
+        if sb.backend.trusted_in_fresh_sandbox:  # (gVisor, a microVM: see dsec.edge.gradersandbox)
+            return await self.graders.run(
+                sb,
+                dirs,
+                protected or [],
+                ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) else list(req.cmd),
+                trusted.clean_env(req.env),
+                cwd=req.cwd or "/",
+                group_name=self._group_name(sb),
+                stdin=req.stdin.encode() if stdin is None and req.stdin is not None else stdin,
+                timeout=req.timeout,
+                cap=min(req.max_output_bytes, sb.record.spec.max_output_bytes) if cap is None else cap,
+                sink=sink,
+            )
         if self._trusted_tool is None:
             tool = await asyncio.get_running_loop().run_in_executor(
                 None, ensure_trusted, self.settings.data_dir / "bin"

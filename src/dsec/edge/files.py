@@ -433,17 +433,26 @@ class SandboxFiles:
 
     # --- archives --------------------------------------------------------------------
 
-    def archive(self, path: str, max_bytes: int = MAX_ARCHIVE) -> IO[bytes]:
+    def archive(
+        self,
+        path: str,
+        max_bytes: int = MAX_ARCHIVE,
+        *,
+        max_entries: int = MAX_ARCHIVE_ENTRIES,
+        any_link_target: bool = False,
+    ) -> IO[bytes]:
         """A tar of `path` (a directory's contents, or one file or link), built here from
         descriptors opened without following anything and without leaving the sandbox's
         root mount, into an unlinked spool file (rewound). At most `max_bytes` of file data
-        and MAX_ARCHIVE_ENTRIES entries: beyond either a clear 413."""
+        and `max_entries` entries: beyond either a clear 413. (`any_link_target`: see
+        dsec.archive.ArchiveTree.)"""
         path = _norm(path)
         pp = PurePosixPath(path)
         spool = tempfile.TemporaryFile(prefix="dsec-archive-")  # noqa: SIM115 - handed to the caller
+        what = f"the archive of {path}"
         try:
-            with CleanTar(spool, f"the archive of {path}", max_bytes, MAX_ARCHIVE_ENTRIES) as tf:
-                budget = _Budget(path, max_bytes)
+            with CleanTar(spool, what, max_bytes, max_entries, any_link_target=any_link_target) as tf:
+                budget = _Budget(path, max_bytes, max_entries)
                 if pp == PurePosixPath("/"):
                     with self._open("/", os.O_RDONLY | os.O_DIRECTORY) as fd:
                         self._tar_dir(tf, fd, ".", budget)
@@ -529,17 +538,18 @@ class SandboxFiles:
 
 
 class _Budget:
-    def __init__(self, path: str, max_bytes: int) -> None:
+    def __init__(self, path: str, max_bytes: int, max_entries: int = MAX_ARCHIVE_ENTRIES) -> None:
         self.path = path
         self.left = max_bytes
         self.max_bytes = max_bytes
+        self.max_entries = max_entries
         self.entries = 0
 
     def entry(self, name: str) -> None:
         self.entries += 1
-        if self.entries > MAX_ARCHIVE_ENTRIES:
+        if self.entries > self.max_entries:
             raise errors.PayloadTooLarge(
-                f"{self.path} holds more than {MAX_ARCHIVE_ENTRIES} entries; archive a subdirectory"
+                f"{self.path} holds more than {self.max_entries} entries; archive a subdirectory"
             )
 
     def data(self, name: str, size: int) -> None:

@@ -38,10 +38,12 @@ class CleanTar:
     normally) to check the links and write them; leaving it by an exception writes nothing
     more. `what`: the archive, as error messages name it."""
 
-    def __init__(self, out: IO[bytes], what: str, max_bytes: int, max_entries: int) -> None:
+    def __init__(
+        self, out: IO[bytes], what: str, max_bytes: int, max_entries: int, *, any_link_target: bool = False
+    ) -> None:
         self._tf = tarfile.open(fileobj=out, mode="w|", format=tarfile.GNU_FORMAT)  # noqa: SIM115
         self.what = what
-        self.tree = ArchiveTree(what)
+        self.tree = ArchiveTree(what, any_link_target=any_link_target)  # (see dsec.archive)
         self._links: list[tarfile.TarInfo] = []
         self._files: dict[str, str] = {}  # regular files so far: name -> the name written
         self._left = max_bytes
@@ -126,11 +128,22 @@ def _header(info: tarfile.TarInfo, name: str) -> tarfile.TarInfo:
     return clean
 
 
-def rebuild(src: IO[bytes], out: IO[bytes], what: str, max_bytes: int, max_entries: int) -> None:
+def rebuild(
+    src: IO[bytes],
+    out: IO[bytes],
+    what: str,
+    max_bytes: int,
+    max_entries: int,
+    *,
+    any_link_target: bool = False,
+) -> None:
     """Parse the tar a sandbox made from `src` and write its clean rebuild to `out` (see
     the module); a malformed or hostile one is a 4xx naming what is wrong."""
     try:
-        with tarfile.open(fileobj=src, mode="r|") as tf, CleanTar(out, what, max_bytes, max_entries) as clean:
+        with (
+            tarfile.open(fileobj=src, mode="r|") as tf,
+            CleanTar(out, what, max_bytes, max_entries, any_link_target=any_link_target) as clean,
+        ):
             for member in tf:
                 data = tf.extractfile(member) if member.isreg() else None
                 clean.addfile(member, data)

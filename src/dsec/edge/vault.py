@@ -23,6 +23,7 @@ from dsec.config import EdgeSettings
 from dsec.edge import trusted
 from dsec.edge.execs import EdgeExec
 from dsec.edge.files import SandboxFiles
+from dsec.edge.gradersandbox import copy_out_of_guest
 from dsec.edge.sandbox import Sandbox
 from dsec.models import ExecRequest, ExecResult
 
@@ -87,7 +88,10 @@ class EdgeVault:
 
     @staticmethod
     async def _delete_path(sb: Sandbox, path: str) -> None:
-        await sb.files.run(lambda f: f.delete(path, recursive=True))
+        if sb.guest is not None:
+            await sb.guest.delete(path, recursive=True)
+        else:
+            await sb.files.run(lambda f: f.delete(path, recursive=True))
 
     async def protect(self, sandbox_id: str, paths: builtins.list[str]) -> builtins.list[str]:
         """Move `paths` out of the sandbox into a vault on the host (root only): the agent's
@@ -126,7 +130,10 @@ class EdgeVault:
                     def copy(f: SandboxFiles, p: str = path, d: Path = dest) -> tuple[str, str]:
                         return trusted.copy_out(f.root_fd, p, d, owner)
 
-                    kind, link = await sb.files.run(copy)
+                    if sb.guest is not None:  # (a microVM: no host path into its files)
+                        kind, link = await copy_out_of_guest(sb, path, dest, owner)
+                    else:
+                        kind, link = await sb.files.run(copy)
                     for e in index:  # a path protected before, inside this one: its mount point
                         if kind == "d" and trusted.under(e["path"], path):
                             rel = e["path"][len(path) :]

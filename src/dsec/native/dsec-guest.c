@@ -21,7 +21,8 @@
  *                  'S' spawn      i32 uid, i32 gid, u16 argc, u16 envc, u8 flags,
  *                                 NUL-terminated cwd, argv, env; flags 1: no program but
  *                                 the agent's own archiver, which writes the writable
- *                                 layer as a tar on its stdout (a snapshot: see tar_layer)
+ *                                 layer as a tar on its stdout (a snapshot: see tar_layer),
+ *                                 or with argv[1] a path, the tree there (tar_path)
  *                  'Z' resumed    u32 seed_len, seed, i64 sec, i64 nsec, hostname: a VM
  *                                 restored from a memory checkpoint takes fresh entropy,
  *                                 the clock and its new name; the processes of the old host
@@ -110,6 +111,11 @@ struct proc {
 };
 
 static struct proc procs[MAX_PROCS];
+/* Ended processes whose guest cgroup still held something they started (a session run's
+ * background jobs): a SIGKILL for their id still ends those (a session's close). */
+#define RECENT 256
+static struct { uint32_t id; char cg[16]; } recent[RECENT];
+static unsigned recent_next;
 static int port = -1, ep = -1, cgroot = -1, rwfd = -1; /* rwfd: the writable disk's root */
 static char *outq;
 static size_t outlen, outoff;
@@ -214,7 +220,12 @@ static void maybe_finish(struct proc *p) {
     send_frame('X', p->id, &x, sizeof x);
     close_fd(&p->in);
     free(p->inbuf);
-    if (cgroot >= 0 && p->cg[0]) unlinkat(cgroot, p->cg, AT_REMOVEDIR);
+    if (cgroot >= 0 && p->cg[0] && unlinkat(cgroot, p->cg, AT_REMOVEDIR) < 0 && errno == EBUSY) {
+        unsigned slot = recent_next++ % RECENT;
+        if (recent[slot].cg[0]) unlinkat(cgroot, recent[slot].cg, AT_REMOVEDIR); /* (forgotten) */
+        recent[slot].id = p->id;
+        memcpy(recent[slot].cg, p->cg, sizeof recent[slot].cg);
+    }
     memset(p, 0, sizeof *p);
     p->in = p->out = p->err = -1;
 }
@@ -268,9 +279,21 @@ static struct proc *find(uint32_t id) {
     return NULL;
 }
 
+static void kill_cgroup(const char *cg) {
+    char path[64];
+    snprintf(path, sizeof path, "%s/cgroup.kill", cg);
+    int fd = openat(cgroot, path, O_WRONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        (void)!write(fd, "1", 1);
+        close(fd);
+    }
+}
+
 static void reap(void) {
     int status;
     pid_t pid;
+    for (unsigned i = 0; cgroot >= 0 && i < RECENT; i++) /* emptied since: removed */
+        if (recent[i].cg[0] && unlinkat(cgroot, recent[i].cg, AT_REMOVEDIR) == 0) recent[i].cg[0] = 0;
     while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
         for (int i = 0; i < MAX_PROCS; i++) {
             struct proc *p = &procs[i];
@@ -319,261 +342,7 @@ static void child_exec(int errfd, int pin, int pout, int perr, int cgprocs, int3
     child_run(err, errfd, argv, envp);
 }
 
-/* --- the writable layer as a tar (a snapshot) ---------------------------------------------
- * The overlay's upper directory on the writable disk, as an OCI layer: directories, regular
- * files, symlinks and FIFOs with their modes, owners and times; a whiteout (the character
- * device 0:0 overlayfs leaves for a deleted lower file) as an empty ".wh.NAME", an opaque
- * directory as an empty ".wh..wh..opq" in it; hard links as links to the first name met
- * (the first HL_MAX files with several names; further ones as copies); other device nodes
- * and sockets are left out. POSIX pax records carry long names and large numbers. The host
- * trusts nothing of it: it unpacks it as it unpacks any tarball (dsec.layers.builders.tar),
- * into a layer of its store. Runs in a child of the agent (root, outside the sandbox's
- * cgroup, non-dumpable), while the host holds the disk's writers (FIFREEZE). */
-
-static char tbuf[65536];
-static size_t tlen;
-
-static int tar_flush(void) {
-    size_t off = 0;
-    while (off < tlen) {
-        ssize_t n = write(1, tbuf + off, tlen - off);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) return errno ? errno : EIO;
-        off += (size_t)n;
-    }
-    tlen = 0;
-    return 0;
-}
-
-static int tar_put(const void *data, size_t n) {
-    const char *c = data;
-    while (n) {
-        size_t k = sizeof tbuf - tlen < n ? sizeof tbuf - tlen : n;
-        memcpy(tbuf + tlen, c, k);
-        tlen += k;
-        c += k;
-        n -= k;
-        if (tlen == sizeof tbuf) {
-            int e = tar_flush();
-            if (e) return e;
-        }
-    }
-    return 0;
-}
-
-static int tar_pad(uint64_t size) {
-    static const char zero[512];
-    size_t r = (size_t)(size % 512);
-    return r ? tar_put(zero, 512 - r) : 0;
-}
-
-/* One pax record, "LEN key=value\n", LEN counting itself; 0 if it does not fit. */
-static size_t pax_record(char *out, size_t room, const char *key, const char *value) {
-    size_t body = strlen(key) + strlen(value) + 3, len = body + 1;
-    while ((size_t)snprintf(NULL, 0, "%zu", len) + body != len) len++;
-    if (len >= room) return 0;
-    snprintf(out, room, "%zu %s=%s\n", len, key, value);
-    return len;
-}
-
-static void tar_octal(char *field, int width, uint64_t v) {
-    snprintf(field, (size_t)width, "%0*llo", width - 1, (unsigned long long)v);
-}
-
-static int tar_block(const char *name, char type, uint64_t mode, uint64_t uid, uint64_t gid, uint64_t size,
-                     uint64_t mtime, const char *link) {
-    char h[512];
-    memset(h, 0, sizeof h);
-    memcpy(h, name, strnlen(name, 100));
-    tar_octal(h + 100, 8, mode & 07777);
-    tar_octal(h + 108, 8, uid > 07777777 ? 0 : uid);
-    tar_octal(h + 116, 8, gid > 07777777 ? 0 : gid);
-    tar_octal(h + 124, 12, size > 077777777777ULL ? 0 : size);
-    tar_octal(h + 136, 12, mtime > 077777777777ULL ? 077777777777ULL : mtime);
-    memset(h + 148, ' ', 8);
-    h[156] = type;
-    if (link) memcpy(h + 157, link, strnlen(link, 100));
-    memcpy(h + 257, "ustar", 6);
-    memcpy(h + 263, "00", 2);
-    unsigned sum = 0;
-    for (int i = 0; i < 512; i++) sum += (unsigned char)h[i];
-    snprintf(h + 148, 8, "%06o", sum);
-    h[155] = ' ';
-    return tar_put(h, sizeof h);
-}
-
-static int tar_header(const char *path, char type, const struct stat *st, uint64_t size, const char *link) {
-    static char pax[2 * 4096 + 256];
-    char num[32];
-    size_t plen = 0;
-    uint64_t uid = st->st_uid, gid = st->st_gid;
-    if (strlen(path) > 99) plen += pax_record(pax + plen, sizeof pax - plen, "path", path);
-    if (link && strlen(link) > 99) plen += pax_record(pax + plen, sizeof pax - plen, "linkpath", link);
-    if (uid > 07777777) {
-        snprintf(num, sizeof num, "%llu", (unsigned long long)uid);
-        plen += pax_record(pax + plen, sizeof pax - plen, "uid", num);
-    }
-    if (gid > 07777777) {
-        snprintf(num, sizeof num, "%llu", (unsigned long long)gid);
-        plen += pax_record(pax + plen, sizeof pax - plen, "gid", num);
-    }
-    if (size > 077777777777ULL) {
-        snprintf(num, sizeof num, "%llu", (unsigned long long)size);
-        plen += pax_record(pax + plen, sizeof pax - plen, "size", num);
-    }
-    int e;
-    if (plen && ((e = tar_block("././@PaxHeader", 'x', 0644, 0, 0, plen, 0, NULL)) || (e = tar_put(pax, plen)) ||
-                 (e = tar_pad(plen))))
-        return e;
-    uint64_t mtime = st->st_mtim.tv_sec < 0 ? 0 : (uint64_t)st->st_mtim.tv_sec;
-    return tar_block(path, type, st->st_mode, uid, gid, size, mtime, link);
-}
-
-static int tar_file(int dfd, const char *name, const char *path) {
-    int fd = openat(dfd, name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
-    if (fd < 0) return errno;
-    struct stat st;
-    int e = fstat(fd, &st) < 0 ? errno : 0;
-    if (!e && !S_ISREG(st.st_mode)) e = EAGAIN; /* changed under us: the disk is held, so never */
-    if (!e) e = tar_header(path, '0', &st, (uint64_t)st.st_size, NULL);
-    uint64_t left = e ? 0 : (uint64_t)st.st_size;
-    while (!e && left) {
-        if (tlen == sizeof tbuf && (e = tar_flush())) break;
-        size_t want = sizeof tbuf - tlen < left ? sizeof tbuf - tlen : (size_t)left;
-        ssize_t n = read(fd, tbuf + tlen, want);
-        if (n < 0 && errno == EINTR) continue;
-        if (n < 0) { e = errno; break; }
-        if (n == 0) { /* shorter than it said: the rest as zeros, the size as announced */
-            memset(tbuf + tlen, 0, want);
-            n = (ssize_t)want;
-        }
-        tlen += (size_t)n;
-        left -= (uint64_t)n;
-    }
-    if (!e) e = tar_pad((uint64_t)st.st_size);
-    close(fd);
-    return e;
-}
-
-/* Files with several names met so far: (inode, first name), open addressing. */
-#define HL_SLOTS 131072
-#define HL_MAX 65536
-static struct hl { uint64_t ino; char *path; } *hl;
-static size_t hl_used;
-
-static const char *hl_first(uint64_t ino, const char *path) {
-    if (!hl && !(hl = calloc(HL_SLOTS, sizeof *hl))) return NULL;
-    size_t i = (size_t)(ino * 0x9E3779B97F4A7C15ULL) & (HL_SLOTS - 1);
-    for (; hl[i].path; i = (i + 1) & (HL_SLOTS - 1))
-        if (hl[i].ino == ino) return hl[i].path;
-    if (hl_used < HL_MAX && (hl[i].path = strdup(path)) != NULL) {
-        hl[i].ino = ino;
-        hl_used++;
-    }
-    return NULL;
-}
-
-static int tar_tree(int dfd, char *path, size_t plen, int depth);
-
-static int tar_entry(int dfd, const char *name, char *path, size_t plen, int depth) {
-    struct stat st;
-    if (fstatat(dfd, name, &st, AT_SYMLINK_NOFOLLOW) < 0) return errno == ENOENT ? 0 : errno;
-    if (S_ISREG(st.st_mode) && st.st_nlink > 1) { /* (one file system: the inode names it) */
-        const char *first = hl_first((uint64_t)st.st_ino, path);
-        if (first) return tar_header(path, '1', &st, 0, first);
-    }
-    if (S_ISREG(st.st_mode)) return tar_file(dfd, name, path);
-    if (S_ISLNK(st.st_mode)) {
-        static char target[4097];
-        ssize_t n = readlinkat(dfd, name, target, sizeof target - 1);
-        if (n < 0) return errno;
-        target[n] = 0;
-        return tar_header(path, '2', &st, 0, target);
-    }
-    if (S_ISFIFO(st.st_mode)) return tar_header(path, '6', &st, 0, NULL);
-    if (S_ISCHR(st.st_mode) && st.st_rdev == 0) { /* a whiteout: ".wh.NAME" beside it */
-        static char wh[4400];
-        size_t dir = plen - strlen(name);
-        snprintf(wh, sizeof wh, "%.*s.wh.%s", (int)dir, path, name);
-        struct stat none = {.st_mode = S_IFREG, .st_mtim = st.st_mtim};
-        return tar_header(wh, '0', &none, 0, NULL);
-    }
-    if (!S_ISDIR(st.st_mode)) return 0; /* devices, sockets: not part of a layer */
-    if (depth > 512) return ELOOP;
-    int fd = openat(dfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    if (fd < 0) return errno;
-    int e = tar_header(path, '5', &st, 0, NULL);
-    char opq[2];
-    if (!e && fgetxattr(fd, "trusted.overlay.opaque", opq, sizeof opq) == 1 && opq[0] == 'y') {
-        static char wh[4400];
-        snprintf(wh, sizeof wh, "%s/.wh..wh..opq", path);
-        struct stat none = {.st_mode = S_IFREG, .st_mtim = st.st_mtim};
-        e = tar_header(wh, '0', &none, 0, NULL);
-    }
-    if (e) {
-        close(fd);
-        return e;
-    }
-    return tar_tree(fd, path, plen, depth + 1);
-}
-
-/* Every entry of the directory `dfd` (closed here), named below `path` (plen bytes). */
-static int tar_tree(int dfd, char *path, size_t plen, int depth) {
-    DIR *d = fdopendir(dfd);
-    if (!d) {
-        close(dfd);
-        return errno;
-    }
-    int e = 0;
-    for (;;) {
-        errno = 0;
-        struct dirent *ent = readdir(d);
-        if (!ent) {
-            e = errno;
-            break;
-        }
-        const char *n = ent->d_name;
-        if (!strcmp(n, ".") || !strcmp(n, "..")) continue;
-        size_t nl = strlen(n), at = plen ? plen + 1 : 0;
-        if (at + nl >= 4096) {
-            e = ENAMETOOLONG;
-            break;
-        }
-        if (plen) path[plen] = '/';
-        memcpy(path + at, n, nl + 1);
-        e = tar_entry(dirfd(d), n, path, at + nl, depth);
-        path[plen] = 0;
-        if (e) break;
-    }
-    closedir(d);
-    return e;
-}
-
-/* The archiver child: stdout the tar, nothing else open but the upper directory. */
-static void child_archive(int errfd, int pout, int perr) {
-    int err = 0;
-    child_reset_signals();
-    setsid();
-    int up = rwfd < 0 ? -1 : openat(rwfd, "upper", O_RDONLY | O_DIRECTORY | O_NOFOLLOW);
-    if (up < 0) err = rwfd < 0 ? ENODEV : errno;
-    if (!err && (dup2(pout, 1) < 0 || dup2(perr, 2) < 0)) err = errno;
-    if (!err && up < 3) err = EBADF; /* (0-2 are always open in the agent) */
-    if (!err && prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0) err = errno;
-    if (!err) err = child_own_domain(); /* nothing of the sandbox can ptrace-access it */
-    if (err) {
-        (void)!write(errfd, &err, sizeof err);
-        _exit(127);
-    }
-    syscall(SYS_close_range, 3, up - 1, 0); /* the error pipe too: the parent reads "started" */
-    syscall(SYS_close_range, up + 1, ~0U, 0);
-    static char path[4200];
-    path[0] = 0;
-    static const char end[1024];
-    err = tar_tree(up, path, 0, 0);
-    if (!err) err = tar_put(end, sizeof end);
-    if (!err) err = tar_flush();
-    _exit(err & 0xff ? err & 0xff : (err ? EIO : 0));
-}
+#include "dsec-archiver.h"
 
 static void handle_spawn(uint32_t id, const char *buf, uint32_t len) {
     int32_t uid, gid;
@@ -616,7 +385,7 @@ static void handle_spawn(uint32_t id, const char *buf, uint32_t len) {
         e = errno;
     const struct ns_level *level = NULL;
     pid_t pid = e ? -1 : (flags & 1) ? fork() : ns_fork(&level);
-    if (pid == 0 && (flags & 1)) child_archive(errpipe[1], out[1], er[1]);
+    if (pid == 0 && (flags & 1)) child_archive(errpipe[1], out[1], er[1], argc > 1 ? argv[1] : NULL);
     if (pid == 0) child_exec(errpipe[1], in[0], out[1], er[1], cgprocs, uid, gid, cwd, argv, envp, level);
     if (!e && pid < 0) e = errno;
     free(argv);
@@ -676,18 +445,15 @@ static void handle_stdin(uint32_t id, const char *buf, uint32_t len) {
 static void handle_kill(uint32_t id, const char *buf, uint32_t len) {
     int32_t sig;
     struct proc *p = find(id);
-    if (len < 4 || !p) return;
+    if (len < 4) return;
     memcpy(&sig, buf, 4);
-    kill(-p->pid, sig);
-    if (sig == SIGKILL && p->cg[0] && cgroot >= 0) {
-        char path[64];
-        snprintf(path, sizeof path, "%s/cgroup.kill", p->cg);
-        int fd = openat(cgroot, path, O_WRONLY | O_CLOEXEC);
-        if (fd >= 0) {
-            (void)!write(fd, "1", 1);
-            close(fd);
-        }
+    if (!p) { /* ended: what it left in its cgroup, if it still lives */
+        for (unsigned i = 0; sig == SIGKILL && cgroot >= 0 && i < RECENT; i++)
+            if (recent[i].cg[0] && recent[i].id == id) kill_cgroup(recent[i].cg);
+        return;
     }
+    kill(-p->pid, sig);
+    if (sig == SIGKILL && p->cg[0] && cgroot >= 0) kill_cgroup(p->cg);
 }
 
 /* --- setup ----------------------------------------------------------------------------- */
@@ -824,6 +590,15 @@ static int mount_root(int nlower) {
     snprintf(opts + off, sizeof opts - off, ",upperdir=/rw/upper,workdir=/rw/work");
     mkdir("/root", 0755);
     if (mount("dsec-rootfs", "/root", "overlay", 0, opts) < 0) return -1;
+    /* The platform's tools (a session's bash, the host's top layer) as a container has them:
+     * a read-only bind nothing inside can replace or remove (no CAP_SYS_ADMIN; the filter
+     * refuses mount and umount), so no write to the overlay reaches them. */
+    if (mount("/root/.dsec-tools", "/root/.dsec-tools", NULL, MS_BIND, NULL) == 0) {
+        if (mount(NULL, "/root/.dsec-tools", NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, NULL) < 0)
+            return -1;
+    } else if (errno != ENOENT) {
+        return -1;
+    }
     /* what the container backend mounts, the same way */
     mkdir("/root/proc", 0555);
     mkdir("/root/dev", 0755);

@@ -42,10 +42,14 @@ def _prelude(sid: str) -> str:
     return (
         f"builtin : dsec-session-{sid}; builtin trap -- {_DUMP_Q} EXIT; "
         # The script is read from the descriptor itself, never through a path such as
-        # /dev/fd/3: the sandbox's root can replace /dev/fd or /dev/stdin. /dev/null it cannot
-        # (a bind mount of the host's, root's: EBUSY, EPERM), and the code must not inherit
-        # the script's memfd (any dumpable child would let another process reopen it).
-        "exec 4>&2 2>&1 3<&0 0</dev/null; IFS= builtin read -r -d '' -u 3 __dsec_s; exec 3<&-; "
+        # /dev/fd/3: the sandbox's root can replace /dev/fd or /dev/stdin. The code must not
+        # inherit the script's memfd (any dumpable child would let another process reopen
+        # it): its stdin is /dev/null, which a container's root cannot replace (a bind mount
+        # of the host's, root's: EBUSY, EPERM). gVisor's and a microVM guest's root can
+        # remove it: then the code reads the script's memfd at its end (EOF, as /dev/null
+        # gives), never a failed start that would report the status of no code at all.
+        "exec 4>&2 2>&1 3<&0 || builtin exit 125; IFS= builtin read -r -d '' -u 3 __dsec_s; "
+        "exec 2>&- 0</dev/null || exec 0<&3; exec 2>&1 3<&-; "
         'builtin eval "$__dsec_s" || builtin exit 125; builtin unset -v __dsec_s; '
         'builtin eval "$__dsec_c"'
     )

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 from dsec.aio import wait_for
-from dsec.backends.base import SandboxHandle
+from dsec.backends.base import ChannelGroup, SandboxHandle
 from dsec.backends.shim import Launch
 from dsec.edge.process import PipeReader, Spawned, exit_code, feed_pipe, kill_except, release_group, spawn
 from dsec.edge.sessions.bashstate import (
@@ -27,11 +27,11 @@ from dsec.edge.sessions.bashstate import (
     _prelude,
     parse_dump,
 )
-from dsec.edge.sessions.pydriver import PY_DRIVER
+from dsec.edge.sessions.pydriver import PY_DRIVER, PY_DRIVER_STREAM
 from dsec.edge.sessions.tools import HOST_BASH, TRUSTED_BASH, ansi_c_quote, prepare_tools
 from dsec.errors import InternalError, InvalidRequest, SessionNotFound
 from dsec.isolation.cgroups import CgroupHost, ExecGroup
-from dsec.isolation.procs import sealed_memfd
+from dsec.isolation.procs import fd_ready, sealed_memfd
 from dsec.models import SessionKind, SessionResult
 
 # --- the sessions --------------------------------------------------------------------------
@@ -158,8 +158,11 @@ class BashSession(Session):
             self.dumped = data
 
     def _reap_groups(self) -> None:
-        keep = []
+        keep: list[ExecGroup] = []
         for g in self.groups:
+            if isinstance(g, ChannelGroup):  # no host cgroup (gVisor, a VM): only the init can
+                keep.append(g)  # tell whether jobs of that run live on; it ends them at close
+                continue
             try:
                 g.path.rmdir()
             except FileNotFoundError:
@@ -168,8 +171,9 @@ class BashSession(Session):
                 keep.append(g)
         self.groups = keep[-256:]
         for g in keep[:-256]:  # a session that leaves hundreds of jobs behind loses the oldest
-            g.kill()
-            release_group(g)
+            if not isinstance(g, ChannelGroup):  # (one of those is a run, with jobs or not)
+                g.kill()
+                release_group(g)
 
     async def _start(self, code: str) -> tuple[Spawned, PipeReader, _Dump]:
         script = self.state.script(code)
@@ -266,11 +270,68 @@ class BashSession(Session):
 _REPLY_HEAD = 4 + 16 + 4
 
 
+class _Unused:
+    """The stray output of a run over the stream transport: it comes in the reply."""
+
+    buf = b""
+    truncated = False
+
+    def drain(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _Stream:
+    """A Python session's driver over its stdio, where the sandbox's init carries no
+    descriptors (a microVM's agent): runs framed on its stdin, replies on its stdout (see
+    dsec.edge.sessions.pydriver). Each run reads its reply through a reader of its own, at
+    most its limit: what the driver wrote between runs comes first and breaks that reply (the
+    session is reported broken); the guest channel holds at most OUT_CAP of it meanwhile."""
+
+    def __init__(self, requests: int, replies: int) -> None:
+        self.requests, self.replies = requests, replies
+
+    def send(
+        self, nonce: bytes, cap: int, code: bytes, limit: int
+    ) -> tuple[PipeReader, asyncio.Future[None] | None]:
+        """Start a run: a reader of its reply, and its request written (at once where the
+        pipe holds it all; else by the future returned)."""
+        if self.replies < 0:
+            raise OSError("the session's driver has ended")
+        reply = PipeReader(os.dup(self.replies), limit)
+        view = memoryview(b"DSRQ" + nonce + struct.pack("<QI", max(cap, 0), len(code)) + code)
+        with contextlib.suppress(BlockingIOError):
+            view = view[os.write(self.requests, view) :]
+        return reply, asyncio.ensure_future(_write_all(self.requests, bytes(view))) if view else None
+
+    def close(self) -> None:
+        for fd in (self.requests, self.replies):
+            if fd >= 0:
+                os.close(fd)
+        self.requests = self.replies = -1
+
+
+async def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    with contextlib.suppress(OSError):
+        while view:
+            try:
+                view = view[os.write(fd, view) :]
+            except BlockingIOError:
+                with fd_ready(fd, write=True) as writable:
+                    await writable
+
+
 class PythonSession(Session):
-    def __init__(self, sid: str, runner: Runner, proc: Spawned, ctl: socket.socket) -> None:
+    def __init__(
+        self, sid: str, runner: Runner, proc: Spawned, ctl: socket.socket | None, stream: _Stream | None
+    ) -> None:
         super().__init__(sid, SessionKind.PYTHON, runner)
         self.proc = proc
-        self.ctl = ctl
+        self.ctl = ctl  # the control socket (an init that passes descriptors), or
+        self.stream = stream  # the driver's stdio (one that does not)
 
     @property
     def alive(self) -> bool:
@@ -279,9 +340,20 @@ class PythonSession(Session):
     def _broken(self, why: str) -> SessionNotFound:
         return SessionNotFound(f"session {self.id} {why}; it is closed: open a new one")
 
-    async def _run(self, code: str, timeout: float, cap: int) -> SessionResult:
-        t0 = time.perf_counter()
-        nonce = secrets.token_bytes(16)
+    def _send(
+        self, nonce: bytes, cap: int, code: bytes
+    ) -> tuple[PipeReader, PipeReader | _Unused, asyncio.Future[None] | None]:
+        """Hand the run to the driver: (its reply, its stray output, the code's feeder)."""
+        fields = 3 if self.stream is None else 4
+        # The driver caps each field at `cap` characters (at most 4 bytes each in UTF-8).
+        limit = _REPLY_HEAD + 1 + fields * (4 + 4 * max(cap, 1)) + 64
+        if self.stream is not None:
+            try:
+                reply, feeder = self.stream.send(nonce, cap, code, limit)
+                return reply, _Unused(), feeder
+            except OSError as e:
+                raise self._broken("has ended") from e
+        assert self.ctl is not None
         code_r, code_w = os.pipe2(os.O_CLOEXEC)
         reply_r, reply_w = os.pipe2(os.O_CLOEXEC)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
@@ -295,11 +367,13 @@ class PythonSession(Session):
         finally:
             for fd in (code_r, reply_w, out_w):
                 os.close(fd)
-        feeder = asyncio.ensure_future(feed_pipe(code_w, code.encode(errors="surrogateescape")))
-        # The driver caps each field at `cap` characters (at most 4 bytes each in UTF-8).
-        limit = _REPLY_HEAD + 1 + 3 * (4 + 4 * max(cap, 1)) + 64
-        reply = PipeReader(reply_r, limit)
-        stray = PipeReader(out_r, cap)
+        feeder = asyncio.ensure_future(feed_pipe(code_w, code))
+        return PipeReader(reply_r, limit), PipeReader(out_r, cap), feeder
+
+    async def _run(self, code: str, timeout: float, cap: int) -> SessionResult:
+        t0 = time.perf_counter()
+        nonce = secrets.token_bytes(16)
+        reply, stray, feeder = self._send(nonce, cap, code.encode(errors="surrogateescape"))
 
         def done() -> bool:
             n = length_of(reply.buf)
@@ -327,7 +401,7 @@ class PythonSession(Session):
                     raise self._broken("did not answer after its timeout")
             stray.drain()
         finally:
-            if not feeder.done():
+            if feeder is not None and not feeder.done():
                 feeder.cancel()
             data = bytes(reply.buf)
             reply.close()
@@ -341,11 +415,12 @@ class PythonSession(Session):
             self.close()
             raise self._broken("broke its protocol (its reply was not the driver's)")
         try:
-            failed, truncated, stdout, stderr, error = _parse_reply(data[_REPLY_HEAD:])
+            reply_fields = _parse_reply(data[_REPLY_HEAD:], self.stream is not None)
+            failed, truncated, stdout, stderr, error, late = reply_fields
         except ValueError as e:
             self.close()
             raise self._broken("broke its protocol (a malformed reply)") from e
-        stderr = stray.buf.decode(errors="replace") + stderr
+        stderr = (late or stray.buf.decode(errors="replace")) + stderr
         return SessionResult(
             output=stdout[:cap],
             stderr=stderr[:cap],
@@ -358,8 +433,11 @@ class PythonSession(Session):
 
     def close(self, *, kill: bool = True) -> None:
         self.closed = True
-        with contextlib.suppress(OSError):
-            self.ctl.close()
+        if self.ctl is not None:
+            with contextlib.suppress(OSError):
+                self.ctl.close()
+        if self.stream is not None:
+            self.stream.close()
         if kill:
             with contextlib.suppress(OSError):
                 self.proc.group.kill()
@@ -372,11 +450,13 @@ def length_of(data: bytes | bytearray) -> int | None:
     return _REPLY_HEAD + int.from_bytes(data[20:24], "little")
 
 
-def _parse_reply(body: bytes) -> tuple[bool, bool, str, str, str]:
+def _parse_reply(body: bytes, stream: bool) -> tuple[bool, bool, str, str, str, str]:
+    """(failed, truncated, stdout, stderr, error, stray output) of a reply body; the stray
+    output and its truncation byte come in it over the stream transport only."""
     if not body:
         raise ValueError("empty")
     flags, pos, out = body[0], 1, []
-    for _ in range(3):
+    for _ in range(4 if stream else 3):
         if pos + 4 > len(body):
             raise ValueError("short")
         n = int.from_bytes(body[pos : pos + 4], "little")
@@ -385,9 +465,14 @@ def _parse_reply(body: bytes) -> tuple[bool, bool, str, str, str]:
             raise ValueError("short")
         out.append(body[pos : pos + n].decode(errors="replace"))
         pos += n
+    over = False
+    if stream:
+        if pos >= len(body) or body[pos] > 1:
+            raise ValueError("no truncation byte")
+        over, pos = body[pos] == 1, pos + 1
     if pos != len(body) or flags & ~3:
         raise ValueError("trailing bytes")
-    return bool(flags & 1), bool(flags & 2), out[0], out[1], out[2]
+    return bool(flags & 1), bool(flags & 2) or over, out[0], out[1], out[2], out[3] if stream else ""
 
 
 async def open_session(sid: str, kind: SessionKind, runner: Runner, env: dict[str, str], cwd: str) -> Session:
@@ -404,6 +489,8 @@ async def open_session(sid: str, kind: SessionKind, runner: Runner, env: dict[st
             s.close()
             raise InvalidRequest(f"the session's shell did not start: {r.output.strip()[:500]}")
         return s
+    if not runner.handle.channel.passes_fds:
+        return await _open_stream(sid, runner, env, cwd)
     edge_end, driver_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     nul = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
     try:
@@ -417,7 +504,23 @@ async def open_session(sid: str, kind: SessionKind, runner: Runner, env: dict[st
     with contextlib.suppress(OSError):
         edge_end.shutdown(socket.SHUT_RD)
     edge_end.setblocking(False)
-    return PythonSession(sid, runner, proc, edge_end)
+    return PythonSession(sid, runner, proc, edge_end, None)
+
+
+async def _open_stream(sid: str, runner: Runner, env: dict[str, str], cwd: str) -> PythonSession:
+    """A Python session whose driver speaks over its stdio (see _Stream)."""
+    req_r, req_w = os.pipe2(os.O_CLOEXEC)
+    rep_r, rep_w = os.pipe2(os.O_CLOEXEC)
+    nul = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        argv = ["python3", "-u", "-c", PY_DRIVER_STREAM]
+        proc = await runner.spawn(f"dsec-{sid}", argv, env, cwd, (req_r, rep_w, nul))
+    except BaseException:
+        os.close(req_w)
+        os.close(rep_r)
+        raise
+    os.set_blocking(req_w, False)
+    return PythonSession(sid, runner, proc, None, _Stream(req_w, rep_r))
 
 
 def check_kind(kind: str) -> SessionKind:
