@@ -214,7 +214,7 @@ class FakeEdge(EdgeAPI):
     def _not_simulated_stream(self, *args: Any, **kw: Any) -> Any:
         raise errors.UnsupportedOperation(f"fake edge {self.name} (simulation) does not run sandboxes")
 
-    exec = session_create = session_list = session_run = session_close = _not_simulated
+    exec_reply = session_create = session_list = session_run = session_close = _not_simulated
     read_file = write_file = edit_file = stat_file = list_dir = delete_file = _not_simulated
     upload_tar = configure_pool = prewarm = pause = resume = pause_project = _not_simulated
     snapshot = fork = checkpoint = restore = delete_checkpoint = protect = verify = _not_simulated

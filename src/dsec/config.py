@@ -6,7 +6,7 @@ import os
 import re
 from pathlib import Path
 
-from pydantic import field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -76,6 +76,13 @@ class EdgeSettings(BaseSettings):
     # operations share commits). False: answered once queued; a SIGKILL then loses at most a
     # batch or two of acknowledged entries, declared as a gap (dsec.trajlog.log).
     trajectory_durable_acks: bool = True
+    # Captured exec output this edge holds at once (MiB; its bytes and the JSON they become),
+    # in all and per project. A call past either waits (its pipes are not read: the command
+    # blocks writing), except the edge's oldest, so one always finishes (dsec.edge.outputs).
+    output_budget_mb: int = Field(1024, ge=1)
+    project_output_budget_mb: int = Field(256, ge=1)
+    # Exec streams open at once per project on this edge; one more is 429 quota_exceeded.
+    project_streams: int = Field(32, ge=1)
 
     @field_validator("name")
     @classmethod

@@ -27,6 +27,28 @@ def edge_of(sandbox_id: str) -> str:
     return name
 
 
+class ExecReply(ABC):
+    """An exec's ExecResult as the JSON body that carries it, in pieces. The output stays
+    bytes in the service and becomes JSON text only piece by piece as it is written
+    (`dsec.http.output`), so an answer costs its size once, never a decoded copy; what it holds
+    is released by `aclose` (after the body was sent, or instead)."""
+
+    meta: wire.ExecResult  # every field but the output (stdout and stderr empty)
+    length: int | None = None  # bytes of the body, when known before it is sent
+
+    @abstractmethod
+    def body(self) -> AsyncIterator[bytes]: ...
+    @abstractmethod
+    async def aclose(self) -> None: ...
+
+    async def result(self) -> wire.ExecResult:
+        """The whole answer, decoded (in-process callers; the SDK reads the same JSON)."""
+        try:
+            return wire.ExecResult.model_validate_json(b"".join([piece async for piece in self.body()]))
+        finally:
+            await self.aclose()
+
+
 class EdgeAPI(ABC):
     name: str
     url: str | None = None
@@ -45,11 +67,17 @@ class EdgeAPI(ABC):
     @abstractmethod
     async def stop(self, sid: str, projects: Projects) -> None: ...
     @abstractmethod
-    async def exec(self, sid: str, req: wire.ExecRequest, projects: Projects) -> wire.ExecResult: ...
+    async def exec_reply(self, sid: str, req: wire.ExecRequest, projects: Projects) -> ExecReply:
+        """An exec's answer as the JSON an HTTP answer carries (see `ExecReply`)."""
+
+    async def exec(self, sid: str, req: wire.ExecRequest, projects: Projects) -> wire.ExecResult:
+        return await (await self.exec_reply(sid, req, projects)).result()
+
     @abstractmethod
-    def exec_stream(
-        self, sid: str, req: wire.ExecRequest, projects: Projects
-    ) -> AsyncIterator[tuple[str, Any]]: ...
+    def exec_stream(self, sid: str, req: wire.ExecRequest, projects: Projects) -> AsyncIterator[bytes]:
+        """The exec's server-sent events, encoded (docs/API.md). The first piece (often empty)
+        comes once the stream is admitted: a refusal is raised before it."""
+
     @abstractmethod
     async def session_create(
         self, sid: str, req: wire.SessionCreate, projects: Projects

@@ -13,6 +13,7 @@ import pytest
 
 from dsec import errors
 from dsec.apiserver.app import create_api_app
+from dsec.http.output import HeldReply
 from dsec.http.routes import Express, Gate
 from dsec.iam import IAM
 from dsec.models import (
@@ -63,11 +64,12 @@ class RecordingEdge:
             id=f"n0-{n:012d}", state=SandboxState.RUNNING, spec=spec, edge="n0", created_at=0, last_active=0
         )
 
-    async def exec(self, sid: str, req: Any, projects: Any) -> ExecResult:
+    async def exec_reply(self, sid: str, req: Any, projects: Any) -> HeldReply:
         self._check(sid)
         self.calls.append(("exec", sid, req.model_dump(), sorted(projects or [])))
         out = " ".join(req.cmd) if isinstance(req.cmd, list) else req.cmd
-        return ExecResult(stdout=out, stderr="", exit_code=0, duration=0.0)
+        res = ExecResult(stdout=out, stderr="", exit_code=0, duration=0.0)
+        return HeldReply(res, [res.model_dump_json().encode()], lambda: None)
 
     async def session_run(self, sid: str, ses: str, req: Any, projects: Any) -> SessionResult:
         self._check(sid)

@@ -10,7 +10,8 @@ import httpx
 from dsec import errors
 from dsec import models as wire
 from dsec.client._wire import AsyncWire, usable
-from dsec.edgeapi import EdgeAPI, Projects
+from dsec.edgeapi import EdgeAPI, ExecReply, Projects
+from dsec.http.output import META_HEADER, meta_from_header
 
 
 def _query(params: dict[str, Any] | None) -> list[tuple[str, str]] | None:
@@ -22,6 +23,38 @@ def _query(params: dict[str, Any] | None) -> list[tuple[str, str]] | None:
         for item in v if isinstance(v, list) else [v]:
             out.append((k, str(item).lower() if isinstance(item, bool) else str(item)))
     return out
+
+
+# Answers to execs capped at this much output per stream (the default cap) are read whole
+# (at most ~12 MiB of JSON: 6 bytes per byte of output); larger caps stream through.
+WHOLE_OUTPUT = 1024 * 1024
+
+
+class _EdgeReply(ExecReply):
+    """An edge's answer to an exec, passed on as it arrives."""
+
+    def __init__(self, r: httpx.Response, *, streamed: bool = False) -> None:
+        meta = r.headers.get(META_HEADER)
+        if meta is not None:
+            self.meta = meta_from_header(meta)
+        elif not streamed:  # (an edge of an older version: its small answer read for its fields)
+            whole = wire.ExecResult.model_validate_json(r.content)
+            self.meta = whole.model_copy(update={"stdout": "", "stderr": ""})
+        else:  # (nothing for the metrics, then)
+            self.meta = wire.ExecResult(stdout="", stderr="", exit_code=0, duration=0.0)
+        length = r.headers.get("content-length")
+        self.length = int(length) if length is not None and length.isdigit() else None
+        self._r, self._streamed = r, streamed
+
+    async def body(self) -> AsyncIterator[bytes]:
+        if not self._streamed:
+            yield self._r.content
+            return
+        async for chunk in self._r.aiter_raw():
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self._r.aclose()
 
 
 class HttpEdge(EdgeAPI):
@@ -101,15 +134,28 @@ class HttpEdge(EdgeAPI):
     async def stop(self, sid: str, projects: Projects) -> None:
         await self._call("DELETE", f"/v1/sandboxes/{sid}", projects)
 
-    async def exec(self, sid: str, req: wire.ExecRequest, projects: Projects) -> wire.ExecResult:
-        r = await self._call(
-            "POST", f"/v1/sandboxes/{sid}/exec", projects, json_body=req.model_dump(mode="json")
+    async def exec_reply(self, sid: str, req: wire.ExecRequest, projects: Projects) -> ExecReply:
+        """The edge's answer passed through as it arrives, never parsed here (its fields but
+        the output come in a header). A small cap's answer is read whole on the fast path."""
+        body = req.model_dump(mode="json")
+        if req.max_output_bytes <= WHOLE_OUTPUT:
+            return _EdgeReply(await self._call("POST", f"/v1/sandboxes/{sid}/exec", projects, json_body=body))
+        request = self.http.build_request(
+            "POST", f"/v1/sandboxes/{sid}/exec", headers=self._hdr(projects), json=body
         )
-        return wire.ExecResult.model_validate_json(r.content)
+        try:
+            r = await self.http.send(request, stream=True)
+        except httpx.TransportError as e:
+            raise errors.Unavailable(f"edge {self.name} at {self.url} is unreachable: {e}") from e
+        if r.status_code >= 400:
+            try:
+                await r.aread()
+            finally:
+                await r.aclose()
+            raise errors.error_from_wire(r.status_code, r.json())
+        return _EdgeReply(r, streamed=True)
 
-    async def exec_stream(
-        self, sid: str, req: wire.ExecRequest, projects: Projects
-    ) -> AsyncIterator[tuple[str, Any]]:
+    async def exec_stream(self, sid: str, req: wire.ExecRequest, projects: Projects) -> AsyncIterator[bytes]:
         async with self.http.stream(
             "POST",
             f"/v1/sandboxes/{sid}/exec/stream",
@@ -119,18 +165,9 @@ class HttpEdge(EdgeAPI):
             if r.status_code >= 400:
                 await r.aread()
                 raise errors.error_from_wire(r.status_code, r.json())
-            event = "message"
-            async for line in r.aiter_lines():
-                if line.startswith("event:"):
-                    event = line[6:].strip()
-                elif line.startswith("data:"):
-                    data = json.loads(line[5:].strip())
-                    if event == "result":
-                        yield "result", wire.ExecResult.model_validate(data)
-                    elif event == "error":
-                        raise errors.error_from_wire(500, data)
-                    else:
-                        yield event, data
+            yield b""  # admitted by the edge
+            async for chunk in r.aiter_raw():  # the edge's events as they are, never parsed here
+                yield chunk
 
     async def session_create(self, sid: str, req: wire.SessionCreate, projects: Projects) -> wire.SessionInfo:
         r = await self._call(

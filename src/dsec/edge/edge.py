@@ -43,6 +43,7 @@ from dsec.edge.fileops import EdgeFiles
 from dsec.edge.fncall import FnCallPool, WorkerHost
 from dsec.edge.layercache import LayerCache
 from dsec.edge.lifecycle import EdgeLifecycle
+from dsec.edge.outputs import map_large_buffers
 from dsec.edge.reaper import EdgeReaper
 from dsec.edge.sessions import prepare_tools
 from dsec.edge.state import EdgeState
@@ -214,6 +215,7 @@ class Edge:
         if s.cgroup_favordynmods and not self.cgroups.favor_dynamic_changes():
             log.info("cgroup2 favordynmods unavailable: the first exec after an idle moment may take ~10 ms")
         seal_data_dir(s.data_dir)  # 0700, its files 0600 (an older install is fixed here)
+        map_large_buffers()  # (exec output: see dsec.edge.outputs)
         shim = ensure_shim(s.data_dir / "bin")
         self._copy_tool = ensure_copy(s.data_dir / "bin")
         self._ensure_run_tmpfs()
@@ -345,6 +347,8 @@ class Edge:
     # EdgeExec (execs.py)
     exec = _Delegated("execs", EdgeExec.exec)
     exec_stream = _Delegated("execs", EdgeExec.exec_stream)
+    exec_reply = _Delegated("execs", EdgeExec.exec_reply)
+    exec_events = _Delegated("execs", EdgeExec.exec_events)
     session_create = _Delegated("execs", EdgeExec.session_create)
     session_run = _Delegated("execs", EdgeExec.session_run)
     session_close = _Delegated("execs", EdgeExec.session_close)

@@ -13,9 +13,9 @@ import hashlib
 import logging
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from dsec import errors
 from dsec.backends.base import Capability
@@ -24,10 +24,12 @@ from dsec.edge import trusted
 from dsec.edge.core import EdgeCore, EdgePart
 from dsec.edge.gradersandbox import GraderSandboxes
 from dsec.edge.lifecycle import EdgeLifecycle
-from dsec.edge.process import RawResult, run_process
+from dsec.edge.outputs import Flow, Observation, OutputBudget, observe
+from dsec.edge.process import Capture, RawResult, run_process
 from dsec.edge.sandbox import Sandbox
 from dsec.edge.sessions import Runner, Session, open_session
 from dsec.edge.telemetry import Telemetry
+from dsec.http.output import HeldReply, StreamText, result_json
 from dsec.isolation.spec import DEFAULT_PATH
 from dsec.models import (
     ExecRequest,
@@ -45,6 +47,8 @@ from dsec.trajlog import StepTag, action_hash
 
 log = logging.getLogger("dsec.edge")
 
+Observed = TypeVar("Observed", dict[str, Any], Observation)
+
 
 class EdgeExec(EdgePart):
     """exec, sessions and step logging (see the module)."""
@@ -61,6 +65,9 @@ class EdgeExec(EdgePart):
             core, toolkit=lambda: life._toolkit, image=life._image, new_id=life._new_id, making=life._creating
         )
         self._inflight: dict[tuple[str, str, int], asyncio.Future[None]] = {}  # (project, trajectory, step)
+        mib, conf = 1024 * 1024, self.settings
+        self.budget = OutputBudget(conf.output_budget_mb * mib, conf.project_output_budget_mb * mib)
+        self._streams: dict[str, int] = {}  # exec streams open, by project
 
     # --- exec ----------------------------------------------------------------------
 
@@ -195,53 +202,103 @@ class EdgeExec(EdgePart):
         return trusted.task_dirs(req.task_dirs, sb.record.spec.workdir)
 
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        return await (await self.exec_reply(sandbox_id, req)).result()
+
+    async def exec_reply(self, sandbox_id: str, req: ExecRequest) -> HeldReply:
+        """An exec's answer as its JSON in pieces (see dsec.edge.outputs): the output is held
+        once, under the project's budget, until the answer has been written."""
         sb = self.life._get(sandbox_id)
         action = {"op": "exec", **req.model_dump(include={"cmd", "stdin", "env", "cwd", "user"})}
         if req.trusted:  # another action than the same command untrusted (a replay must not mix them)
             action.update(trusted=True, task_dirs=req.task_dirs)
+        hold = self.budget.hold(sb.record.spec.project)
 
-        async def run() -> dict[str, Any]:
+        async def run() -> Observation:
             denied_before = sb.stats["denied_syscalls"]
-            raw = await self._run(sb, req)
-            result = raw.to_exec_result()
-            result.misbehaviour = self.monitor.misbehaviour(sb, raw, denied_before)
+            raw = await self._run(sb, req, sink=Capture(hold))
+            meta = raw.meta()
+            meta.misbehaviour = self.monitor.misbehaviour(sb, raw, denied_before)
             if (raw.exit_code != 0 or raw.timed_out) and sb.record.spec.network is not None:
                 refused = await self.monitor.denied_connections(sb)
                 if refused:
-                    result.misbehaviour["denied_connections"] = refused
-            return result.model_dump()
+                    meta.misbehaviour["denied_connections"] = refused
+            stdout, stderr, raw.stdout, raw.stderr = raw.stdout, raw.stderr, b"", b""
+            return await observe(meta, stdout, stderr, hold)
 
-        obs, seq, replayed = await self._logged(sb, "exec", action, req.step, run)
-        return ExecResult.model_validate({**obs, "seq": seq, "replayed": replayed})
+        try:
+            obs, seq, replayed = await self._logged(sb, "exec", action, req.step, run)
+        except BaseException:
+            hold.close()
+            raise
+        if isinstance(obs, Observation):
+            return obs.reply(hold, seq)
+        result = ExecResult.model_validate({**obs, "seq": seq, "replayed": replayed})
+        body = result.model_dump_json().encode()
+        hold.take(len(body))
+        return HeldReply(result.model_copy(update={"stdout": "", "stderr": ""}), [body], hold.close)
 
     async def exec_stream(
         self, sandbox_id: str, req: ExecRequest
     ) -> AsyncIterator[tuple[str, bytes | ExecResult]]:
         """Like exec, yielding ("stdout" | "stderr", chunk) as output arrives, then ("result", ExecResult)."""
-        sb = self.life._get(sandbox_id)
-        queue: asyncio.Queue[tuple[str, bytes | ExecResult]] = asyncio.Queue()
-        task = asyncio.create_task(
-            self._run(sb, req, sink=lambda kind, chunk: queue.put_nowait((kind, chunk)))
-        )
-        task.add_done_callback(
-            lambda t: (
-                queue.put_nowait(("result", t.result().to_exec_result()))
-                if not t.cancelled() and t.exception() is None
-                else queue.put_nowait(("error", b""))
-            )
-        )
-        with self._active(sb):
-            try:
-                while True:
-                    kind, item = await queue.get()
-                    if kind == "error":
-                        task.result()  # re-raise the failure
+        async with contextlib.aclosing(self._stream(sandbox_id, req)) as events:
+            async for kind, item in events:
+                if kind == "result":
+                    yield kind, item.to_exec_result()
+                elif kind != "open":
                     yield kind, item
-                    if kind == "result":
+
+    async def exec_events(self, sandbox_id: str, req: ExecRequest) -> AsyncGenerator[bytes, None]:
+        """The stream as server-sent events (docs/API.md), output made JSON text as it is
+        written; an empty piece first, once the stream is admitted."""
+        text = StreamText()
+        async with contextlib.aclosing(self._stream(sandbox_id, req)) as events:
+            async for kind, item in events:
+                if kind == "open":
+                    yield b""
+                elif kind == "result":
+                    yield text.flush() + b"event: result\ndata: "
+                    async for piece in result_json(item.meta(), item.stdout, item.stderr):
+                        yield piece
+                    yield b"\n\n"
+                else:
+                    yield text.event(kind, item)
+
+    async def _stream(self, sandbox_id: str, req: ExecRequest) -> AsyncGenerator[tuple[str, Any], None]:
+        """("open", None) once admitted, ("stdout" | "stderr", bytes) as output is read, then
+        ("result", RawResult). What is read and not yet taken is bounded (`Flow`): a slow
+        reader leaves the pipes unread, and the command blocks writing."""
+        sb = self.life._get(sandbox_id)
+        project = sb.record.spec.project
+        now = self._streams.get(project, 0)
+        if now >= self.settings.project_streams:
+            raise errors.QuotaExceeded(
+                f"project {project!r} has {now} exec streams open on this edge, the most it may; "
+                "read one to its end or close it first",
+                reason="open_streams",
+                limit=self.settings.project_streams,
+            )
+        self._streams[project] = now + 1
+        hold, flow = self.budget.hold(project), Flow()
+        task: asyncio.Task[RawResult] | None = None
+        try:
+            with self._active(sb):
+                task = asyncio.create_task(self._run(sb, req, sink=Capture(hold, flow.put, flow)))
+                task.add_done_callback(_ended(flow))
+                yield "open", None
+                while True:
+                    kind, item = await flow.get()
+                    if kind == "end":
+                        yield "result", task.result()  # (or its failure, raised)
                         return
-            finally:
-                if not task.done():
-                    task.cancel()
+                    yield kind, item
+        finally:
+            if task is not None and not task.done():
+                task.cancel()
+            hold.close()
+            self._streams[project] -= 1
+            if not self._streams[project]:
+                del self._streams[project]
 
     # --- sessions ------------------------------------------------------------------
 
@@ -301,8 +358,8 @@ class EdgeExec(EdgePart):
         kind: str,
         action: dict[str, Any],
         step: Step | None,
-        run: Callable[[], Awaitable[dict[str, Any]]],
-    ) -> tuple[dict[str, Any], int | None, bool]:
+        run: Callable[[], Awaitable[Observed]],
+    ) -> tuple[Observed | dict[str, Any], int | None, bool]:
         """Run an operation once and log it; a tagged step already logged is replayed.
 
         Returns (observation, seq, replayed). The same tag arriving twice at once runs once:
@@ -338,8 +395,9 @@ class EdgeExec(EdgePart):
             with self._active(sb):
                 obs = await run()
             timings = {"duration_ms": (time.perf_counter() - t0) * 1000}
+            stored = obs.doc if isinstance(obs, Observation) else obs  # (an exec's: JSON already)
             seq = await self.trajlog.record(
-                sb.id, kind, action, obs, timings, tag, durable=self.settings.trajectory_durable_acks
+                sb.id, kind, action, stored, timings, tag, durable=self.settings.trajectory_durable_acks
             )
             return obs, seq, False
         finally:
@@ -425,3 +483,14 @@ class EdgeExec(EdgePart):
         s = self._session(sb, session_id)
         sb.sessions.pop(session_id, None)
         await asyncio.get_running_loop().run_in_executor(None, s.close)
+
+
+def _ended(flow: Flow) -> Callable[[asyncio.Task[RawResult]], None]:
+    """A streamed command's end, told to its reader (its failure is taken, and raised there)."""
+
+    def ended(task: asyncio.Task[RawResult]) -> None:
+        if not task.cancelled():
+            task.exception()  # (a stream its reader left is not an unretrieved failure)
+        flow.put("end", None)
+
+    return ended

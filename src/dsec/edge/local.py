@@ -2,6 +2,7 @@
 
 import asyncio
 import builtins
+import contextlib
 import hashlib
 import tempfile
 from collections.abc import AsyncIterator
@@ -12,7 +13,7 @@ from dsec import models as wire
 from dsec.edge import Edge
 from dsec.edge.edge import encode_content
 from dsec.edge.files import off_loop
-from dsec.edgeapi import EdgeAPI, Projects, decode_write
+from dsec.edgeapi import EdgeAPI, ExecReply, Projects, decode_write
 
 
 class LocalEdge(EdgeAPI):
@@ -44,16 +45,15 @@ class LocalEdge(EdgeAPI):
         self._check(sid, projects)
         await self.edge.stop(sid, wait=False)  # gone at once; teardown continues in the background
 
-    async def exec(self, sid: str, req: wire.ExecRequest, projects: Projects) -> wire.ExecResult:
+    async def exec_reply(self, sid: str, req: wire.ExecRequest, projects: Projects) -> ExecReply:
         self._check(sid, projects)
-        return await self.edge.exec(sid, req)
+        return await self.edge.exec_reply(sid, req)
 
-    async def exec_stream(
-        self, sid: str, req: wire.ExecRequest, projects: Projects
-    ) -> AsyncIterator[tuple[str, Any]]:
+    async def exec_stream(self, sid: str, req: wire.ExecRequest, projects: Projects) -> AsyncIterator[bytes]:
         self._check(sid, projects)
-        async for kind, item in self.edge.exec_stream(sid, req):
-            yield kind, (item.decode(errors="replace") if isinstance(item, bytes) else item)
+        async with contextlib.aclosing(self.edge.exec_events(sid, req)) as events:
+            async for piece in events:
+                yield piece
 
     async def session_create(self, sid: str, req: wire.SessionCreate, projects: Projects) -> wire.SessionInfo:
         self._check(sid, projects)

@@ -9,7 +9,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from dsec.aio import wait_for
 from dsec.backends.base import SandboxHandle
@@ -19,9 +19,21 @@ from dsec.isolation.cgroups import CgroupHost, ExecGroup, keyed_value, sigkill_e
 from dsec.isolation.procs import fd_ready
 from dsec.models import ExecResult
 
+if TYPE_CHECKING:
+    from dsec.edge.outputs import Hold
+
+
+class Valve(Protocol):
+    """Room to keep more output: a call's budget (dsec.edge.outputs.Hold), a stream's flow."""
+
+    def room(self) -> int: ...
+    def when_room(self, wake: Callable[[], None]) -> None: ...
+
 
 class PipeReader:
-    """Collects a non-blocking pipe into a buffer capped at `cap` bytes."""
+    """Collects a non-blocking pipe into a buffer capped at `cap` bytes. Bytes kept are
+    charged to `hold`; with no room in it or in `flow` the pipe is not read (the writer
+    blocks once it is full) until room comes back. Past the cap nothing is kept or waited for."""
 
     def __init__(
         self,
@@ -29,6 +41,9 @@ class PipeReader:
         cap: int,
         on_cap: Callable[[], None] | None = None,
         sink: Callable[[bytes], None] | None = None,
+        *,
+        hold: Hold | None = None,
+        flow: Valve | None = None,
     ) -> None:
         os.set_blocking(fd, False)
         self.fd = fd
@@ -42,15 +57,27 @@ class PipeReader:
         self.tail = b""
         self.eof = asyncio.get_running_loop().create_future()
         self.changed = asyncio.Event()
+        self.paused = False
         self._on_cap = on_cap
         self._sink = sink
+        self._hold = hold
+        self._valves: tuple[Valve, ...] = tuple(v for v in (hold, flow) if v is not None)
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(fd, self._read)
 
-    def _read(self) -> None:
+    def _room(self) -> int:
+        return min(v.room() for v in self._valves) if self._valves else 65536
+
+    def _read(self, force: bool = False) -> None:
         while True:
+            want = 65536
+            if len(self.buf) < self.cap and not force:
+                want = min(want, self._room())
+                if want <= 0:
+                    self._pause()
+                    break
             try:
-                chunk = os.read(self.fd, 65536)
+                chunk = os.read(self.fd, want)
             except BlockingIOError:
                 break
             except OSError:
@@ -60,6 +87,8 @@ class PipeReader:
                 break
             self.total += len(chunk)
             room = self.cap - len(self.buf)
+            if self._hold is not None and room > 0:
+                self._hold.take(min(room, len(chunk)))
             if self._sink is not None and room > 0:
                 self._sink(chunk[:room])
             if len(chunk) > room:
@@ -74,30 +103,83 @@ class PipeReader:
                 self.buf += chunk
         self.changed.set()
 
+    def _pause(self) -> None:
+        if not self.paused:
+            self.paused = True
+            self._loop.remove_reader(self.fd)
+        for valve in self._valves:
+            valve.when_room(self._wake)
+
+    def _wake(self) -> None:
+        if self.paused and self.fd >= 0:
+            if self._room() <= 0:
+                self._pause()
+                return
+            self.paused = False
+            self._loop.add_reader(self.fd, self._read)
+
     def drain(self) -> None:
+        """Read what is in the pipe now, room or not (after the writer's end: at most the
+        pipe's capacity)."""
         if self.fd >= 0:
-            self._read()
+            self._read(force=True)
 
     def close(self) -> None:
         if self.fd < 0:
             return
-        self._loop.remove_reader(self.fd)
+        if not self.paused:
+            self._loop.remove_reader(self.fd)
         os.close(self.fd)
         self.fd = -1
+        # no cycle back through the callbacks (Outputs.settle): freed the moment it is dropped,
+        # not at the next collection, with whatever its buffer holds
+        self._on_cap = self._sink = None
+        self._hold, self._valves = None, ()
         if not self.eof.done():
             self.eof.set_result(None)
         self.changed.set()
 
 
+class Capture:
+    """What else a call's output meets besides its buffers (see PipeReader): its budget
+    `hold`, a stream's `flow`, and `sink`, given each piece kept as it comes. It is passed
+    where a sink is, and is one."""
+
+    __slots__ = ("flow", "hold", "sink")
+
+    def __init__(
+        self,
+        hold: Hold | None = None,
+        sink: Callable[[str, bytes], None] | None = None,
+        flow: Valve | None = None,
+    ) -> None:
+        self.hold = hold
+        self.sink = sink
+        self.flow = flow
+
+    def __call__(self, kind: str, chunk: bytes) -> None:
+        if self.sink is not None:
+            self.sink(kind, chunk)
+
+
 class Outputs:
     """A command's stdout and stderr, each read into a buffer capped at `cap` (`sink`: each
-    piece kept, as it comes), and the one future that settles the wait for the command:
-    either buffer reaching its cap, and, while `watching`, its exit or the timeout."""
+    piece kept, as it comes; a `Capture` brings its hold and flow too), and the one future that
+    settles the wait for the command: either buffer reaching its cap, and, while `watching`,
+    its exit or the timeout."""
 
     def __init__(self, out_r: int, err_r: int, cap: int, sink: Callable[[str, bytes], None] | None) -> None:
+        hold: Hold | None = None
+        flow: Valve | None = None
+        if isinstance(sink, Capture):
+            hold, flow, sink = sink.hold, sink.flow, sink.sink
         self.settled: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.out = PipeReader(out_r, cap, self.settle, (lambda b: sink("stdout", b)) if sink else None)
-        self.err = PipeReader(err_r, cap, self.settle, (lambda b: sink("stderr", b)) if sink else None)
+        self.out = PipeReader(
+            out_r, cap, self.settle, (lambda b: sink("stdout", b)) if sink else None, hold=hold, flow=flow
+        )
+        self.err = PipeReader(
+            err_r, cap, self.settle, (lambda b: sink("stderr", b)) if sink else None, hold=hold, flow=flow
+        )
 
     def settle(self, _: object = None) -> None:
         if not self.settled.done():
@@ -142,6 +224,8 @@ def exit_code(status: int) -> int:
 
 @dataclass
 class RawResult:
+    # The readers' own buffers, never copied: bytearrays, which every reader of a result
+    # uses as bytes (decode, split, slices, len).
     stdout: bytes
     stderr: bytes
     exit_code: int
@@ -151,9 +235,13 @@ class RawResult:
     pids_limit_hits: int = 0  # forks refused in this call's cgroup
 
     def to_exec_result(self) -> ExecResult:
+        return self.meta(self.stdout.decode(errors="replace"), self.stderr.decode(errors="replace"))
+
+    def meta(self, stdout: str = "", stderr: str = "") -> ExecResult:
+        """The ExecResult, without the output unless given (it stays bytes: dsec.edge.outputs)."""
         return ExecResult(
-            stdout=self.stdout.decode(errors="replace"),
-            stderr=self.stderr.decode(errors="replace"),
+            stdout=stdout,
+            stderr=stderr,
             exit_code=self.exit_code,
             duration=self.duration,
             truncated=self.truncated,
@@ -278,8 +366,8 @@ async def run_process(
         refused = keyed_value(proc.group.path / "pids.events", "max")
         release_group(proc.group)
     return RawResult(
-        stdout=bytes(out.buf),
-        stderr=bytes(err.buf),
+        stdout=cast(bytes, out.buf),
+        stderr=cast(bytes, err.buf),
         exit_code=code,
         duration=time.perf_counter() - t0,
         truncated=outputs.truncated,

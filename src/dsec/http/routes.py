@@ -28,6 +28,7 @@ from starlette.routing import BaseRoute
 from dsec import errors
 from dsec import models as wire
 from dsec.edgeapi import EdgeAPI, Projects
+from dsec.http.output import BodyResponse, reply_response
 
 MAX_ARCHIVE = 512 * 1024 * 1024
 
@@ -437,16 +438,26 @@ def bearer(scope: dict[str, Any]) -> str | None:
     return None
 
 
-def sse(events: AsyncIterator[tuple[str, Any]]) -> StreamingResponse:
+def sse(events: AsyncIterator[bytes], first: bytes = b"") -> BodyResponse:
+    """Server-sent events already encoded (`first`: what was taken to see the stream admitted);
+    a failure on the way is the last event, `error`."""
+
     async def body() -> AsyncIterator[bytes]:
+        yield first
         try:
-            async for kind, item in events:
-                data = item.model_dump_json() if isinstance(item, wire.ExecResult) else json.dumps(item)
-                yield f"event: {kind}\ndata: {data}\n\n".encode()
+            async for piece in events:
+                yield piece
         except errors.DsecError as e:
             yield f"event: error\ndata: {json.dumps(e.to_wire())}\n\n".encode()
 
-    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    async def done() -> None:
+        close = getattr(events, "aclose", None)  # (an async generator's, at once: not when collected)
+        if close is not None:
+            await close()
+
+    return BodyResponse(
+        body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}, done=done, idle=True
+    )
 
 
 def model_response(model: BaseModel, status_code: int = 200) -> Response:
@@ -539,16 +550,17 @@ def _add_exec_routes(r: APIRouter, observe_exec: ExecObserver | None, lanes: Exp
     async def exec_(sid: str, body: wire.ExecRequest, request: Request) -> Response:
         t0 = time.perf_counter()
         t = await _target(request, sid)
-        res = await t.edge.exec(sid, body, t.projects)
+        reply = await t.edge.exec_reply(sid, body, t.projects)
         if observe_exec is not None:
-            observe_exec(time.perf_counter() - t0, res)
-        return model_response(res)
+            observe_exec(time.perf_counter() - t0, reply.meta)
+        return reply_response(reply)
 
     @r.post("/exec/stream")
-    async def exec_stream(sid: str, body: wire.ExecRequest, request: Request) -> StreamingResponse:
+    async def exec_stream(sid: str, body: wire.ExecRequest, request: Request) -> Response:
         t = await _target(request, sid)
-        await t.edge.get(sid, t.projects)  # fail before the stream starts
-        return sse(t.edge.exec_stream(sid, body, t.projects))
+        events = t.edge.exec_stream(sid, body, t.projects)
+        first = await anext(events)  # admitted (or refused: a 4xx) before the stream is answered
+        return sse(events, first)
 
     lanes.derive(r.routes, exec_)
 

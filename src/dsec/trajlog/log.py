@@ -73,14 +73,15 @@ from dsec.aio import wait_for
 from dsec.models.trajectory import Entry
 from dsec.privatefs import open_private, private_file
 from dsec.trajlog.rows import (
-    COLUMNS,
     INSERT,
+    READ_COLUMNS,
     SCHEMA,
     STEP_INDEX,
     Row,
     StepTag,
     entry_from_row,
     gap_row,
+    insert_rows,
     serialized,
 )
 
@@ -254,7 +255,7 @@ class TrajectoryLog:
         sandbox_id: str,
         kind: str,
         action: dict[str, Any],
-        observation: dict[str, Any] | None,
+        observation: dict[str, Any] | bytes | bytearray | None,
         timings: dict[str, float],
         step: StepTag | None = None,
         *,
@@ -334,7 +335,7 @@ class TrajectoryLog:
         A gap entry that covers ``after_seq + 1`` is returned even if it starts at or before ``after_seq``.
         """
         sql = (
-            f"SELECT {COLUMNS} FROM entries WHERE sandbox_id = ? AND seq_end > ? AND seq >= "
+            f"SELECT {READ_COLUMNS} FROM entries WHERE sandbox_id = ? AND seq_end > ? AND seq >= "
             "COALESCE((SELECT MAX(seq) FROM entries WHERE sandbox_id = ? AND seq <= ?), 0) ORDER BY seq"
         )
         args: list[Any] = [sandbox_id, after_seq, sandbox_id, after_seq]
@@ -358,7 +359,7 @@ class TrajectoryLog:
             found = (
                 self._reader()
                 .execute(
-                    f"SELECT {COLUMNS} FROM entries WHERE trajectory = ? AND step = ? "
+                    f"SELECT {READ_COLUMNS} FROM entries WHERE trajectory = ? AND step = ? "
                     "AND (scope = ? OR (scope IS NULL AND sandbox_id = ?)) ORDER BY scope IS NULL LIMIT 1",
                     (trajectory, index, scope, sandbox_id),
                 )
@@ -397,7 +398,7 @@ class TrajectoryLog:
                 rows: list[Row] = (
                     self._reader()
                     .execute(
-                        f"SELECT {COLUMNS} FROM entries "
+                        f"SELECT {READ_COLUMNS} FROM entries "
                         "WHERE sandbox_id = ? AND seq > ? ORDER BY seq LIMIT ?",
                         (sandbox_id, after, chunk),
                     )
@@ -427,7 +428,7 @@ class TrajectoryLog:
     def rows_after(self, rowid: int, limit: int = 2000) -> list[tuple[int, Row]]:
         """Durable entries written after `rowid` (in write order), with their rowids."""
         with self._rlock:
-            sql = f"SELECT rowid, {COLUMNS} FROM entries WHERE rowid > ? ORDER BY rowid LIMIT ?"
+            sql = f"SELECT rowid, {READ_COLUMNS} FROM entries WHERE rowid > ? ORDER BY rowid LIMIT ?"
             cur = self._reader().execute(sql, (rowid, limit))
             return [(r[0], tuple(r[1:])) for r in cur.fetchall()]  # type: ignore[misc]
 
@@ -545,13 +546,17 @@ class TrajectoryLog:
                 return  # closing and the disk keeps failing: close() reports it
             self._committing = []
             self._durable += n
-            for row in batch:
-                sb = self._sandboxes[row[0]]
-                sb.pending -= 1
-                sb.recorded += 1
-                if row[7] is not None and row[8] is not None:
-                    self._steps.pop((row[11] or "", row[7], row[8]), None)
+            self._committed(batch)
+            batch.clear()  # (not kept while the writer waits: entries can be large)
             self._finish_flushes()
+
+    def _committed(self, batch: list[Row]) -> None:
+        for row in batch:
+            sb = self._sandboxes[row[0]]
+            sb.pending -= 1
+            sb.recorded += 1
+            if row[7] is not None and row[8] is not None:
+                self._steps.pop((row[11] or "", row[7], row[8]), None)
 
     async def _commit_with_retry(self, batch: list[Row]) -> bool:
         attempt = 0
@@ -627,7 +632,7 @@ class TrajectoryLog:
         with self._wlock:
             db.execute("BEGIN IMMEDIATE")
             try:
-                db.executemany(INSERT, rows)
+                insert_rows(db, rows)
                 db.executemany(
                     "UPDATE sandboxes SET durable_seq = MAX(durable_seq, ?), recorded = recorded + ? "
                     "WHERE sandbox_id = ?",

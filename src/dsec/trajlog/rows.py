@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sqlite3
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,16 +43,34 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     recorded INTEGER NOT NULL DEFAULT 0,     -- durable non-gap entries
     lost INTEGER NOT NULL DEFAULT 0          -- seqs inside gap entries
 );
+CREATE TABLE IF NOT EXISTS bodies (
+    entry INTEGER PRIMARY KEY,               -- an entries rowid whose observation is large
+    body BLOB NOT NULL                       -- that observation (UTF-8 JSON); its own is NULL
+);
 """
 
 COLUMNS = (
     "sandbox_id, seq, seq_end, kind, action, observation, timings, trajectory, step, action_hash, "
     "recorded_at, scope"
 )
-INSERT = f"INSERT INTO entries ({COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)"
+# An observation may come as UTF-8 bytes (an exec's, made from its output without a decoded
+# copy: dsec.edge.outputs): CAST stores them as the same TEXT a str would be. Bound whole,
+# SQLite holds two copies of a value while it inserts it; one over LARGE bytes goes to `bodies`
+# instead (its entry's own observation NULL), made as a zeroblob and written piece by piece
+# (blob I/O). A zeroblob costs nothing only as the last column of its row, hence the table of
+# its own. Reads take it from there (READ_COLUMNS).
+INSERT = f"INSERT INTO entries ({COLUMNS}) VALUES (?,?,?,?,?,CAST(? AS TEXT),?,?,?,?,?,?)"
+READ_COLUMNS = COLUMNS.replace(
+    "observation",
+    "CAST(COALESCE((SELECT body FROM bodies WHERE entry = entries.rowid), observation) AS TEXT)",
+)
+LARGE = 1024 * 1024
 
 # One entry as stored: the columns above, in order. Built once in record(), immutable afterwards.
-Row = tuple[str, int, int, str, str, str | None, str, str | None, int | None, str | None, float, str | None]
+Observation = str | bytes | bytearray
+Row = tuple[
+    str, int, int, str, str, Observation | None, str, str | None, int | None, str | None, float, str | None
+]
 
 # Step tags are unique per scope (a project): two tenants may use the same trajectory ids
 # without ever seeing each other's steps. Logs written before scopes had a global unique
@@ -117,25 +136,44 @@ def serialized(
     sandbox_id: str,
     kind: str,
     action: dict[str, Any],
-    observation: dict[str, Any] | None,
+    observation: dict[str, Any] | bytes | bytearray | None,
     timings: dict[str, float],
-) -> tuple[str, str | None, str]:
-    """A record's checked arguments as the JSON the log stores (action, observation, timings)."""
+) -> tuple[str, Observation | None, str]:
+    """A record's checked arguments as the JSON the log stores (action, observation, timings).
+    An observation given as bytes is its canonical JSON already, taken as it is."""
     if not isinstance(sandbox_id, str) or not sandbox_id:
         raise errors.InvalidRequest("sandbox_id must be a non-empty string")
     if not isinstance(kind, str) or not kind or kind == GAP:
         raise errors.InvalidRequest(f"kind must be a non-empty string other than {GAP!r}")
     try:
         action_json = canonical_json(action)
-        observation_json = None if observation is None else canonical_json(observation)
+        observation_json = observation if not isinstance(observation, dict) else canonical_json(observation)
         timings_json = canonical_json(timings)
     except (TypeError, ValueError) as e:
         raise errors.InvalidRequest(f"action, observation and timings must be JSON objects: {e}") from e
     if not (isinstance(action, dict) and isinstance(timings, dict)) or not (
-        observation is None or isinstance(observation, dict)
+        observation is None or isinstance(observation, dict | bytes | bytearray)
     ):
         raise errors.InvalidRequest("action, observation and timings must be JSON objects")
     for v in timings.values():
         if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
             raise errors.InvalidRequest(f"timings must map names to finite numbers, got {v!r}")
     return action_json, observation_json, timings_json
+
+
+def insert_rows(db: sqlite3.Connection, rows: list[Row]) -> None:
+    """Insert `rows` in order; an observation over LARGE bytes goes to `bodies`, written piece
+    by piece, never bound whole."""
+    start = 0
+    for i, row in enumerate(rows):
+        obs = row[5]
+        if isinstance(obs, bytes | bytearray) and len(obs) > LARGE:
+            db.executemany(INSERT, rows[start:i])
+            entry = db.execute(INSERT, (*row[:5], None, *row[6:])).lastrowid
+            db.execute("INSERT INTO bodies (entry, body) VALUES (?, zeroblob(?))", (entry, len(obs)))
+            with db.blobopen("bodies", "body", entry or 0) as blob:
+                view = memoryview(obs)
+                for at in range(0, len(view), LARGE):
+                    blob.write(view[at : at + LARGE])
+            start = i + 1
+    db.executemany(INSERT, rows[start:])
