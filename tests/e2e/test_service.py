@@ -236,14 +236,15 @@ def test_backends_listed_and_one_parameter_picks_the_tier(service):
         assert tiers["container"].available and "checkpoint" in tiers["container"].capabilities
         gv = tiers["gvisor"]
         assert gv.available and gv.accelerated and gv.edges and gv.detail["platform"] in ("systrap", "ptrace")
-        assert "sessions" not in gv.capabilities
+        assert "sessions" in gv.capabilities and "checkpoint" not in gv.capabilities
         with client.create(backend="gvisor", memory_mb=256) as sb:
             assert "4.4.0" in sb.exec("cat /proc/version").stdout  # gVisor's kernel, not the host's
             sb.files.write("/work/a", "x")
             assert sb.exec("cat /work/a").stdout == "x"
             assert sb.refresh().spec.backend == "gvisor"
-            with pytest.raises(errors.UnsupportedOperation, match="gvisor backend does not support sessions"):
-                sb.session("bash")
+            assert sb.session("bash").run("echo $((6 * 7))").output.strip() == "42"  # (since #25 item 11)
+            with pytest.raises(errors.UnsupportedOperation, match="gvisor"):
+                sb.checkpoint()
         with pytest.raises(errors.InvalidRequest) as ei:
             client.create(backend="microvm-nope")
         assert "container" in ei.value.message and "gvisor" in ei.value.message
