@@ -631,6 +631,6 @@ def test_a_project_limited_to_microvms_refuses_a_container(svc: Service) -> None
         r = user.get("/v1/backends")
         vm = next(b for b in r.json()["backends"] if b["name"] == "microvm")
         assert vm["available"] and set(vm["capabilities"]) == {
-            "exec", "files", "fork", "network", "pause", "snapshot", "checkpoint"
+            "exec", "files", "fork", "network", "pause", "snapshot", "checkpoint", "sessions", "trusted_exec"
         }  # fmt: skip
         assert user.delete(f"/v1/sandboxes/{sid}").status_code == 204
