@@ -68,6 +68,12 @@ def test_auth_in_path_query_header_or_off() -> None:
     assert c.post("/run_code", json=body, headers={"Authorization": "Bearer good"}).status_code == 200
     assert app(auth=False, run_result=OK).post("/run_code", json=body).status_code == 200
     assert c.get("/v1/ping").json() == "pong"
+    assert c.get("/sandboxfusion/good/v1/ping").json() == "pong"
+    # run_jupyter takes its token from the path too, and refuses a wrong one
+    cells = {"cells": ["1"]}
+    assert c.post("/sandboxfusion/good/run_jupyter", json=cells).json()["driver"]["status"] == "Finished"
+    assert c.post("/sandboxfusion/bad/run_jupyter", json=cells).status_code == 401
+    assert c.post("/run_jupyter", json=cells).status_code == 401
 
 
 def test_bad_input_is_422_like_sandboxfusion() -> None:

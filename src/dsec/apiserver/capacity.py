@@ -246,19 +246,11 @@ class Capacity:
             )
         if when > now + MAX_LEAD_S:
             raise errors.InvalidRequest("when is more than 7 days ahead", reason="when_too_far")
+        shape = req.model_dump(include={"project", "image", "backend", "cpu", "memory_mb", "count"})
         burst = Burst(
-            id="burst-" + secrets.token_hex(6),
-            project=req.project,
-            image=req.image,
-            backend=req.backend,
-            cpu=req.cpu,
-            memory_mb=req.memory_mb,
-            count=req.count,
-            when=when,
-            announced_at=now,
-            announced_by=p.name,
-            state="scheduled",
-        )
+            id="burst-" + secrets.token_hex(6), when=when, announced_at=now, announced_by=p.name,
+            state="scheduled", **shape,
+        )  # fmt: skip
         start = when - s.capacity_lead_s
         if start > now:
             burst.actions.append(f"pre-warming at {datetime.fromtimestamp(start).isoformat()}")

@@ -442,17 +442,9 @@ class MicrovmBackend(Backend):
             if paused:
                 await self.freeze(vm)
         size = sum(p.stat().st_blocks * 512 for p in (dest / "memory", dest / "disk.ext4"))
-        info = CheckpointInfo(
-            sandbox=vm.id,
-            images_dir=str(dest),
-            trees=[],  # the whole VM: its kernel and every process
-            size_bytes=size,
-            leave_running=leave_running,
-            created_at=time.time(),
-            timings_ms={"memory": (t1 - t0) * 1000, "disk": (t2 - t1) * 1000},
-        )
-        info.save()
-        return info
+        timings = {"memory": (t1 - t0) * 1000, "disk": (t2 - t1) * 1000}
+        # no trees: the whole VM is checkpointed, its kernel and every process
+        return CheckpointInfo.record(vm.id, dest, [], size, leave_running, timings)
 
     async def archive_tree(self, handle: SandboxHandle, path: str, out: int, limit: int) -> None:
         """The agent's archiver, given a path (dsec-guest.c's tar_path), with the disk held:

@@ -7,7 +7,6 @@ import builtins
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Unpack
 
@@ -16,12 +15,11 @@ import httpx
 from dsec import errors
 from dsec.client import _base, _calls, _stream
 from dsec.client._base import Call, Request, T
-from dsec.client._calls import SpecOptions, StepArg
+from dsec.client._calls import BurstOptions, SpecOptions, StepArg
 from dsec.client._wire import AsyncWire, usable
 from dsec.models import (
     BackendInfo,
     Burst,
-    CapacityRequest,
     Checkpoint,
     EdgeStatus,
     ExecResult,
@@ -322,29 +320,12 @@ class AsyncClient(_base.AsyncEndsOnExit):
         await self._call(_calls.delete_checkpoint(checkpoint_id))
 
     async def announce_capacity(
-        self,
-        project: str,
-        count: int,
-        image: str = "python",
-        *,
-        when: float | datetime = 0.0,
-        backend: str = "container",
-        cpu: float = 1.0,
-        memory_mb: int = 1024,
+        self, project: str, count: int, image: str = "python", **burst: Unpack[BurstOptions]
     ) -> Burst:
         """Announce a burst: ``count`` sandboxes of this shape will be created in ``project`` at
         ``when`` (seconds from now, or a time with its timezone). dsec pre-warms pools for them
         across the edges, adding edges through its node provider when they are short."""
-        req = CapacityRequest(
-            project=project,
-            count=count,
-            image=image,
-            when=when,
-            backend=backend,
-            cpu=cpu,
-            memory_mb=memory_mb,
-        )
-        return await self._call(_calls.announce_capacity(req))
+        return await self._call(_calls.announce_capacity(project, count, image, burst))
 
     async def capacity(self) -> builtins.list[Burst]:
         """Announced bursts (of the caller's projects; admins: all) and what was done for each."""

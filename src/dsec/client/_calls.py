@@ -8,6 +8,7 @@ import base64
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, TypedDict, TypeVar
 from urllib.parse import quote
 
@@ -607,7 +608,21 @@ def undrain_edge(name: str) -> Call[dict[str, Any]]:
     return Call(Request("POST", f"/v1/edges/{_edge(name)}/undrain", idempotent=True), _json)
 
 
-def announce_capacity(request: wire.CapacityRequest) -> Call[wire.Burst]:
+class BurstOptions(TypedDict, total=False):
+    """Keyword arguments of a burst (see :class:`dsec.models.CapacityRequest`): when (seconds
+    from now, or a time with its timezone), backend, cpu, memory_mb."""
+
+    when: float | datetime
+    backend: str
+    cpu: float
+    memory_mb: int
+
+
+def announce_capacity(project: str, count: int, image: str, opts: BurstOptions) -> Call[wire.Burst]:
+    unknown = set(opts) - set(BurstOptions.__annotations__)
+    if unknown:
+        raise errors.InvalidRequest(f"unknown burst option(s): {', '.join(sorted(unknown))}")
+    request = _validated(wire.CapacityRequest, project=project, count=count, image=image, **opts)
     return Call(Request("POST", "/v1/capacity", json=request.model_dump(mode="json")), _model(wire.Burst))
 
 

@@ -8,7 +8,6 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Unpack
 
@@ -17,12 +16,11 @@ import httpx
 from dsec import errors
 from dsec.client import _base, _calls, _stream
 from dsec.client._base import Call, Request, T
-from dsec.client._calls import SpecOptions, StepArg
+from dsec.client._calls import BurstOptions, SpecOptions, StepArg
 from dsec.client._wire import Wire, usable
 from dsec.models import (
     BackendInfo,
     Burst,
-    CapacityRequest,
     Checkpoint,
     EdgeStatus,
     ExecResult,
@@ -273,29 +271,12 @@ class Client(_base.EndsOnExit):
         self._call(_calls.delete_checkpoint(checkpoint_id))
 
     def announce_capacity(
-        self,
-        project: str,
-        count: int,
-        image: str = "python",
-        *,
-        when: float | datetime = 0.0,
-        backend: str = "container",
-        cpu: float = 1.0,
-        memory_mb: int = 1024,
+        self, project: str, count: int, image: str = "python", **burst: Unpack[BurstOptions]
     ) -> Burst:
         """Announce a burst: ``count`` sandboxes of this shape will be created in ``project`` at
         ``when`` (seconds from now, or a time with its timezone). dsec pre-warms pools for them
         across the edges, adding edges through its node provider when they are short."""
-        req = CapacityRequest(
-            project=project,
-            count=count,
-            image=image,
-            when=when,
-            backend=backend,
-            cpu=cpu,
-            memory_mb=memory_mb,
-        )
-        return self._call(_calls.announce_capacity(req))
+        return self._call(_calls.announce_capacity(project, count, image, burst))
 
     def capacity(self) -> builtins.list[Burst]:
         """Announced bursts (of the caller's projects; admins: all) and what was done for each."""

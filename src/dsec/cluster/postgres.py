@@ -13,13 +13,11 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from dsec.cluster.process import ServerProcess
+from dsec.cluster.process import ServerProcess, as_user
 from dsec.errors import InvalidRequest, Unavailable
-from dsec.privatefs import open_private
 
 PG_USER = "postgres"
 
@@ -88,16 +86,8 @@ class PostgresServer(ServerProcess):
         try:
             argv = [str(self.bin / "initdb"), "-D", str(self.data), "-U", PG_USER, "--auth=scram-sha-256",
                     f"--pwfile={pwfile}", "-E", "UTF8", "--locale=C.UTF-8"]  # fmt: skip
-            uid, gid = self._ids()
             r = subprocess.run(
-                argv,
-                capture_output=True,
-                text=True,
-                check=False,
-                user=uid,
-                group=gid,
-                extra_groups=[],
-                umask=0o077,
+                argv, capture_output=True, text=True, check=False, umask=0o077, **as_user(self._ids())
             )
         finally:
             pwfile.unlink(missing_ok=True)
@@ -106,28 +96,13 @@ class PostgresServer(ServerProcess):
 
     def start(self, timeout: float = 60.0) -> None:
         self.init()
-        log = os.fdopen(open_private(self.root / "postgres.log", os.O_WRONLY | os.O_APPEND), "ab")
         argv = [
             str(self.bin / "postgres"), "-D", str(self.data), "-k", str(self.run), "-p", str(self.port),
             "-c", f"listen_addresses={self.host}", "-c", "max_connections=300", "-c", "fsync=on",
             "-c", "shared_buffers=64MB",
         ]  # fmt: skip
-        uid, gid = self._ids()
-        self.proc = subprocess.Popen(
-            argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
-            user=uid, group=gid, extra_groups=[], umask=0o077,
-        )  # fmt: skip
-        log.close()
-        self.pid = self.proc.pid
-        deadline = time.monotonic() + timeout
-        while not self.ready():
-            if self.proc.poll() is not None:
-                tail = (self.root / "postgres.log").read_text(errors="replace")[-800:]
-                raise Unavailable(f"PostgreSQL exited at start: {tail}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise Unavailable(f"PostgreSQL did not accept connections within {timeout:.0f} s")
-            time.sleep(0.05)
+        self._spawn(argv, self.root / "postgres.log", self._ids())
+        self._wait_ready("PostgreSQL", self.root / "postgres.log", timeout)
 
     def ready(self) -> bool:
         r = subprocess.run(

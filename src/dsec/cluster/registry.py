@@ -14,13 +14,10 @@ import os
 import pwd
 import shutil
 import socket
-import subprocess
-import time
 from pathlib import Path
 
 from dsec.cluster.process import ServerProcess
 from dsec.errors import InvalidRequest, Unavailable
-from dsec.privatefs import open_private
 
 REGISTRY_BIN = Path("/usr/bin/docker-registry")
 REGISTRY_USER = "docker-registry"
@@ -100,30 +97,8 @@ class RegistryServer(ServerProcess):
                     )
             os.chown(self.storage, *ids)
         self._write_config()
-        log = os.fdopen(open_private(self.log_path, os.O_WRONLY | os.O_APPEND), "ab")
-        self.proc = subprocess.Popen(
-            [str(self.bin), "serve", str(self.config)],
-            stdout=log,
-            stderr=log,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            umask=0o077,
-            user=ids[0] if ids else None,
-            group=ids[1] if ids else None,
-            extra_groups=[] if ids else None,
-        )
-        log.close()
-        self.pid = self.proc.pid
-        deadline = time.monotonic() + timeout
-        while not self.ready():
-            if self.proc.poll() is not None:
-                tail = self.log_path.read_text(errors="replace")[-800:]
-                self.proc = None
-                raise Unavailable(f"the registry exited at start: {tail}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise Unavailable(f"the registry did not answer on {self.url} within {timeout:.0f} s")
-            time.sleep(0.05)
+        self._spawn([str(self.bin), "serve", str(self.config)], self.log_path, ids)
+        self._wait_ready(f"the registry ({self.url})", self.log_path, timeout)
 
     def ready(self) -> bool:
         import httpx

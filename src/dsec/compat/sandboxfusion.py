@@ -189,22 +189,16 @@ def sandboxfusion_router(
     if express is not None:
         express.derive(r.routes, run_code, run_code_t)
 
-    @r.post("/run_jupyter")
+    # The rest are served at both paths by one endpoint (the token, if any, is the path's).
     async def run_jupyter(body: RunJupyterRequest, request: Request) -> JSONResponse:
-        return await c.run_jupyter(body, request, None)
+        return await c.run_jupyter(body, request, request.path_params.get("token"))
 
-    @r.post("/sandboxfusion/{token}/run_jupyter")
-    async def run_jupyter_t(token: str, body: RunJupyterRequest, request: Request) -> JSONResponse:
-        return await c.run_jupyter(body, request, token)
-
-    @r.get("/v1/ping")
     async def ping() -> str:
         return "pong"
 
-    @r.get("/sandboxfusion/{token}/v1/ping")
-    async def ping_t(token: str) -> str:
-        return "pong"
-
+    for prefix in ("", "/sandboxfusion/{token}"):
+        r.add_api_route(prefix + "/run_jupyter", run_jupyter, methods=["POST"])
+        r.add_api_route(prefix + "/v1/ping", ping, methods=["GET"])
     return r
 
 

@@ -125,44 +125,37 @@ def _norm(path: str) -> str:
     return path
 
 
+# What an errno means to a file API caller: the error and its message ({path}: the path,
+# {short}: its first 80 characters).
+_ERRNO_ERRORS: dict[int, tuple[type[errors.DsecError], str]] = {
+    errno.ENOENT: (errors.FileNotFound, "{path} does not exist in the sandbox"),
+    errno.EXDEV: (errors.PathEscape, "{path} leads out of the sandbox's file system"
+                   " (another mount); use a plain path"),
+    errno.ELOOP: (errors.PathEscape, "{path} resolves through a link that leaves the sandbox or loops"),
+    errno.EISDIR: (errors.InvalidRequest, "{path} is a directory; give a file path"),
+    errno.ENOTDIR: (errors.InvalidRequest, "a parent of {path} is not a directory"),
+    errno.EEXIST: (errors.FileExists_, "{path} already exists"),
+    errno.ENAMETOOLONG: (errors.InvalidRequest, "{short}...: a name in it is longer than 255 bytes;"
+                                                " use shorter names"),
+    errno.ENOSPC: (errors.QuotaExceeded, "no space left writing {path}: the sandbox's disk_mb is full"),
+    errno.EACCES: (errors.Forbidden, "permission denied on {path}"),
+    errno.EPERM: (errors.Forbidden, "permission denied on {path}"),
+    # a socket, or a FIFO without a reader, opened for writing
+    errno.ENXIO: (errors.InvalidRequest, "{path} is a socket or FIFO, not a regular file;"
+                                 " the file API reads and writes regular files only"),
+    errno.EBUSY: (errors.Conflict, "{path} is a mount point or in use in the sandbox; it cannot be removed"),
+    errno.EFBIG: (errors.QuotaExceeded, "{path} would exceed the largest file size allowed"),
+    errno.ENOMEM: (errors.QuotaExceeded, "the sandbox's memory is full writing {path}: its files"
+                                   " live in memory (memory_mb); free some or create the sandbox with more"),
+}  # fmt: skip
+
+
 def _map_error(e: OSError, path: str) -> errors.DsecError:
-    if e.errno == errno.ENOENT:
-        return errors.FileNotFound(f"{path} does not exist in the sandbox")
-    if e.errno == errno.EXDEV:
-        return errors.PathEscape(
-            f"{path} leads out of the sandbox's file system (another mount); use a plain path"
-        )
-    if e.errno == errno.ELOOP:
-        return errors.PathEscape(f"{path} resolves through a link that leaves the sandbox or loops")
-    if e.errno == errno.EISDIR:
-        return errors.InvalidRequest(f"{path} is a directory; give a file path")
-    if e.errno == errno.ENOTDIR:
-        return errors.InvalidRequest(f"a parent of {path} is not a directory")
-    if e.errno == errno.EEXIST:
-        return errors.FileExists_(f"{path} already exists")
-    if e.errno == errno.ENAMETOOLONG:
-        return errors.InvalidRequest(
-            f"{path[:80]}...: a name in it is longer than 255 bytes; use shorter names"
-        )
-    if e.errno == errno.ENOSPC:
-        return errors.QuotaExceeded(f"no space left writing {path}: the sandbox's disk_mb is full")
-    if e.errno in (errno.EACCES, errno.EPERM):
-        return errors.Forbidden(f"permission denied on {path}")
-    if e.errno == errno.ENXIO:  # a socket, or a FIFO without a reader, opened for writing
-        return errors.InvalidRequest(
-            f"{path} is a socket or FIFO, not a regular file; the file API reads "
-            "and writes regular files only"
-        )
-    if e.errno == errno.EBUSY:
-        return errors.Conflict(f"{path} is a mount point or in use in the sandbox; it cannot be removed")
-    if e.errno == errno.EFBIG:
-        return errors.QuotaExceeded(f"{path} would exceed the largest file size allowed")
-    if e.errno == errno.ENOMEM:
-        return errors.QuotaExceeded(
-            f"the sandbox's memory is full writing {path}: its files live in memory "
-            "(memory_mb); free some or create the sandbox with more"
-        )
-    return errors.InternalError(f"{path}: {e.strerror}")
+    known = _ERRNO_ERRORS.get(e.errno or 0)
+    if known is None:
+        return errors.InternalError(f"{path}: {e.strerror}")
+    cls, message = known
+    return cls(message.format(path=path, short=path[:80]))
 
 
 def replace_once(raw: bytes, path: str, old: str, new: str) -> bytes:

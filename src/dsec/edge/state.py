@@ -105,20 +105,13 @@ class EdgeState(EdgePart):
     def _checkpoint_model(self, d: Path) -> Checkpoint:
         spec = SandboxSpec.model_validate_json((d / "spec.json").read_text())
         info = self.life.backend_for(spec.backend).load_checkpoint(d)
+        shape = spec.model_dump(include={"project", "image", "cpu", "memory_mb", "backend"})
+        trees = [CheckpointTree(root=t.root, pids=t.pids, cmdline=t.cmdline) for t in info.trees]
         return Checkpoint(
-            id=d.name,
-            sandbox=info.sandbox,
-            project=spec.project,
-            image=spec.image,
-            cpu=spec.cpu,
-            memory_mb=spec.memory_mb,
-            backend=spec.backend,
-            trees=[CheckpointTree(root=t.root, pids=t.pids, cmdline=t.cmdline) for t in info.trees],
-            size_bytes=info.size_bytes,
-            leave_running=info.leave_running,
-            created_at=info.created_at,
-            timings_ms=info.timings_ms,
-        )
+            id=d.name, sandbox=info.sandbox, trees=trees, size_bytes=info.size_bytes,
+            leave_running=info.leave_running, created_at=info.created_at, timings_ms=info.timings_ms,
+            **shape,
+        )  # fmt: skip
 
     async def checkpoint(
         self, sandbox_id: str, *, leave_running: bool = True, max_bytes: int | None = None

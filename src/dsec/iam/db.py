@@ -41,6 +41,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,18 @@ OWNER_RE = re.compile(r"o[0-9a-f]{16}")
 LEASE_S = 30.0  # a PostgreSQL owner's lease, renewed every sixth of it
 _WRITE_LOCK = 0x64736563  # "dsec": the advisory lock every IAM write transaction takes first
 _BEGIN_WRITE = f"BEGIN; SELECT pg_advisory_xact_lock({_WRITE_LOCK})".encode()
+
+
+@dataclass(frozen=True, slots=True)
+class Schema:
+    """What a database holds at `version`: `statements` (CREATE ... IF NOT EXISTS), the
+    `added` (table, column, declaration) columns an older database lacks, and the
+    server-side `functions` (PostgreSQL only)."""
+
+    statements: Sequence[str]
+    added: Sequence[tuple[str, str, str]]
+    version: int
+    functions: Sequence[str] = ()
 
 
 class Database(ABC):
@@ -98,16 +111,10 @@ class Database(ABC):
         """Whether another connection may have committed since the last call."""
 
     @abstractmethod
-    def migrate(
-        self,
-        schema: Sequence[str],
-        added: Sequence[tuple[str, str, str]],
-        version: int,
-        functions: Sequence[str] = (),
-    ) -> None:
-        """Create what is missing of `schema`, add the `added` (table, column, declaration)
-        columns an older database lacks, (re)create the server-side `functions` where the
-        database has them (PostgreSQL), and record `version`; refuse a newer database."""
+    def migrate(self, schema: Schema) -> None:
+        """Create what is missing of `schema`, add the columns an older database lacks,
+        (re)create the server-side functions where the database has them (PostgreSQL), and
+        record the schema's version; refuse a newer database."""
 
     # pending creates' owners
 
@@ -198,26 +205,20 @@ class SqliteDatabase(Database):
         self._data_version = version
         return True
 
-    def migrate(
-        self,
-        schema: Sequence[str],
-        added: Sequence[tuple[str, str, str]],
-        version: int,
-        functions: Sequence[str] = (),
-    ) -> None:
+    def migrate(self, schema: Schema) -> None:
         db = self.db
         self.begin_write()
         try:
             (have,) = db.execute("PRAGMA user_version").fetchone()
-            if have > version:
-                raise _newer(have, version, self.url)
-            for stmt in schema:
+            if have > schema.version:
+                raise _newer(have, schema.version, self.url)
+            for stmt in schema.statements:
                 db.execute(stmt)
-            for table, column, decl in added:
+            for table, column, decl in schema.added:
                 columns = {r["name"] for r in db.execute(f"PRAGMA table_info({table})")}
                 if column not in columns:
                     db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
-            db.execute(f"PRAGMA user_version = {version}")
+            db.execute(f"PRAGMA user_version = {schema.version}")
         except BaseException:
             db.execute("ROLLBACK")
             raise
@@ -440,23 +441,17 @@ class PostgresDatabase(Database):
     def others_wrote(self) -> bool:
         return True  # (one read of the epoch row: see the module)
 
-    def migrate(
-        self,
-        schema: Sequence[str],
-        added: Sequence[tuple[str, str, str]],
-        version: int,
-        functions: Sequence[str] = (),
-    ) -> None:
+    def migrate(self, schema: Schema) -> None:
         self.begin_write()
         try:
             self.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value BIGINT NOT NULL)")
             row = self.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
             have = row[0] if row is not None else 0
-            if have > version:
-                raise _newer(have, version, _redact(self.url))
-            for stmt in schema:
+            if have > schema.version:
+                raise _newer(have, schema.version, _redact(self.url))
+            for stmt in schema.statements:
                 self.execute(_pg_ddl(stmt))
-            for table, column, decl in added:
+            for table, column, decl in schema.added:
                 self.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {_pg_ddl(decl)}")
             self.execute(
                 "CREATE TABLE IF NOT EXISTS owners"
@@ -465,12 +460,12 @@ class PostgresDatabase(Database):
             self.execute(
                 "ALTER TABLE owners ADD COLUMN IF NOT EXISTS renewed_at DOUBLE PRECISION NOT NULL DEFAULT 0"
             )
-            for stmt in functions:  # (CREATE OR REPLACE: this version's body, every start)
+            for stmt in schema.functions:  # (CREATE OR REPLACE: this version's body, every start)
                 self._simple(stmt.replace("@WRITE_LOCK@", str(_WRITE_LOCK)).encode())
             self.execute(
                 "INSERT INTO meta (key, value) VALUES ('schema_version', ?)"
                 " ON CONFLICT (key) DO UPDATE SET value = excluded.value",
-                (version,),
+                (schema.version,),
             )
         except BaseException:
             self.rollback()

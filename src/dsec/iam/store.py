@@ -52,7 +52,7 @@ from typing import Any
 from dsec.errors import AuthError, Conflict, Forbidden, InvalidRequest, NotFound
 from dsec.iam.admission import PG_FUNCTIONS, Admission
 from dsec.iam.capacity import CapacityStore
-from dsec.iam.db import LEASE_S, Database, Row, open_database
+from dsec.iam.db import LEASE_S, Database, Row, Schema, open_database
 from dsec.iam.schema import (
     _ADDED_COLUMNS,
     _ANCESTORS_SQL,
@@ -106,7 +106,7 @@ class IAM(Admission, ShippedTrajectories, CapacityStore):
         self.url = self._db.url
         self._closed = False
         try:
-            self._db.migrate(_SCHEMA, _ADDED_COLUMNS, _SCHEMA_VERSION, PG_FUNCTIONS)
+            self._db.migrate(Schema(_SCHEMA, _ADDED_COLUMNS, _SCHEMA_VERSION, PG_FUNCTIONS))
         except BaseException:
             self._db.close()
             raise

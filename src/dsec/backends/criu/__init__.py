@@ -195,6 +195,21 @@ class CheckpointInfo:
         (Path(self.images_dir) / "checkpoint.json").write_text(json.dumps(asdict(self)))
 
     @classmethod
+    def record(
+        cls,
+        sandbox: str,
+        images_dir: Path,
+        trees: list[TreeInfo],
+        size: int,
+        leave_running: bool,
+        timings_ms: dict[str, float],
+    ) -> CheckpointInfo:
+        """A checkpoint made now, saved beside its images."""
+        info = cls(sandbox, str(images_dir), trees, size, leave_running, time.time(), timings_ms)
+        info.save()
+        return info
+
+    @classmethod
     def load(cls, images_dir: Path) -> CheckpointInfo:
         try:
             raw = json.loads((images_dir / "checkpoint.json").read_text())
@@ -307,17 +322,8 @@ async def dump(
     for t in trees:
         await asyncio.get_running_loop().run_in_executor(None, _seal_tree, images_dir / t.dir)
     size = sum(f.stat().st_size for f in images_dir.rglob("*.img"))
-    info = CheckpointInfo(
-        sandbox=container.id,
-        images_dir=str(images_dir),
-        trees=trees,
-        size_bytes=size,
-        leave_running=leave_running,
-        created_at=time.time(),
-        timings_ms={"dump": (t_dump - t0) * 1000, "while_stopped": (t_copy - t_dump) * 1000},
-    )
-    info.save()
-    return info
+    timings = {"dump": (t_dump - t0) * 1000, "while_stopped": (t_copy - t_dump) * 1000}
+    return CheckpointInfo.record(container.id, images_dir, trees, size, leave_running, timings)
 
 
 def _cgroup_targets(cgroups: CgroupHost, sandbox_id: str, group: Path) -> list[Path]:
