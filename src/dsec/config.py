@@ -101,6 +101,12 @@ class EdgeSettings(BaseSettings):
         return self.layers_dir or self.data_dir / "layers"
 
     @property
+    def native_bin_dir(self) -> Path:
+        """Where the native helpers are built (named by their source's digest, so shared by
+        every edge of a host that shares its layer store: built once, not once per edge)."""
+        return self.layer_root.parent / "bin"
+
+    @property
     def edge_run_dir(self) -> Path:
         return self.run_dir / self.name
 

@@ -12,6 +12,12 @@ import pytest
 
 from dsec.native import ensure_copy
 
+
+@pytest.fixture(scope="module")
+def copy_tool(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """dsec-copy, built from source once for this module."""
+    return ensure_copy(tmp_path_factory.mktemp("bin"))
+
 pytestmark = pytest.mark.root
 
 
@@ -68,8 +74,8 @@ def describe(root: Path) -> dict[str, tuple[object, ...]]:
     return out
 
 
-def test_copy_is_exactly_cp_a(tmp_path: Path) -> None:
-    tool = ensure_copy(tmp_path / "bin")
+def test_copy_is_exactly_cp_a(tmp_path: Path, copy_tool: Path) -> None:
+    tool = copy_tool
     src, ours, theirs = tmp_path / "src", tmp_path / "ours", tmp_path / "theirs"
     src.mkdir()
     make_tree(src)
@@ -82,8 +88,8 @@ def test_copy_is_exactly_cp_a(tmp_path: Path) -> None:
     assert os.stat(ours / "sparse").st_blocks < 1024  # holes stay holes
 
 
-def test_merge_keeps_upper_entries_and_respects_opaque_dirs(tmp_path: Path) -> None:
-    tool = ensure_copy(tmp_path / "bin")
+def test_merge_keeps_upper_entries_and_respects_opaque_dirs(tmp_path: Path, copy_tool: Path) -> None:
+    tool = copy_tool
     lower, upper = tmp_path / "lower", tmp_path / "upper"
     (lower / "keep").mkdir(parents=True)
     (lower / "keep/l").write_text("lower")
@@ -104,12 +110,12 @@ def test_merge_keeps_upper_entries_and_respects_opaque_dirs(tmp_path: Path) -> N
     assert stat.S_ISCHR(os.lstat(upper / "deleted").st_mode)  # the whiteout wins
 
 
-def test_merge_never_writes_through_an_upper_symlink(tmp_path: Path) -> None:
+def test_merge_never_writes_through_an_upper_symlink(tmp_path: Path, copy_tool: Path) -> None:
     """An upper entry that is not a directory hides the lower directory of that name whole
     (overlayfs); the merge must not walk into it either: a sandbox's symlink there (to a host
     directory, absolute or relative) would take every lower entry below it onto the host, and
     a whiteout there failed the copy."""
-    tool = ensure_copy(tmp_path / "bin")
+    tool = copy_tool
     lower, upper = tmp_path / "lower", tmp_path / "upper"
     for d in ("abs", "rel"):
         (tmp_path / f"host-{d}").mkdir()
@@ -134,8 +140,8 @@ def test_merge_never_writes_through_an_upper_symlink(tmp_path: Path) -> None:
     assert stat.S_ISCHR(os.lstat(upper / "gone").st_mode)  # and the deleted directory stays deleted
 
 
-def test_copy_reports_failures(tmp_path: Path) -> None:
-    tool = ensure_copy(tmp_path / "bin")
+def test_copy_reports_failures(tmp_path: Path, copy_tool: Path) -> None:
+    tool = copy_tool
     r = subprocess.run(
         [str(tool), str(tmp_path / "missing"), str(tmp_path / "d")], capture_output=True, text=True
     )

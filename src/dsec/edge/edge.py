@@ -216,8 +216,8 @@ class Edge:
             log.info("cgroup2 favordynmods unavailable: the first exec after an idle moment may take ~10 ms")
         seal_data_dir(s.data_dir)  # 0700, its files 0600 (an older install is fixed here)
         map_large_buffers()  # (exec output: see dsec.edge.outputs)
-        shim = ensure_shim(s.data_dir / "bin")
-        self._copy_tool = ensure_copy(s.data_dir / "bin")
+        shim = ensure_shim(s.native_bin_dir)
+        self._copy_tool = ensure_copy(s.native_bin_dir)
         self._ensure_run_tmpfs()
         self._toolkit = [self._shim_layer(shim)]
         host = BackendHost(

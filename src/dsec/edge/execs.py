@@ -147,7 +147,7 @@ class EdgeExec(EdgePart):
             )
         if self._trusted_tool is None:
             tool = await asyncio.get_running_loop().run_in_executor(
-                None, ensure_trusted, self.settings.data_dir / "bin"
+                None, ensure_trusted, self.settings.native_bin_dir
             )
             self.settings.edge_run_dir.joinpath("trusted").mkdir(mode=0o700, exist_ok=True)
             self._trusted_tool = tool

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import secrets
 import shutil
 import subprocess
 from importlib import resources
@@ -53,8 +54,9 @@ def ensure_tool(name: str, bin_dir: Path) -> Path:
             f"{name} needs a C compiler: run the install script (it installs gcc and libc6-dev)"
         )
     bin_dir.mkdir(parents=True, exist_ok=True)
-    src = bin_dir / f".{name}-{os.getpid()}.c"
-    tmp = bin_dir / f".{name}-{os.getpid()}"
+    tag = f"{os.getpid()}-{secrets.token_hex(4)}"  # edges of one process may build at once
+    src = bin_dir / f".{name}-{tag}.c"
+    tmp = bin_dir / f".{name}-{tag}"
     src.write_bytes(_source(name))
     try:
         r = subprocess.run(
