@@ -51,7 +51,7 @@ PROGRAMS: dict[str, tuple[str, str, str]] = {
         "  Scanner s = new Scanner(System.in);\n"
         "  Pair<Integer, Integer> p = Pair.with(s.nextInt(), s.nextInt());\n"
         "  System.out.println(p.getValue0() * p.getValue1()); } }",
-        "public class Main { public static void main(String[] args) { int x = \"s\"; } }",
+        'public class Main { public static void main(String[] args) { int x = "s"; } }',
         "incompatible types",
     ),
     "go": (
@@ -71,9 +71,17 @@ PROGRAMS: dict[str, tuple[str, str, str]] = {
         "error('boom')",
         "boom",
     ),
-    "R": ('x <- scan(file("stdin"), quiet = TRUE)\ncat(x[1] * x[2], "\\n", sep = "")', 'stop("boom")', "boom"),
+    "R": (
+        'x <- scan(file("stdin"), quiet = TRUE)\ncat(x[1] * x[2], "\\n", sep = "")',
+        'stop("boom")',
+        "boom",
+    ),
     "perl": ("my ($a, $b) = split ' ', <STDIN>;\nprint $a * $b, \"\\n\";", 'die "boom\\n";', "boom"),
-    "ruby": ("require 'test/unit/assertions'\na, b = gets.split.map(&:to_i)\nputs a * b", "raise 'boom'", "boom"),
+    "ruby": (
+        "require 'test/unit/assertions'\na, b = gets.split.map(&:to_i)\nputs a * b",
+        "raise 'boom'",
+        "boom",
+    ),
     "php": (  # without the opening tag: SandboxFusion adds it
         "$x = array_map('intval', explode(' ', trim(fgets(STDIN))));\necho $x[0] * $x[1], \"\\n\";",
         "<?php\nthrow new Exception('boom');",

@@ -64,6 +64,7 @@ PRELOAD = (
     "numpy",
 )
 
+
 def _preload() -> None:
     for name in PRELOAD:
         with contextlib.suppress(Exception):
