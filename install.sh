@@ -68,7 +68,7 @@ if ! "$VENV/bin/python" -c 'from pathlib import Path; from dsec.backends.qemu im
   log "warning: the guest kernel could not be fetched: microVMs stay unavailable (everything else works)"
 fi
 
-log "images: python (default) and code (fncall / SandboxFusion); cached after the first build, ~30 s each"
+log "images: python (default, ~30 s) and code (fncall / SandboxFusion, every language, ~2 min); cached after the first build"
 "$VENV/bin/dsec" image build python --quiet
 "$VENV/bin/dsec" image build code --quiet
 

@@ -93,11 +93,12 @@ def require(edge: object, backend: str, capability: object) -> None:
 
 @pytest.fixture(scope="session")
 def code_image() -> str:
-    """The fncall image `code` (python + compilers + node + pytest), built once (~30 s)."""
-    from dsec.layers import LayerStore, build_recipe_image
+    """The fncall image `code` (every available language), built once (~2 min)."""
+    from dsec.layers import LayerStore, build_recipe_image, load_recipe
 
     store = LayerStore(LAYERS)
-    if not store.has_image("code"):
+    built = store.get_image("code").source.get("recipe_digest") if store.has_image("code") else None
+    if built != load_recipe("code").digest():  # none yet, or from an older recipe (languages added)
         build_recipe_image(store, "code")
     return "code"
 

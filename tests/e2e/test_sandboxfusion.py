@@ -85,9 +85,9 @@ def test_ping_auth_and_bad_requests(service):
     )
     assert r.status_code == 422
     r = httpx.post(
-        f"{service.url}/run_code?token={service.token}", json={"code": "print(1)", "language": "go"}
+        f"{service.url}/run_code?token={service.token}", json={"code": "print(1)", "language": "lean"}
     )
-    assert r.status_code == 400 and "unsupported language 'go'" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "language 'lean' is not available" in r.json()["error"]["message"]
     # no language: SandboxFusion requires one, some clients omit it: python
     r = httpx.post(
         f"{service.url}/run_code",

@@ -24,18 +24,16 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dsec import errors
+from dsec.fncall import languages
 from dsec.fncall.tenancy import ANONYMOUS
 from dsec.http.routes import Express
 from dsec.models import FnCallRequest, FnCallResult, JupyterRequest, JupyterResult, Stage
 
 log = logging.getLogger("dsec.compat.sandboxfusion")
 
-# Accepted like SandboxFusion; the fncall runner says which ones it can run.
-LANGUAGES = (
-    "python", "python2", "cpp", "nodejs", "go", "go_test", "java", "php", "csharp", "bash", "typescript",
-    "sql", "rust", "cuda", "lua", "R", "perl", "D_ut", "ruby", "scala", "julia", "pytest", "junit",
-    "kotlin_script", "jest", "verilog", "python_gpu", "lean", "swift", "racket", "gtest", "react", "c",
-)  # fmt: skip
+# Accepted like SandboxFusion (an unknown name is FastAPI's 422); the ones the image does not
+# run are refused with a 400 that names the reason (dsec.fncall.languages).
+LANGUAGES = (*languages.LANGUAGES, *languages.UNAVAILABLE)
 Language = Literal[LANGUAGES]  # type: ignore[valid-type]
 
 

@@ -42,6 +42,7 @@ from dsec.aio import wait_for
 from dsec.backends.base import SandboxHandle
 from dsec.backends.shim import Launch
 from dsec.edge.process import PipeReader, Spawned, spawn
+from dsec.fncall import languages
 from dsec.fncall.tier import container_only
 from dsec.isolation.cgroups import CgroupHost, ExecGroup
 from dsec.models import (
@@ -539,11 +540,14 @@ class FnCallPool:
 
     async def run(self, req: FnCallRequest) -> FnCallResult:
         container_only(req.backend)  # the apiserver refused it already; a worker is a container
-        payload = req.model_dump(exclude={"image", "project", "backend"})
-        payload["op"] = "run"
+        plan = languages.plan(req.language, req.code, list(req.files), req.compile_timeout)
+        if "error" in plan:  # SandboxFusion's answer for code that cannot compile at all
+            failed = Stage(status="Error", return_code=1, stderr=plan["error"])
+            return FnCallResult(compile=failed, run=None, worker="")
+        payload = {**req.model_dump(exclude={"image", "project", "backend"}), **plan, "op": "run"}
         try:
             reply, worker = await self._call(
-                req.image, req.project or "", payload, req.compile_timeout + req.run_timeout + 10
+                req.image, req.project or "", payload, plan["compile_timeout"] + req.run_timeout + 10
             )
         except _Broken:
             # The code killed or wedged the runner: a failed run, not a platform error.

@@ -7,7 +7,8 @@ lines on it:
 
     request  {"id", "op": "run", "language", "code", "stdin", "files": {rel path: base64},
               "fetch_files": [rel path], "compile_timeout", "run_timeout",
-              "memory_limit_mb", "max_output"}
+              "memory_limit_mb", "max_output", "source", "compile": argv|None, "run": argv, "env"}
+             (the language's plan, dsec/fncall/languages.py: this runner knows no language)
              {"id", "op": "jupyter", "cells": [str], "cell_timeout", "total_timeout", ...}
              with exactly one descriptor attached (SCM_RIGHTS): the cgroup.procs of the
              call's own cgroup, which the edge created for this call
@@ -62,16 +63,6 @@ PRELOAD = (
     "statistics",
     "numpy",
 )
-
-# language -> (source file, compile argv or None, run argv; "PYTHON" = in-process fast path)
-LANGUAGES: dict[str, tuple[str, list[str] | None, list[str]]] = {
-    "python": ("main.py", None, ["PYTHON"]),
-    "pytest": ("test_main.py", None, ["PYTEST"]),
-    "bash": ("main.sh", None, ["bash", "main.sh"]),
-    "c": ("main.c", ["gcc", "-O2", "-std=c11", "-o", "main", "main.c", "-lm"], ["./main"]),
-    "cpp": ("main.cpp", ["g++", "-O2", "-std=c++17", "-o", "main", "main.cpp", "-lm"], ["./main"]),
-    "nodejs": ("main.js", None, ["node", "main.js"]),
-}
 
 
 def _preload() -> None:
@@ -187,6 +178,7 @@ def run_stage(
     memory_mb: int,
     max_output: int,
     cgroup_fd: int,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Fork, run `argv` (or the in-process Python path), collect output; a Stage dict."""
     in_r, in_w = os.pipe()
@@ -199,6 +191,7 @@ def run_stage(
         try:
             signal.signal(signal.SIGPIPE, signal.SIG_DFL)
             _drop_privileges(cwd, memory_mb, in_process=argv[0] in ("PYTHON", "PYTEST"))
+            os.environ.update(env or {})
             if argv == ["PYTHON"]:
                 _child_python(code)
             elif argv == ["PYTEST"]:
@@ -425,31 +418,42 @@ def _healthy() -> bool:
     )
 
 
+def _missing_tool(argvs: list[list[str] | None]) -> str | None:
+    """The first program of the plan this image lacks (the in-process paths need none, and a
+    path such as ./main is what the compile makes)."""
+    for argv in argvs:
+        if argv and argv[0] not in ("PYTHON", "PYTEST") and "/" not in argv[0] and not shutil.which(argv[0]):
+            return argv[0]
+    return None
+
+
 def handle_run(req: dict[str, Any], n: int, cgroup_fd: int) -> dict[str, Any]:
     lang = req.get("language") or "python"
-    if lang not in LANGUAGES:
+    compile_argv, run_argv = req.get("compile"), req["run"]
+    missing = _missing_tool([compile_argv, run_argv])
+    if missing is not None:
         return {
-            "error": f"unsupported language {lang!r}; supported: {', '.join(sorted(LANGUAGES))}",
+            "error": f"language {lang!r} needs {missing!r}, which this image does not have "
+            "(the `code` image has every available language)",
             "error_kind": "unsupported_language",
         }
-    source, compile_argv, run_argv = LANGUAGES[lang]
     cwd = _scratch(n)
     try:
         files = dict(req.get("files") or {})
-        files[source] = base64.b64encode(req["code"].encode()).decode()
+        files[req["source"]] = base64.b64encode(req["code"].encode()).decode()
         _write_files(cwd, files)
         cap = int(req.get("max_output", 1 << 20))
         mem = int(req.get("memory_limit_mb", -1))
+        env = {str(k): str(v) for k, v in (req.get("env") or {}).items()}
         compile_stage = None
         if compile_argv is not None:
-            compile_stage = run_stage(
-                compile_argv, "", cwd, b"", float(req.get("compile_timeout", 10)), -1, cap, cgroup_fd
-            )
-            if compile_stage["status"] != "Finished":
+            timeout = float(req.get("compile_timeout", 10))
+            compile_stage = run_stage(compile_argv, "", cwd, b"", timeout, -1, cap, cgroup_fd, env)
+            if compile_stage["status"] != "Finished" or compile_stage["return_code"] != 0:
                 return {"compile": compile_stage, "run": None, "files": {}}
         stdin = (req.get("stdin") or "").encode()
         timeout = float(req.get("run_timeout", 10))
-        run = run_stage(run_argv, req["code"], cwd, stdin, timeout, mem, cap, cgroup_fd)
+        run = run_stage(run_argv, req["code"], cwd, stdin, timeout, mem, cap, cgroup_fd, env)
         return {
             "compile": compile_stage,
             "run": run,

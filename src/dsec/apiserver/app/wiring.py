@@ -50,6 +50,7 @@ from dsec.cluster.provider import NodeProvider
 from dsec.compat.sandboxfusion import sandboxfusion_router
 from dsec.compat.swerex import swerex_router
 from dsec.edgeapi import EdgeAPI
+from dsec.fncall import languages
 from dsec.fncall.tenancy import caller_project, check_tier
 from dsec.fncall.tier import container_only
 from dsec.http.routes import (
@@ -227,6 +228,11 @@ def _install_fncall_routes(
         return model_response(await run(body.model_copy(update={"project": project})))
 
     express.derive(app.routes, fncall_run)
+
+    @app.get("/v1/fncall/languages")
+    async def fncall_languages() -> dict[str, Any]:
+        """The languages of the `code` image, and SandboxFusion's others with why they are not."""
+        return languages.listing()
 
     @app.post("/v1/fncall/jupyter", response_model=JupyterResult)
     async def fncall_jupyter(body: JupyterRequest, request: Request) -> Response:
