@@ -297,7 +297,10 @@ def vm_argv(
         "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
     ]  # fmt: skip
     for i, d in enumerate(disks):
-        ro = ",readonly=on" if d.readonly else ""
+        # (the writable disk bypasses the host's page cache: its dirty pages would be charged to
+        # QEMU's memory cgroup, which a v1 hierarchy does not throttle: a guest writing past its
+        # memory_mb got QEMU OOM-killed; the layers' images stay cached, shared by every guest)
+        ro = ",readonly=on" if d.readonly else ",cache=none"
         argv += ["-drive", f"id=d{i},file={d.path},format=raw,if=none{ro}"]
         argv += ["-device", f"virtio-blk-device,drive=d{i},serial={d.serial}"]
     if ram is not None:  # guest RAM in a file: (path, shared) (see Template); no path: anonymous
