@@ -7,12 +7,13 @@ docs/ARCHITECTURE.md ("The writable layer"). Run as root:
 Candidates, each create + mount + umount + destroy of one sandbox's writable layer:
 - tmpfs: today's upper (the baseline; its pages are memory).
 - ext4-mkfs: a sparse file, mkfs.ext4, a loop device (LOOP_CONFIGURE), mount.
-- ext4-template: an O_TMPFILE (no name, so nothing to leak) filled with the data extents of a
-  blank ext4 image made once per size, LOOP_CONFIGURE with autoclear + direct I/O, mount;
-  the umount alone frees the loop device and the file.
+- ext4-template (dsec's, dsec.backends.writable): an O_TMPFILE (no name, so nothing to leak)
+  filled with the data extents of a blank ext4 image made once per size, LOOP_CONFIGURE with
+  autoclear + direct I/O, mount; the umount alone frees the loop device and the file.
 - btrfs: one loop-mounted btrfs per edge with quotas on; per sandbox a subvolume (ioctl) and
   a qgroup limit (ioctl), destroyed with its subvolume (and the qgroup).
-Density: host memory (MemAvailable) and kernel threads per idle mounted layer.
+Density: kernel memory (slab, stacks, per-cpu, page tables, buffers) and kernel threads per
+idle mounted layer holding one small file (MemAvailable too: noisy on a shared machine).
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ from pathlib import Path
 
 from _common import pct
 
+from dsec.backends.writable import MOUNT_OPTIONS, WritableDisks, bind_loop, image_mb, make_blank
+
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 MS_NOSUID, MS_NODEV = 2, 4
-LOOP_CTL_GET_FREE, LOOP_CONFIGURE, LOOP_CLR_FD = 0x4C82, 0x4C0A, 0x4C01
-LO_FLAGS_AUTOCLEAR, LO_FLAGS_DIRECT_IO = 4, 16
 SIZE_MB, INODES = 2048, 262144
 
 
@@ -58,80 +59,30 @@ def umount(target: str) -> None:
         raise OSError(ctypes.get_errno(), f"umount {target}")
 
 
-def loop_attach(fd: int, *, direct: bool) -> tuple[int, str]:
-    """A free loop device bound to `fd` (autoclear: freed with its last user)."""
-    ctl = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
-    try:
-        while True:
-            n = fcntl.ioctl(ctl, LOOP_CTL_GET_FREE)
-            dev = f"/dev/loop{n}"
-            lfd = os.open(dev, os.O_RDWR | os.O_CLOEXEC)
-            flags = LO_FLAGS_AUTOCLEAR | (LO_FLAGS_DIRECT_IO if direct else 0)
-            info = struct.pack("=5Q4I64s64s32s2Q", 0, 0, 0, 0, 0, 0, 0, 0, flags, b"", b"", b"", 0, 0)
-            cfg = struct.pack("=II", fd, 4096 if direct else 0) + info + bytes(64)
-            try:
-                fcntl.ioctl(lfd, LOOP_CONFIGURE, cfg)
-                return lfd, dev
-            except OSError as e:
-                os.close(lfd)
-                if e.errno != 16:  # EBUSY: taken by someone else meanwhile
-                    raise
-    finally:
-        os.close(ctl)
-
-
 def blank(dirpath: Path) -> Path:
-    img = dirpath / f"blank-{SIZE_MB}m.ext4"
-    if not img.exists():
-        with open(img, "wb") as f:
-            f.truncate(SIZE_MB << 20)
-        subprocess.run(
-            ["mkfs.ext4", "-q", "-F", "-N", str(INODES), "-m", "0", "-O", "^has_journal",
-             "-E", "lazy_itable_init=1,nodiscard", str(img)], check=True,
-        )  # fmt: skip
-    return img
-
-
-def extents(fd: int) -> list[tuple[int, int]]:
-    out, off, end = [], 0, os.fstat(fd).st_size
-    while off < end:
-        try:
-            start = os.lseek(fd, off, os.SEEK_DATA)
-        except OSError:
-            break
-        stop = os.lseek(fd, start, os.SEEK_HOLE)
-        out.append((start, stop - start))
-        off = stop
-    return out
-
-
-def fill_from(src: int, ranges: list[tuple[int, int]], dst: int, size: int) -> None:
-    os.ftruncate(dst, size)
-    for start, length in ranges:
-        done = 0
-        while done < length:
-            done += os.copy_file_range(src, dst, length - done, start + done, start + done)
+    return make_blank(dirpath, image_mb(SIZE_MB, INODES), INODES)
 
 
 class Ext4Template:
-    def __init__(self, work: Path, *, direct: bool = True) -> None:
-        self.work, self.direct = work, direct
-        self.img = blank(work)
-        self.src = os.open(self.img, os.O_RDONLY)
-        self.ranges = extents(self.src)
-        self.size = os.fstat(self.src).st_size
+    """dsec's own (dsec.backends.writable): an O_TMPFILE filled from the template's extents,
+    LOOP_CONFIGURE with autoclear and direct I/O, then the mount the shim makes."""
+
+    def __init__(self, work: Path) -> None:
+        self.disks = WritableDisks(work)
+        self.disks.template(SIZE_MB, INODES)
 
     def create(self, mnt: str) -> None:
-        flags = os.O_RDWR | os.O_CLOEXEC | os.O_TMPFILE | (os.O_DIRECT if self.direct else 0)
-        fd = os.open(self.work, flags, 0o600)
-        fill_from(self.src, self.ranges, fd, self.size)
-        lfd, dev = loop_attach(fd, direct=self.direct)
-        os.close(fd)
-        mount(dev, mnt, "ext4", "noinit_itable")
-        os.close(lfd)  # the mount holds the device now; its umount frees it (autoclear)
+        disk = self.disks.attach(SIZE_MB, INODES, os.path.basename(mnt))
+        mount(disk.device, mnt, "ext4", MOUNT_OPTIONS)
+        disk.close()  # the mount holds the device now; its umount frees it (autoclear)
 
     def destroy(self, mnt: str) -> None:
         umount(mnt)
+
+
+def loop_attach(fd: int) -> tuple[int, str]:
+    disk = bind_loop(fd, "bench")
+    return disk.fd, disk.device
 
 
 class Ext4Mkfs:
@@ -143,12 +94,12 @@ class Ext4Mkfs:
         with open(path, "wb") as f:
             f.truncate(SIZE_MB << 20)
         subprocess.run(
-            ["mkfs.ext4", "-q", "-F", "-N", str(INODES), "-m", "0", "-O", "^has_journal",
+            ["mkfs.ext4", "-q", "-F", "-N", str(INODES), "-m", "0", "-O", "^has_journal,^resize_inode",
              "-E", "lazy_itable_init=1,nodiscard", str(path)], check=True,
         )  # fmt: skip
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         path.unlink()
-        lfd, dev = loop_attach(fd, direct=False)
+        lfd, dev = loop_attach(fd)
         os.close(fd)
         mount(dev, mnt, "ext4", "noinit_itable")
         os.close(lfd)
@@ -177,7 +128,7 @@ class Btrfs:
         subprocess.run(["mkfs.btrfs", "-q", "-f", str(img)], check=True, stderr=subprocess.DEVNULL)
         fd = os.open(img, os.O_RDWR | os.O_CLOEXEC)
         img.unlink()
-        lfd, dev = loop_attach(fd, direct=False)
+        lfd, dev = loop_attach(fd)
         os.close(fd)
         mount(dev, str(self.root), "btrfs", "")
         os.close(lfd)
@@ -206,11 +157,17 @@ class Btrfs:
         umount(str(self.root))
 
 
-def mem_available() -> int:
+def meminfo(*keys: str) -> int:
+    """Bytes: the sum of these /proc/meminfo fields."""
+    total = 0
     for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 0
+        name, value = line.split(":", 1)
+        if name in keys:
+            total += int(value.split()[0]) * 1024
+    return total
+
+
+KERNEL = ("Slab", "KernelStack", "Percpu", "PageTables", "Buffers")  # a mount's and a device's own
 
 
 def kthreads() -> int:
@@ -233,7 +190,6 @@ def main(rounds: int, density: int) -> None:
     cands: dict[str, object] = {
         "tmpfs": Tmpfs(),
         "ext4-template": Ext4Template(work),
-        "ext4-template-buffered": Ext4Template(work, direct=False),
         "ext4-mkfs": Ext4Mkfs(work),
         "btrfs": Btrfs(work),
     }
@@ -256,7 +212,7 @@ def main(rounds: int, density: int) -> None:
         base = pct(create["tmpfs"], 0.5) + pct(destroy["tmpfs"], 0.5)
         print(
             f"blank ext4 of {SIZE_MB} MiB, {INODES} inodes (once per size): {mkfs_once * 1000:.1f} ms, "
-            f"{sum(n for _, n in Ext4Template(work).ranges) >> 10} KiB of data extents"
+            f"{sum(n for _, n in WritableDisks(work).template(SIZE_MB, INODES).extents) >> 10} KiB to copy"
         )
         print("| candidate | create p50 ms | create p95 ms | destroy p50 ms | total vs tmpfs |")
         print("|---|---|---|---|---|")
@@ -268,13 +224,14 @@ def main(rounds: int, density: int) -> None:
             )
         print()
         print(
-            f"| candidate | host memory per idle layer (KiB, {density} mounted) | kernel threads per layer |"
+            f"| candidate | kernel memory per idle layer (KiB, {density} mounted) | "
+            "MemAvailable drop per layer (KiB, noisy) | kernel threads per layer |"
         )
-        print("|---|---|---|")
+        print("|---|---|---|---|")
         for name in ("tmpfs", "ext4-template", "btrfs"):
             c = cands[name]
             subprocess.run(["sync"], check=True)
-            m0, k0 = mem_available(), kthreads()
+            m0, n0, k0 = meminfo("MemAvailable"), meminfo(*KERNEL), kthreads()
             made = []
             for i in range(density):
                 m = mnts / f"d-{name}-{i}"
@@ -283,8 +240,11 @@ def main(rounds: int, density: int) -> None:
                 (c.root / m.name if isinstance(c, Btrfs) else m).joinpath("f").write_bytes(b"x")
                 made.append(m)
             time.sleep(1.0)
-            m1, k1 = mem_available(), kthreads()
-            print(f"| {name} | {(m0 - m1) / density / 1024:.0f} | {(k1 - k0) / density:.2f} |")
+            m1, n1, k1 = meminfo("MemAvailable"), meminfo(*KERNEL), kthreads()
+            print(
+                f"| {name} | {(n1 - n0) / density / 1024:.0f} | {(m0 - m1) / density / 1024:.0f} | "
+                f"{(k1 - k0) / density:.2f} |"
+            )
             for m in made:
                 c.destroy(str(m))  # type: ignore[attr-defined]
                 m.rmdir()

