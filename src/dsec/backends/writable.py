@@ -160,17 +160,22 @@ def make_blank(cache: Path, size_mb: int, inodes: int) -> Path:
     """A blank ext4 image of `size_mb` with `inodes` inodes, made once under `cache`: no journal
     (nothing of it outlives its host's crash), no blocks reserved for root (a sandbox's root is
     not the host's), no resize inode (~1 MiB less to copy per sandbox)."""
-    target = cache / f"upper-{size_mb}m-{inodes}i.ext4"
+    features, extended = "^has_journal,^resize_inode", "lazy_itable_init=1,nodiscard"
+    options = ["-b", "4096", "-N", str(inodes), "-m", "0", "-O", features, "-E", extended, "-L", "dsec-upper"]
+    return mkfs_once(cache / f"upper-{size_mb}m-{inodes}i.ext4", size_mb, options)
+
+
+def mkfs_once(target: Path, size_mb: int, options: list[str]) -> Path:
+    """`target`, a sparse file of `size_mb` made an ext4 by mkfs.ext4 with `options`, unless it
+    exists (made under a temporary name, then renamed: concurrent makers are harmless)."""
     if target.exists():
         return target
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = cache / f".{target.name}.{os.getpid()}.{threading.get_ident()}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.{os.getpid()}.{threading.get_ident()}"
     tmp.unlink(missing_ok=True)
     with open(tmp, "wb") as f:
         f.truncate(size_mb * _MIB)
-    features, extended = "^has_journal,^resize_inode", "lazy_itable_init=1,nodiscard"
-    argv = ["mkfs.ext4", "-q", "-F", "-b", "4096", "-N", str(inodes), "-m", "0", "-O", features,
-            "-E", extended, "-L", "dsec-upper", str(tmp)]  # fmt: skip
+    argv = ["mkfs.ext4", "-q", "-F", *options, str(tmp)]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
     if r.returncode != 0:
         tmp.unlink(missing_ok=True)
