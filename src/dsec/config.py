@@ -107,6 +107,12 @@ class EdgeSettings(BaseSettings):
         return self.layer_root.parent / "bin"
 
     @property
+    def disk_dir(self) -> Path:
+        """Where sandboxes' writable layers on disk live (unnamed files: see
+        dsec.backends.writable) with their blank templates; beside the layer store."""
+        return self.layer_root.parent / "disks"
+
+    @property
     def edge_run_dir(self) -> Path:
         return self.run_dir / self.name
 

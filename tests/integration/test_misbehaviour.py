@@ -28,7 +28,8 @@ async def test_disk_quota_bytes_and_inodes_give_enospc_inside(edge, backend):
         free_before = shutil.disk_usage("/").free
     r = await edge.exec(sb.id, ExecRequest(cmd="head -c 200000000 /dev/zero > /work/big; echo rc=$?"))
     assert "rc=1" in r.stdout and "No space left on device" in r.stderr
-    assert r.misbehaviour == {}  # the shell exited 0: its `echo` ran after the failed write
+    assert r.exit_code == 0 and r.misbehaviour == {"disk_full": 1}  # the shell went on: still counted
+    await edge.exec(sb.id, ExecRequest(cmd="rm /work/big"))
     r = await edge.exec(sb.id, ExecRequest(cmd="head -c 200000000 /dev/zero > /work/big2"))
     assert r.exit_code != 0 and r.misbehaviour.get("disk_full") == 1
     # 400 MB asked for, 8 MB allowed: the node's disk did not take them (what else writes to

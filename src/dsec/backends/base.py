@@ -34,6 +34,7 @@ from dsec.isolation.cgroups import ExecGroup
 from dsec.isolation.spec import Limits
 
 if TYPE_CHECKING:
+    from dsec.backends.writable import WritableDisks
     from dsec.isolation.cgroups import CgroupHost
     from dsec.isolation.idranges import IdRange, IdRanges
     from dsec.isolation.netpolicy import NetHost
@@ -108,6 +109,7 @@ class SandboxPlan:
     disk_mb: int
     env: dict[str, str]
     disk_inodes: int = 262144
+    storage: str = "disk"  # the writable layer: "disk" (an ext4 of its own) or "memory" (a tmpfs)
     pids: int = 1024  # processes the sandbox's user may run (the limit keeps a reserve for us)
     # a disk-image writable layer to start from (a fork of a backend whose writable layer is
     # a disk: `Backend.copy_writable_disk`); moved into the sandbox, which owns it from then
@@ -132,6 +134,7 @@ class BackendHost:
     criu_root: Path | None = None  # where a CRIU the project built lives
     runsc_root: Path | None = None  # where install.sh unpacked gVisor's runsc
     microvm_root: Path | None = None  # the guest kernel, layer disk images and template VMs
+    disks: WritableDisks | None = None  # writable layers on disk (storage="disk"), host-wide
 
 
 class CheckpointTreeRecord(Protocol):

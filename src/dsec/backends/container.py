@@ -5,7 +5,8 @@ Lifecycle of one sandbox (all host resources carry the prefix ``dsec``)::
     create:  config.json, then `dsec-shim crun-wrap` -> `crun run -d` with the shim control
              socketpair at fds 3-4; the wrapper first mounts, in a mount namespace of its own
              (so nothing lands in the host's mount table):
-               tmpfs "dsec-upper" on <run>/sandboxes/<id>/up    (upper + work; size = disk quota)
+               "dsec-upper" on <run>/sandboxes/<id>/up    (upper + work; size = disk quota): an
+                 ext4 on a loop device of its own (storage="disk", dsec.backends.writable), or a tmpfs
                overlay "dsec-rootfs" on <run>/sandboxes/<id>/rootfs (layers as lowerdirs, top first)
              -> PID 1 is dsec-shim; ready when it answers a ping
     spawn:   one datagram to the shim with stdio fds + an exec cgroup fd (see dsec-shim.c)
@@ -28,6 +29,7 @@ import shutil
 import signal
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,7 @@ from typing import Any
 from dsec.backends import criu
 from dsec.backends.base import Backend, BackendHost, Capability, SandboxHandle, SandboxPlan, WhileStopped
 from dsec.backends.shim import ShimChannel
+from dsec.backends.writable import MOUNT_OPTIONS, LoopDisk
 from dsec.errors import InternalError, InvalidRequest
 from dsec.isolation import linux
 from dsec.isolation.idranges import IdRange, range_of
@@ -58,7 +61,7 @@ class Container(SandboxHandle):
     channel: ShimChannel
     exited: asyncio.Future[None]
     timings_ms: dict[str, float] = field(default_factory=dict)
-    upper_fd: int = -1  # O_PATH on the writable layer's tmpfs root (upper/ and work/)
+    upper_fd: int = -1  # O_PATH on the writable layer's root (its ext4 or tmpfs: upper/ and work/)
     id_base: int = 0  # the host uid (and gid) its root is: its own range (isolation/idranges.py)
     id_range: IdRange | None = None  # this process's claim on that range
     exit_status: tuple[int, int] | None = None  # (si_code, si_status) of the init, once reaped
@@ -73,17 +76,24 @@ class Container(SandboxHandle):
         return f"its init exited with status {status}"
 
     def disk_usage(self) -> tuple[int, int, bool]:
-        """(bytes, inodes) used in the writable layer, and whether either is exhausted."""
+        """(bytes, inodes) used in the writable layer, and whether either is exhausted. Full:
+        no inode left, or less room than ext4 may refuse a write with (its ENOSPC can leave up
+        to ~1 MiB: a 1 MiB write, and the next, refused with 0.2-0.7 MiB free; a tmpfs's 0)."""
         if self.upper_fd < 0:
             return 0, 0, False
         st = os.statvfs(f"/proc/{os.getpid()}/fd/{self.upper_fd}")
         used = (st.f_blocks - st.f_bfree) * st.f_frsize
-        return used, st.f_files - st.f_ffree, st.f_bavail == 0 or st.f_favail == 0
+        room = st.f_bavail * st.f_frsize
+        return (
+            used,
+            st.f_files - st.f_ffree,
+            room < min(1 << 20, st.f_blocks * st.f_frsize // 16) or st.f_favail == 0,
+        )
 
     @property
     def upper(self) -> Path:
-        """The writable layer as this process reaches it (the tmpfs is in the sandbox's
-        mount namespace only)."""
+        """The writable layer as this process reaches it (its file system is mounted in the
+        sandbox's mount namespace only)."""
         if self.upper_fd < 0:
             raise InternalError(f"sandbox {self.id} has no handle on its writable layer")
         return Path(f"/proc/{os.getpid()}/fd/{self.upper_fd}/upper")  # usable by helper processes too
@@ -116,8 +126,14 @@ class Container(SandboxHandle):
             os.close(self.pidfd)
             self.pidfd = -1
         if self.upper_fd >= 0:
-            os.close(self.upper_fd)
+            # Once the sandbox is gone this may be the writable layer's last reference: its
+            # close unmounts the file system there and then (an ext4's umount and its loop
+            # device's release: ~2-15 ms; a big tmpfs's pages freed), off the event loop.
+            _closer.submit(os.close, self.upper_fd)
             self.upper_fd = -1
+
+
+_closer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsec-layer-close")
 
 
 def landlock_abi() -> int:
@@ -147,6 +163,7 @@ class ContainerBackend(Backend):
         self.id_ranges = host.id_ranges  # each sandbox's own range
         self.cgroups = host.cgroups
         self.tools_dir = host.tools_dir  # bound read-only at /.dsec-tools in every sandbox
+        self.disks = host.disks  # writable layers on disk (storage="disk")
         self.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self.runtime_root.mkdir(parents=True, exist_ok=True)
         # crun compiles the seccomp profile with libseccomp at every start (~1.3 ms) and keeps
@@ -170,9 +187,10 @@ class ContainerBackend(Backend):
         removed (`_teardown` is safe on partial state):
 
         1. ids: a host id range of its own, claimed host-wide (its user namespace maps it)
-        2. layers: the bundle directory; the tmpfs writable layer (size and inodes = disk
-           quota); the image's layers, idmapped from the store's range to its own, under an
-           overlay, all mounted by crun-wrap in the runtime's own mount namespace
+        2. layers: the writable layer's ext4 on a loop device (storage="disk"; a tmpfs for
+           "memory"), size and inodes = disk quota; the bundle directory; the image's layers,
+           idmapped from the store's range to its own, under an overlay, all mounted by
+           crun-wrap in the runtime's own mount namespace
         3. config: namespaces (user, pid, mount, network, ipc, uts, cgroup), the cgroup
            and its limits, capabilities, masked paths, and the seccomp filter (compiled once
            per profile per edge process)
@@ -188,11 +206,15 @@ class ContainerBackend(Backend):
         d = self.sandboxes_dir / plan.id
         ids = self.id_ranges.claim()  # 1
         container: Container | None = None
+        disk = None
         try:
-            mounts = self._layers(d, plan, ids.base)  # 2
+            disk = await self._disk(plan)  # 2
+            mounts = self._layers(d, plan, ids.base, disk)
             self._config(d, plan, ids.base)  # 3
             t1 = time.perf_counter()
             pid = await self._start_runtime(d, plan, mounts)  # 4
+            if disk is not None:  # mounted by the launcher, which is its only user from here
+                disk.close()
             now = time.monotonic()
             if now - self._reaped_at > 0.5:  # crun's intermediate processes, reparented to us
                 self._reaped_at = now  # (a scan costs ~0.4 ms with 1,000 live: not per start)
@@ -206,6 +228,8 @@ class ContainerBackend(Backend):
             await container.channel.ping()  # 6
             t3 = time.perf_counter()
         except BaseException:
+            if disk is not None:
+                disk.close()
             self._seccomp_learn.pop(plan.id, None)
             if container is None:
                 container = self._started_init(plan.id, d, ids)
@@ -237,10 +261,27 @@ class ContainerBackend(Backend):
         ids.bind(container.pid, container.start_time)
         return container
 
-    def _layers(self, d: Path, plan: SandboxPlan, base: int) -> list[str]:
+    async def _disk(self, plan: SandboxPlan) -> LoopDisk | None:
+        """The writable layer's file system on a loop device of its own (storage="disk"), or
+        None for a tmpfs (storage="memory"); its blank template is made once per shape."""
+        if plan.storage == "memory":
+            return None
+        if self.disks is None:
+            raise InternalError("this edge has no directory for writable layers on disk")
+        if not self.disks.ready(plan.disk_mb, plan.disk_inodes):  # mkfs: off the loop, once
+            await asyncio.get_running_loop().run_in_executor(
+                None, self.disks.template, plan.disk_mb, plan.disk_inodes
+            )
+        try:
+            return self.disks.attach(plan.disk_mb, plan.disk_inodes, plan.id)
+        except OSError as e:
+            raise InternalError(f"the writable layer on disk could not be made: {e}") from e
+
+    def _layers(self, d: Path, plan: SandboxPlan, base: int, disk: LoopDisk | None) -> list[str]:
         """The bundle directory; the mount arguments for `dsec-shim crun-wrap`, which mounts
-        the tmpfs upper, the layers (idmapped from the store's canonical range to the
-        sandbox's own, `base`) and the overlay inside the runtime's own mount namespace."""
+        the writable layer (`disk`'s ext4, or a tmpfs), the layers (idmapped from the store's
+        canonical range to the sandbox's own, `base`) and the overlay inside the runtime's
+        own mount namespace."""
         up, rootfs, lowers = d / "up", d / "rootfs", d / "lower"
         d.mkdir(mode=0o711)  # the userns root must traverse it to reach rootfs
         d.chmod(0o711)
@@ -252,9 +293,12 @@ class ContainerBackend(Backend):
                 f"image has too many layers ({len(plan.lowerdirs)}, at most {MAX_LAYERS}) to stack; "
                 "merge some layers"
             )
-        tmpfs = f"size={plan.disk_mb}m,nr_inodes={plan.disk_inodes},mode=0755,uid={base},gid={base}"
+        if disk is not None:  # the shim mounts "ext4=DEVICE,OPTIONS" as ext4, anything else as a tmpfs
+            upper = f"ext4={disk.device},{MOUNT_OPTIONS}"
+        else:
+            upper = f"size={plan.disk_mb}m,nr_inodes={plan.disk_inodes},mode=0755,uid={base},gid={base}"
         idmap = f"{self.uid_offset}:{base}:{ID_RANGE}" if base != self.uid_offset else "-"
-        mounts = [str(up), tmpfs, str(rootfs), str(base), idmap, str(lowers), str(len(plan.lowerdirs))]
+        mounts = [str(up), upper, str(rootfs), str(base), idmap, str(lowers), str(len(plan.lowerdirs))]
         return mounts + [str(p) for p in plan.lowerdirs]
 
     def _after_start(self, container: Container, plan: SandboxPlan) -> None:

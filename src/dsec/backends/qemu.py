@@ -45,6 +45,7 @@ from typing import Any
 from dsec.aio import wait_for
 from dsec.backends.debian import FetchError, fetch_tree
 from dsec.backends.guestchannel import GuestChannel
+from dsec.backends.writable import mkfs_once
 from dsec.isolation.procs import spawn_quick, wait_quick
 
 KERNEL_PACKAGE = "linux-image-cloud-amd64"
@@ -216,24 +217,9 @@ def layer_image(cache: Path, layer: Path, idmap_run: list[str], timeout: float =
 def blank_disk(cache: Path, size_mb: int, inodes: int) -> Path:
     """An empty ext4 file system of `size_mb`, its root owned by the guest's root, made once
     per size: each sandbox's writable disk starts as a sparse copy of it."""
-    target = cache / f"blank-{size_mb}m-{inodes}i.ext4"
-    if target.exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = cache / f".{target.name}.{os.getpid()}"
-    tmp.unlink(missing_ok=True)
-    with open(tmp, "wb") as f:
-        f.truncate(size_mb << 20)
-    r = subprocess.run(
-        ["mkfs.ext4", "-q", "-F", "-N", str(inodes), "-E", "root_owner=0:0,lazy_itable_init=0,nodiscard",
-         "-O", "^has_journal", "-L", "dsec-rw", str(tmp)],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    if r.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"mkfs.ext4 failed: {r.stderr[-800:]}")
-    os.replace(tmp, target)
-    return target
+    options = ["-N", str(inodes), "-E", "root_owner=0:0,lazy_itable_init=0,nodiscard", "-O", "^has_journal",
+               "-L", "dsec-rw"]  # fmt: skip
+    return mkfs_once(cache / f"blank-{size_mb}m-{inodes}i.ext4", size_mb, options)
 
 
 def sparse_copy(src: Path, dst: Path) -> None:
@@ -297,7 +283,10 @@ def vm_argv(
         "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
     ]  # fmt: skip
     for i, d in enumerate(disks):
-        ro = ",readonly=on" if d.readonly else ""
+        # (the writable disk bypasses the host's page cache: its dirty pages would be charged to
+        # QEMU's memory cgroup, which a v1 hierarchy does not throttle: a guest writing past its
+        # memory_mb got QEMU OOM-killed; the layers' images stay cached, shared by every guest)
+        ro = ",readonly=on" if d.readonly else ",cache=none"
         argv += ["-drive", f"id=d{i},file={d.path},format=raw,if=none{ro}"]
         argv += ["-device", f"virtio-blk-device,drive=d{i},serial={d.serial}"]
     if ram is not None:  # guest RAM in a file: (path, shared) (see Template); no path: anonymous

@@ -91,6 +91,7 @@ class SpecOptions(TypedDict, total=False):
     project: str
     backend: str
     disk_inodes: int
+    storage: str
     max_output_bytes: int
     protected_paths: list[str] | None
     network: wire.NetworkPolicy | dict[str, Any] | None

@@ -36,6 +36,7 @@ from dsec import errors
 from dsec import models as wire
 from dsec.backends import registry
 from dsec.backends.base import Backend, BackendHost, BackendUnavailable
+from dsec.backends.writable import WritableDisks
 from dsec.config import EdgeSettings
 from dsec.edge.core import EdgeCore
 from dsec.edge.execs import EdgeExec
@@ -101,6 +102,7 @@ class Edge:
         self.sandboxes = self.core.sandboxes  # live ones by id, shared by every part
         self.backends = self.core.backends  # by name: the ones settings.backends names, started
         self._toolkit: list[str] = []  # the layers every sandbox gets on top (the shim), at start()
+        self._disks = WritableDisks(settings.disk_dir)  # sandboxes' writable layers on disk
         self._copy_tool = Path("/nonexistent")  # dsec-copy, built at start()
         self._tasks: list[asyncio.Task[None]] = []
         # Exec cgroups outlive an edge process when background jobs stay in them:
@@ -232,6 +234,7 @@ class Edge:
             criu_root=s.criu_root,
             runsc_root=s.runsc_dir,
             microvm_root=s.microvm_dir,
+            disks=self._disks,
         )
         for name in dict.fromkeys(s.backends):
             try:
@@ -279,6 +282,7 @@ class Edge:
             await self.trajlog.close()
         for backend in self.backends.values():
             backend.close()
+        self._disks.close()
         self.cgroups.remove_parent_if_empty()
         self.state._unmount_forks_if_unused()
         self._unmount_run_tmpfs_if_unused()

@@ -420,6 +420,7 @@ class FnCallPool:
             memory_mb=2048,
             pids=2048,
             disk_mb=2048,
+            storage="memory",  # short, write-light calls in a scratch dir each: no disk to make
             project=FNCALL_PROJECT,
             backend=WORKER_BACKEND,  # the default, stated: the pool relies on host cgroups per call
         )

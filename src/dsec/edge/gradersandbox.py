@@ -208,7 +208,8 @@ class GraderSandboxes(EdgePart):
         # Whole multiples of the sandbox's disk (a microVM's template is per disk size).
         staged = 0 if sb.handle.channel.passes_fds else copied  # (a piece-by-piece copy: see _unpack)
         disk = spec.disk_mb * (1 + -(-(copied + staged) // (spec.disk_mb * _MIB)))
-        memory = spec.memory_mb + (disk - spec.disk_mb if backend.host_files else 0)  # (a tmpfs)
+        in_memory = backend.host_files and spec.storage == "memory"  # (a tmpfs: its pages are memory)
+        memory = spec.memory_mb + (disk - spec.disk_mb if in_memory else 0)
         gid = self._new_id()
         lowers = [self.layers.layer_path(r) for r in self._toolkit()]
         lowers += trusted_lowers(self.layers, self._image(spec.image))
@@ -219,6 +220,7 @@ class GraderSandboxes(EdgePart):
             disk,
             {"PATH": DEFAULT_PATH, "HOSTNAME": gid},
             spec.disk_inodes * (disk // spec.disk_mb),
+            spec.storage,
             spec.pids,
         )
         self._making[gid] = spec.model_copy(update={"memory_mb": memory, "disk_mb": disk})

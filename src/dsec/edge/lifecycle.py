@@ -213,7 +213,7 @@ class EdgeLifecycle(EdgePart):
             env = {"PATH": DEFAULT_PATH, "HOSTNAME": sid, **spec.env}
             limits = Limits(spec.cpu, spec.memory_mb, spec.pids + PID_RESERVE)
             plan = SandboxPlan(
-                sid, lowers, limits, spec.disk_mb, env, spec.disk_inodes, spec.pids,
+                sid, lowers, limits, spec.disk_mb, env, spec.disk_inodes, spec.storage, spec.pids,
                 writable_from=writable_from, restore_from=restore_from,
             )  # fmt: skip
             # The sandbox's first trajectory reservation (an fsync) overlaps the runtime start

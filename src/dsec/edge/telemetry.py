@@ -65,10 +65,10 @@ class Telemetry(EdgePart):
 
     def misbehaviour(self, sb: Sandbox, res: RawResult, denied_before: int = 0) -> dict[str, int]:
         """Limit hits during one call, for its result and the trajectory. Forks refused in
-        the call's own cgroup count whatever its exit status (a program may catch EAGAIN and
-        carry on); the sandbox's kernel counters are read only when the call did not succeed
-        (a clean exit leaves them alone, save a background process's misfortune, which the
-        next failed call or GET reports)."""
+        the call's own cgroup and a full disk count whatever its exit status (a program may
+        catch EAGAIN or ENOSPC and carry on); the sandbox's kernel counters are read only
+        when the call did not succeed (a clean exit leaves them alone, save a background
+        process's misfortune, which the next failed call or GET reports)."""
         if res.timed_out:
             sb.stats["timeouts"] += 1
         if res.truncated:
@@ -79,18 +79,19 @@ class Telemetry(EdgePart):
         if res.pids_limit_hits:
             sb.stats["pids_limit_hits"] += res.pids_limit_hits
             out["pids_limit_hits"] = res.pids_limit_hits
+        # The file system's own answer, read at the end of every call (a statvfs, ~2 us): full
+        # now, and not at the end of the last one. The kernel counts no ENOSPC it returns, so a
+        # call that fills the disk and frees it again before it ends is not seen.
+        full = sb.handle.disk_usage()[2]
+        if full and not sb.disk_was_full:
+            sb.stats["disk_full"] += 1
+            out["disk_full"] = 1
+        sb.disk_was_full = full  # freed since? then the next fill counts again
         if res.exit_code == 0 and not res.timed_out:
-            if sb.disk_was_full:  # freed since? then the next fill counts again
-                sb.disk_was_full = sb.handle.disk_usage()[2]
             return out
         now = self.cgroups.events(sb.id)
         for k, v in now.items():
             if v > sb.seen_events.get(k, 0):
                 out[k] = out.get(k, 0) + v - sb.seen_events.get(k, 0)
         sb.seen_events.update(now)
-        _, _, full = sb.handle.disk_usage()
-        if full and not sb.disk_was_full:
-            sb.stats["disk_full"] += 1
-            out["disk_full"] = 1
-        sb.disk_was_full = full
         return out

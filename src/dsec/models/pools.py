@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field
 
 from dsec.models.sandbox import SandboxSpec
@@ -16,6 +18,7 @@ class PoolSpec(BaseModel):
     pids: int = 1024
     disk_mb: int = 2048
     disk_inodes: int = 262144
+    storage: Literal["disk", "memory"] = Field("disk", exclude_if=lambda v: v == "disk")
     user: str = "root"
     workdir: str = "/work"
     backend: str = Field(

@@ -68,7 +68,8 @@ class SandboxState(StrEnum):
 
 
 class SandboxSpec(_Model):
-    """What a caller asks for. Limits are hard: cgroups and tmpfs enforce them."""
+    """What a caller asks for. Limits are hard: cgroups and the writable layer's file system
+    enforce them."""
 
     image: ShortStr = "python"
     cpu: float = Field(1.0, gt=0, le=64, description="CPU cores (CFS quota); also sets the CPU weight")
@@ -76,6 +77,14 @@ class SandboxSpec(_Model):
     pids: int = Field(1024, ge=8, le=65536, description="max processes and threads")
     disk_mb: int = Field(2048, ge=1, le=1048576, description="size of the writable layer")
     disk_inodes: int = Field(262144, ge=1024, le=16777216, description="files the writable layer can hold")
+    storage: Literal["disk", "memory"] = Field(
+        "disk",
+        # Left out when it is the default, as `backend` is: older edges and records read it.
+        exclude_if=lambda v: v == "disk",
+        description="where the writable layer lives: disk (an ext4 of disk_mb of its own: files do not "
+        "count against memory_mb) or memory (a tmpfs of disk_mb whose pages are memory_mb's: "
+        "~2 ms faster to create, for short, write-light tasks)",
+    )
     max_output_bytes: int = Field(
         1 * MiB, ge=0, le=64 * MiB, description="ceiling on what any call in this sandbox captures per stream"
     )

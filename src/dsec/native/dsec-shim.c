@@ -7,10 +7,10 @@
  *   dsec-shim kill-others    inside a sandbox: SIGKILL everything but the init.
  *   dsec-shim idmap-run ...  run a command over an idmapped view of a layer (see run_idmap_run).
  *   dsec-shim vm-launch ...  start a microVM's QEMU confined (see run_vm_launch).
- *   dsec-shim crun-wrap A B HYBRID UP TMPFS_OPTS ROOTFS OWNER IDMAP LOWERS N SRC... -- RUNTIME ARGS...
+ *   dsec-shim crun-wrap A B HYBRID UP UPPER_OPTS ROOTFS OWNER IDMAP LOWERS N SRC... -- RUNTIME ARGS...
  *                            launch the runtime with fds A,B moved to 3,4, in a
  *                            private mount namespace holding the sandbox's
- *                            tmpfs upper, its N layers (idmapped read-only
+ *                            writable layer (ext4 or tmpfs), its N layers (idmapped read-only
  *                            clones on LOWERS/<i>, see dsec-idmap.h) and the
  *                            overlay root (and, on hybrid cgroup hosts, hiding
  *                            the v2 mount crun rejects).
@@ -21,7 +21,7 @@
  * nothing inside can connect to it. The shim also keeps the edge's end open at
  * fd 4 so that its messages survive an edge restart: the new edge takes a copy
  * of fd 4 with pidfd_getfd(2). Fd 5 is an O_PATH handle on the sandbox's
- * writable layer (its tmpfs), which the edge uses for snapshots and forks. The shim is non-dumpable and sandbox processes
+ * writable layer (its file system), which the edge uses for snapshots and forks. The shim is non-dumpable and sandbox processes
  * lack CAP_SYS_PTRACE, and seccomp denies ptrace, pidfd_getfd and
  * process_vm_*, so they can neither read its fds nor its memory. It handles
  * only SIGCHLD (through a signalfd), so as PID 1 it ignores every signal sent
@@ -486,8 +486,9 @@ static int run_init(int gvisor) {
     return serve(sfd);
 }
 
-/* Mount the sandbox's writable tmpfs and its overlay root in a mount namespace of
- * our own, then exec the runtime in it: the container's namespace is cloned from
+/* Mount the sandbox's writable layer (UPPER_OPTS "ext4=/dev/loopN,OPTS": that device's
+ * ext4, see dsec/backends/writable.py; else a tmpfs's options) and its overlay root in a
+ * mount namespace of our own, then exec the runtime in it: the container's namespace is cloned from
  * this one, so the sandbox's mounts never appear in the host's mount table (which
  * would make every later create copy and scan one more pair of mounts, and could
  * leak). They go away with the container's mount namespace.
@@ -496,12 +497,14 @@ static int run_init(int gvisor) {
  * idmapped (IDMAP "FROM:TO:COUNT": the store's canonical range FROM.. shown as the
  * sandbox's own range TO..) so that no host id the sandbox maps owns a file of
  * the layer store; the overlay stacks those clones. */
-static int mount_rootfs(const char *up, const char *tmpfs_opts, const char *rootfs, uid_t owner,
+static int mount_rootfs(const char *up, const char *upper_opts, const char *rootfs, uid_t owner,
                         const char *idmap, const char *lowers, int nlower, char **srcs) {
-    char path[4096];
+    char path[4096], dev[64];
     static char opts[65536];
-    if (mount("dsec-upper", up, "tmpfs", MS_NOSUID | MS_NODEV, tmpfs_opts) < 0) {
-        perror("dsec-shim: mount upper tmpfs");
+    int n = 0, ext4 = sscanf(upper_opts, "ext4=%63[^,],%n", dev, &n) >= 1 && n > 0 && !strncmp(dev, "/dev/loop", 9);
+    if (mount(ext4 ? dev : "dsec-upper", up, ext4 ? "ext4" : "tmpfs", MS_NOSUID | MS_NODEV,
+              upper_opts + (ext4 ? n : 0)) < 0) {
+        perror("dsec-shim: mount the writable layer");
         return -1;
     }
     const char *subs[] = {"upper", "work"};
@@ -559,11 +562,11 @@ static int mount_rootfs(const char *up, const char *tmpfs_opts, const char *root
  * with the sandbox's layers, the writable layer's handle at 5, an audit session. Returns
  * the runtime's argv, or NULL (the error printed). */
 static char **prepare_launch(int argc, char **argv, const char *mode) {
-    /* argv: MODE FD_A FD_B HYBRID UP TMPFS_OPTS ROOTFS OWNER IDMAP LOWERS N SRC*N -- runtime args... */
+    /* argv: MODE FD_A FD_B HYBRID UP UPPER_OPTS ROOTFS OWNER IDMAP LOWERS N SRC*N -- runtime args... */
     int nlower = argc > 11 ? atoi(argv[11]) : -1;
     int dashes = 12 + nlower;
     if (nlower < 0 || nlower > 500 || argc < dashes + 2 || strcmp(argv[dashes], "--") != 0) {
-        fprintf(stderr, "usage: dsec-shim %s FD_A FD_B HYBRID UP TMPFS_OPTS ROOTFS OWNER IDMAP LOWERS N "
+        fprintf(stderr, "usage: dsec-shim %s FD_A FD_B HYBRID UP UPPER_OPTS ROOTFS OWNER IDMAP LOWERS N "
                         "SRC... -- RUNTIME ARGS...\n", mode);
         return NULL;
     }
