@@ -60,6 +60,7 @@ _REFERENCE = re.compile(
     rf"^(?:(?P<domain>{_DOMAIN})/)?(?P<path>{_COMPONENT}(?:/{_COMPONENT})*)"
     r"(?::(?P<tag>[\w][\w.-]{0,127}))?(?:@(?P<digest>sha256:[a-f0-9]{64}))?$"
 )
+REGISTRY_RE = re.compile(rf"^{_DOMAIN}$")  # host[:port], as a reference names it (docker.io: Hub)
 _MAX_REFERENCE = 255 + 1 + 255 + 1 + 128 + 1 + 71
 
 Progress = Callable[[str], None]
@@ -290,10 +291,11 @@ def pull_image(
     scratch: Path,
     policy: PullPolicy,
     auth: RegistryAuth | None = None,
+    project: str | None = None,
     progress: Progress | None = None,
 ) -> Image:
-    """Pull `ref` into the store as image `name` (see the module). `scratch`: a directory on
-    disk for the download (it can be as big as the image)."""
+    """Pull `ref` into the store as image `name` (see the module), `project`'s if given.
+    `scratch`: a directory on disk for the download (it can be as big as the image)."""
     local = check_registry(ref, policy)
     scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="pull-", dir=scratch) as tmp:
@@ -343,6 +345,8 @@ def pull_image(
         digest = index["manifests"][0]["digest"]  # (skopeo wrote it: the manifest it verified)
         image = import_oci_archive(store, name, layout, progress=progress)
     image.source.update({"type": "pull", "reference": str(ref), "digest": digest, "size_bytes": size})
+    if project is not None:
+        image.source["project"] = project  # its members' only (Image.usable_by)
     image.source.pop("archive", None)  # (the scratch directory, gone)
     store.put_image(image)
     return image
