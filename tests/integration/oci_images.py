@@ -4,6 +4,7 @@ the image config given; pushed to a registry with skopeo."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import io
@@ -12,6 +13,8 @@ import os
 import shutil
 import subprocess
 import tarfile
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,3 +90,37 @@ def push(layout: Path, dest: str, *, creds: str | None = None) -> None:
     if creds is not None:
         argv.append(f"--dest-creds={creds}")
     subprocess.run([*argv, f"oci:{layout}:latest", f"docker://{dest}"], check=True, capture_output=True)
+
+
+USER, PASSWORD = "trainer", "s3cret-Pa55"
+CONFIG = {"Env": ["PATH=/opt/bin:/usr/bin:/bin", "JAVA_HOME=/opt/jdk"], "WorkingDir": "/app", "User": "app"}
+
+
+@contextlib.contextmanager
+def auth_registry() -> Iterator[tuple[Any, dict[str, str]]]:
+    """A real registry (Debian's docker-registry) that wants a login (bcrypt htpasswd:
+    USER/PASSWORD) on a free port of 127.0.0.1, with `team/small:1` (CONFIG, /app/hello.txt)
+    and `team/big:1` (3 MiB more) pushed; yields it and the manifest digests by name."""
+    import bcrypt
+
+    from dsec.cluster.registry import RegistryServer, free_port
+
+    root = Path(tempfile.mkdtemp(prefix="dsec-pullreg-", dir="/tmp"))
+    os.chmod(root, 0o755)
+    htpasswd = root / "htpasswd"
+    htpasswd.write_bytes(
+        USER.encode() + b":" + bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=4)) + b"\n"
+    )
+    os.chmod(htpasswd, 0o644)
+    server = RegistryServer(root / "registry", port=free_port(), htpasswd=htpasswd)
+    server.start()
+    try:
+        host = f"127.0.0.1:{server.port}"
+        digests = {"small": make_layout(root / "small", config=CONFIG, files={"app/hello.txt": b"hello\n"})}
+        push(root / "small", f"{host}/team/small:1", creds=f"{USER}:{PASSWORD}")
+        digests["big"] = make_layout(root / "big", pad=3 << 20)
+        push(root / "big", f"{host}/team/big:1", creds=f"{USER}:{PASSWORD}")
+        yield server, digests
+    finally:
+        server.remove()
+        shutil.rmtree(root, ignore_errors=True)

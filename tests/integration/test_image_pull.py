@@ -3,61 +3,32 @@ auth), through skopeo, into a real layer store."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from dsec import errors
-from dsec.cluster.registry import RegistryServer, find_registry_bin, free_port
+from dsec.cluster.registry import RegistryServer, find_registry_bin
 from dsec.layers import LayerStore
 from dsec.layers.pull import PullPolicy, Reference, RegistryAuth, pull_image
 
-from .oci_images import make_layout, push
+from . import oci_images
+from .oci_images import PASSWORD, USER
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
-
-USER, PASSWORD = "trainer", "s3cret-Pa55"
 
 
 @pytest.fixture(scope="module")
 def auth_registry() -> Iterator[RegistryServer]:
-    """A registry that wants a login (bcrypt htpasswd), with two images pushed: a small one
-    (`small:1`) and one with 3 MiB more (`big:1`)."""
-    bcrypt = pytest.importorskip("bcrypt")
+    pytest.importorskip("bcrypt")
     try:
         find_registry_bin()
     except errors.DsecError as e:
         pytest.skip(str(e))
-    root = Path(tempfile.mkdtemp(prefix="dsec-pullreg-", dir="/tmp"))
-    os.chmod(root, 0o755)
-    htpasswd = root / "htpasswd"
-    htpasswd.write_bytes(
-        USER.encode() + b":" + bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=4)) + b"\n"
-    )
-    os.chmod(htpasswd, 0o644)
-    server = RegistryServer(root / "registry", port=free_port(), htpasswd=htpasswd)
-    server.start()
-    try:
-        host = f"127.0.0.1:{server.port}"
-        creds = f"{USER}:{PASSWORD}"
-        cfg = {
-            "Env": ["PATH=/opt/bin:/usr/bin:/bin", "JAVA_HOME=/opt/jdk"],
-            "WorkingDir": "/app",
-            "User": "app",
-        }
-        small = make_layout(root / "small", config=cfg, files={"app/hello.txt": b"hello\n"})
-        push(root / "small", f"{host}/team/small:1", creds=creds)
-        make_layout(root / "big", pad=3 << 20)
-        push(root / "big", f"{host}/team/big:1", creds=creds)
-        server.small_digest = small  # type: ignore[attr-defined]
+    with oci_images.auth_registry() as (server, digests):
+        server.small_digest = digests["small"]  # type: ignore[attr-defined]
         yield server
-    finally:
-        server.remove()
-        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture

@@ -613,19 +613,25 @@ def _segment(kind: str, value: str) -> str:
 
 
 def set_registry_login(project: str, registry: str, username: str, password: str) -> Call[None]:
-    path = f"/v1/projects/{_segment('project', project)}/registries/{_segment('registry', registry)}"
-    body = {"username": username, "password": password}
-    return Call(Request("PUT", path, json=body, idempotent=True), _none)
+    p, r, body = (
+        _segment("project", project),
+        _segment("registry", registry),
+        {"username": username, "password": password},
+    )
+    return Call(Request("PUT", f"/v1/projects/{p}/registries/{r}", json=body, idempotent=True), _none)
 
 
 def registry_logins(project: str) -> Call[list[dict[str, Any]]]:
-    path = f"/v1/projects/{_segment('project', project)}/registries"
-    return Call(Request("GET", path, idempotent=True), lambda r: list(r.json()["registries"]))
+    p = _segment("project", project)
+    return Call(
+        Request("GET", f"/v1/projects/{p}/registries", idempotent=True),
+        lambda r: list(r.json()["registries"]),
+    )
 
 
 def delete_registry_login(project: str, registry: str) -> Call[None]:
-    path = f"/v1/projects/{_segment('project', project)}/registries/{_segment('registry', registry)}"
-    return Call(Request("DELETE", path, idempotent=True), _none)
+    p, r = _segment("project", project), _segment("registry", registry)
+    return Call(Request("DELETE", f"/v1/projects/{p}/registries/{r}", idempotent=True), _none)
 
 
 def drain_edge(name: str) -> Call[dict[str, Any]]:
