@@ -10,7 +10,7 @@ import pytest
 
 from dsec import errors
 from dsec.cluster.registry import RegistryServer, find_registry_bin
-from dsec.layers import LayerStore
+from dsec.layers import Image, LayerStore
 from dsec.layers.pull import PullPolicy, Reference, RegistryAuth, pull_image
 
 from . import oci_images
@@ -38,6 +38,15 @@ def store(tmp_path: Path) -> LayerStore:
 
 def _policy(reg: RegistryServer, **kw: int) -> PullPolicy:
     return PullPolicy(local=frozenset({f"127.0.0.1:{reg.port}"}), **kw)  # type: ignore[arg-type]
+
+
+def _pull(
+    reg: RegistryServer, store: LayerStore, tmp: Path, path: str, *, max_bytes: int = 32 << 30
+) -> Image:
+    """Pull 127.0.0.1:<port>/`path` with the login, the registry listed as local."""
+    ref = Reference.parse(f"127.0.0.1:{reg.port}/{path}")
+    policy = _policy(reg, max_bytes=max_bytes)
+    return pull_image(store, ref, "x", scratch=tmp / "s", policy=policy, auth=RegistryAuth(USER, PASSWORD))
 
 
 def test_pull_with_credentials_keeps_layers_and_config(
@@ -84,16 +93,8 @@ def test_pull_without_or_with_wrong_credentials_is_refused(
 
 
 def test_a_wrong_digest_is_refused(auth_registry: RegistryServer, store: LayerStore, tmp_path: Path) -> None:
-    ref = Reference.parse(f"127.0.0.1:{auth_registry.port}/team/small@sha256:{'0' * 64}")
     with pytest.raises(errors.DsecError) as e:
-        pull_image(
-            store,
-            ref,
-            "x",
-            scratch=tmp_path / "s",
-            policy=_policy(auth_registry),
-            auth=RegistryAuth(USER, PASSWORD),
-        )
+        _pull(auth_registry, store, tmp_path, f"team/small@sha256:{'0' * 64}")
     assert e.value.status == 404 or e.value.details.get("reason") == "digest_mismatch", e.value
     assert store.list_images() == []
 
@@ -101,20 +102,10 @@ def test_a_wrong_digest_is_refused(auth_registry: RegistryServer, store: LayerSt
 def test_missing_image_and_size_limit(
     auth_registry: RegistryServer, store: LayerStore, tmp_path: Path
 ) -> None:
-    auth = RegistryAuth(USER, PASSWORD)
     with pytest.raises(errors.ImageNotFound):
-        ref = Reference.parse(f"127.0.0.1:{auth_registry.port}/team/nothing:1")
-        pull_image(store, ref, "x", scratch=tmp_path / "s", policy=_policy(auth_registry), auth=auth)
-    big = Reference.parse(f"127.0.0.1:{auth_registry.port}/team/big:1")
+        _pull(auth_registry, store, tmp_path, "team/nothing:1")
     with pytest.raises(errors.QuotaExceeded) as e:
-        pull_image(
-            store,
-            big,
-            "x",
-            scratch=tmp_path / "s",
-            policy=_policy(auth_registry, max_bytes=1 << 20),
-            auth=auth,
-        )
+        _pull(auth_registry, store, tmp_path, "team/big:1", max_bytes=1 << 20)
     assert e.value.details["reason"] == "image_too_large"
     assert store.list_images() == [] and store.list_layers() == []  # refused before any blob
 

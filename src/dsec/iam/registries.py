@@ -10,14 +10,11 @@ the operator's to protect: SQLite 0600 in a 0700 directory; PostgreSQL's own acc
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from dsec.errors import InvalidRequest, NotFound
-from dsec.iam.db import Database, Row
+from dsec.iam.db import Part
 from dsec.layers.pull import REGISTRY_RE
 
 MAX_LOGINS = 32  # per project
@@ -33,16 +30,8 @@ def check_registry_name(registry: str) -> str:
     return registry.lower()
 
 
-class RegistryLogins:
-    _lock: threading.Lock
-    _db: Database
-
+class RegistryLogins(Part):
     if TYPE_CHECKING:
-
-        def _read(self, sql: str, params: Sequence[Any] = ()) -> list[Row]: ...
-
-        @contextmanager
-        def _write(self) -> Iterator[Database]: ...
 
         def get_project(self, name: str) -> Any: ...
 
