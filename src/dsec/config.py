@@ -5,9 +5,13 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+if TYPE_CHECKING:
+    from dsec.layers.pull import PullPolicy
 
 
 def _default_cpu_capacity() -> float:
@@ -58,6 +62,12 @@ class EdgeSettings(BaseSettings):
     # fncall backend: worker sandboxes started at edge start when this image exists.
     fncall_image: str = "code"
     fncall_workers: int = 4
+    # Image pulls (layers/pull.py): registries (host:port) this edge may pull from although they
+    # are on a loopback/private address or speak plain HTTP (the cluster's own, a LAN mirror);
+    # the largest image (compressed layers) and the longest pull.
+    pull_local_registries: list[str] = []
+    pull_max_bytes: int = 32 << 30
+    pull_timeout_s: float = 1800.0
     # The platform's addresses on other hosts (apiservers, other edges, databases): IPs, CIDRs,
     # host names or URLs that no sandbox's network policy may ever reach. `dsec edge` adds its
     # own public URL and its apiservers' URLs.
@@ -99,6 +109,11 @@ class EdgeSettings(BaseSettings):
     @property
     def layer_root(self) -> Path:
         return self.layers_dir or self.data_dir / "layers"
+
+    def pull_policy(self) -> PullPolicy:
+        from dsec.layers.pull import PullPolicy
+
+        return PullPolicy(frozenset(self.pull_local_registries), self.pull_max_bytes, self.pull_timeout_s)
 
     @property
     def native_bin_dir(self) -> Path:

@@ -1035,7 +1035,7 @@ def test_migrates_a_v1_database(db_path: Path) -> None:
         assert again.get_project("team").quota.max_snapshots == 1
     db = sqlite3.connect(str(db_path))
     try:
-        assert db.execute("PRAGMA user_version").fetchone()[0] == 11
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 12
         assert db.execute("SELECT COUNT(*) FROM lost_sandboxes").fetchone()[0] == 0  # (v5)
         assert db.execute("SELECT COUNT(*) FROM idempotency").fetchone()[0] == 0  # (v6)
         assert db.execute("SELECT COUNT(*) FROM trajectory_shipped").fetchone()[0] == 0  # (v7)

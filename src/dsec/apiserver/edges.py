@@ -350,6 +350,9 @@ class HttpEdge(EdgeAPI):
     async def build_image(self, recipe: str) -> dict[str, Any]:
         return dict((await self._call("POST", "/v1/images/build", json_body={"recipe": recipe})).json())
 
+    async def pull_image(self, req: wire.EdgePull) -> dict[str, Any]:
+        return dict((await self._call("POST", "/v1/images/pull", json_body=req.wire())).json())
+
     async def import_image(self, name: str, data: bytes) -> dict[str, Any]:
         return dict(
             (await self._call("POST", "/v1/images/import", params={"name": name}, content=data)).json()

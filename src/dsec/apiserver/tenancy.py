@@ -209,8 +209,8 @@ class Visibility:
         self.layers: set[str] = set()
         for img in images:
             name = img["name"]
-            if name in owner or name.startswith("snap-"):
-                project = owner.get(name)
+            if name in owner or name.startswith("snap-") or "/" in name:
+                project = owner.get(name, name.split("/")[0] if "/" in name else None)
                 if scope is not None and project not in scope:
                     continue
             self.images.add(name)

@@ -381,6 +381,44 @@ def image_push(
         )
 
 
+@image_app.command("pull")
+def image_pull(
+    reference: str,
+    name: Annotated[
+        str | None, typer.Option(help="the image's name (default: the reference's last part and tag)")
+    ] = None,
+    project: Annotated[
+        str | None, typer.Option(help="pull into this project's images, with its registry logins")
+    ] = None,
+    as_json: JsonOut = False,
+) -> None:
+    """Pull an image by reference from an OCI registry onto every edge, through the service
+    (DSEC_URL / DSEC_TOKEN): docker.io/library/python:3.12-slim, ghcr.io/org/x:1, host:5000/x@sha256:..."""
+    with _client() as c:
+        image = c.pull_image(reference, name=name, project=project)
+    if as_json:
+        print(json.dumps(image))
+    else:
+        src = image.get("source") or {}
+        console.print(
+            f"pulled {src.get('reference')} as {image['name']} ({src.get('digest')}): "
+            f"{len(image['layers'])} layers"
+        )
+
+
+@image_app.command("login")
+def image_login(
+    registry: str,
+    project: Annotated[str, typer.Option(help="the project whose pulls present this login")],
+    username: Annotated[str, typer.Option(prompt=True)],
+    password: Annotated[str, typer.Option(prompt=True, hide_input=True, envvar="DSEC_REGISTRY_PASSWORD")],
+) -> None:
+    """Keep a project's login to a registry (host[:port]) for its pulls; never shown back."""
+    with _client() as c:
+        c.set_registry_login(project, registry, username, password)
+    console.print(f"{project}: login to {registry} as {username} kept")
+
+
 @image_app.command("ls")
 def image_ls(data_dir: DataDir = Path("/var/lib/dsec"), as_json: JsonOut = False) -> None:
     """List images and their layers."""

@@ -601,6 +601,40 @@ def _edge(name: str) -> str:
     return quote(name, safe="")
 
 
+def pull_image(reference: str, name: str | None, project: str | None) -> Call[dict[str, Any]]:
+    body = {"reference": reference, "name": name, "project": project}
+    # (a second pull of the same reference makes the same image: safe to send again)
+    return Call(Request("POST", "/v1/images/pull", json=body, idempotent=True, op_timeout=1800.0), _json)
+
+
+def _segment(kind: str, value: str) -> str:
+    if not value or "/" in value or "\0" in value:
+        raise errors.InvalidRequest(f"{kind} {value!r} must be one path segment (no '/')")
+    return quote(value, safe="")
+
+
+def set_registry_login(project: str, registry: str, username: str, password: str) -> Call[None]:
+    p, r, body = (
+        _segment("project", project),
+        _segment("registry", registry),
+        {"username": username, "password": password},
+    )
+    return Call(Request("PUT", f"/v1/projects/{p}/registries/{r}", json=body, idempotent=True), _none)
+
+
+def registry_logins(project: str) -> Call[list[dict[str, Any]]]:
+    p = _segment("project", project)
+    return Call(
+        Request("GET", f"/v1/projects/{p}/registries", idempotent=True),
+        lambda r: list(r.json()["registries"]),
+    )
+
+
+def delete_registry_login(project: str, registry: str) -> Call[None]:
+    p, r = _segment("project", project), _segment("registry", registry)
+    return Call(Request("DELETE", f"/v1/projects/{p}/registries/{r}", idempotent=True), _none)
+
+
 def drain_edge(name: str) -> Call[dict[str, Any]]:
     return Call(Request("POST", f"/v1/edges/{_edge(name)}/drain", idempotent=True), _json)
 

@@ -287,6 +287,29 @@ class Client(_base.EndsOnExit):
         pre-warmed pool sandboxes are given back."""
         return self._call(_calls.cancel_capacity(burst_id))
 
+    def pull_image(
+        self, reference: str, *, name: str | None = None, project: str | None = None
+    ) -> dict[str, Any]:
+        """Pull an image by reference (``docker.io/library/python:3.12-slim``, ``ghcr.io/org/x:1``,
+        ``registry.example.com:5000/team/env@sha256:...``) onto every edge, with `project`'s
+        login to that registry (set_registry_login): the image is the project's own,
+        ``<project>/<name>`` (`name`: default the reference's last part and tag). Admins may
+        leave `project` out: an image every project sees. Returns the image (its digest,
+        layers, config)."""
+        return self._call(_calls.pull_image(reference, name, project))
+
+    def set_registry_login(self, project: str, registry: str, username: str, password: str) -> None:
+        """Keep `project`'s login to `registry` (``ghcr.io``, ``host:5000``) for its pulls; the
+        password (or token) is never shown back."""
+        self._call(_calls.set_registry_login(project, registry, username, password))
+
+    def registry_logins(self, project: str) -> builtins.list[dict[str, Any]]:
+        """`project`'s registry logins: registry and user name (no password)."""
+        return self._call(_calls.registry_logins(project))
+
+    def delete_registry_login(self, project: str, registry: str) -> None:
+        self._call(_calls.delete_registry_login(project, registry))
+
     def drain_edge(self, name: str) -> dict[str, Any]:
         """Admins: edge ``name`` takes no new placements; its sandboxes keep working."""
         return self._call(_calls.drain_edge(name))

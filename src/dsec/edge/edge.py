@@ -87,6 +87,7 @@ class Edge:
     def __init__(self, settings: EdgeSettings) -> None:
         self.settings = settings
         self.name = settings.name
+        self.pulls = asyncio.Semaphore(2)  # image pulls at once (network, disk: see layers/pull.py)
         # What every part shares (see core.py); the network: nothing is made on the host
         # before the first policy. No sandbox's policy may reach the registry either (it
         # holds every project's snapshots and takes pushes unauthenticated).

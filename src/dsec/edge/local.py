@@ -4,6 +4,7 @@ import asyncio
 import builtins
 import contextlib
 import hashlib
+import logging
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,6 +15,8 @@ from dsec.edge import Edge
 from dsec.edge.edge import encode_content
 from dsec.edge.files import off_loop
 from dsec.edgeapi import EdgeAPI, ExecReply, Projects, decode_write
+
+log = logging.getLogger("dsec.edge")
 
 
 class LocalEdge(EdgeAPI):
@@ -228,6 +231,30 @@ class LocalEdge(EdgeAPI):
                 return import_oci_archive(self.edge.layers, name, Path(f.name))
 
         return _image_dict(await asyncio.get_running_loop().run_in_executor(None, run))
+
+
+    async def pull_image(self, req: wire.EdgePull) -> dict[str, Any]:
+        from dsec.layers.pull import Reference, RegistryAuth, pull_image
+
+        ref = Reference.parse(req.reference)
+        auth = None
+        if req.username is not None and req.password is not None:
+            auth = RegistryAuth(req.username, req.password.get_secret_value())
+        s = self.edge.settings
+        async with self.edge.pulls:  # a pull is heavy (network, disk): a few at a time
+            image = await asyncio.get_running_loop().run_in_executor(
+                None,
+                lambda: pull_image(
+                    self.edge.layers, ref, req.name, scratch=s.data_dir / "pulls", policy=s.pull_policy(),
+                    auth=auth, project=req.project, progress=lambda line: log.info("pull %s: %s", ref, line),
+                ),
+            )  # fmt: skip
+        return {**_image_dict(image), "source": {k: image.source.get(k) for k in _PULL_KEYS}}
+
+
+_PULL_KEYS = (
+    "type", "reference", "digest", "size_bytes", "project", "config", "created_layers", "reused_layers",
+)  # fmt: skip
 
 
 def _image_dict(image: Any) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from dsec.http.routes import (
 )
 from dsec.models import (
     BuildRequest,
+    EdgePull,
     EdgeStatus,
     FnCallRequest,
     ForkRequest,
@@ -123,7 +124,8 @@ def create_edge_app(
     app.state.resolve = resolve
     app.include_router(sandbox_router(express=express))
     _install_sandbox_routes(app, edge, local, express)
-    _install_pool_image_routes(app, local)
+    _install_pool_state_routes(app, local)
+    _install_image_routes(app, local)
     _install_checkpoint_routes(app, local)
     return app
 
@@ -222,7 +224,7 @@ def _install_checkpoint_routes(app: FastAPI, local: LocalEdge) -> None:
         return Response(status_code=204)
 
 
-def _install_pool_image_routes(app: FastAPI, local: LocalEdge) -> None:
+def _install_pool_state_routes(app: FastAPI, local: LocalEdge) -> None:
     @app.get("/v1/pools")
     async def pools() -> dict[str, list[PoolInfo]]:
         return {"pools": await local.pools()}
@@ -261,6 +263,9 @@ def _install_pool_image_routes(app: FastAPI, local: LocalEdge) -> None:
     async def fncall_jupyter(body: JupyterRequest) -> Response:
         return model_response(await local.fncall_jupyter(body))
 
+
+
+def _install_image_routes(app: FastAPI, local: LocalEdge) -> None:
     @app.get("/v1/images")
     async def images() -> dict[str, Any]:
         return {"images": await local.images()}
@@ -272,6 +277,10 @@ def _install_pool_image_routes(app: FastAPI, local: LocalEdge) -> None:
     @app.post("/v1/images/build")
     async def build(body: BuildRequest) -> dict[str, Any]:
         return await local.build_image(body.recipe)
+
+    @app.post("/v1/images/pull")
+    async def pull(body: EdgePull) -> dict[str, Any]:
+        return await local.pull_image(body)
 
     @app.post("/v1/images/import")
     async def import_(name: str, request: Request) -> dict[str, Any]:

@@ -40,10 +40,11 @@ import sqlite3
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsec.errors import InvalidRequest, Unavailable
 from dsec.privatefs import private_file
@@ -66,6 +67,21 @@ class Schema:
     added: Sequence[tuple[str, str, str]]
     version: int
     functions: Sequence[str] = ()
+
+
+class Part:
+    """A part of `IAM` (store.py) in a module of its own (its mixins): what it uses of the
+    IAM that holds the database."""
+
+    _lock: threading.Lock
+    _db: Database
+
+    if TYPE_CHECKING:
+
+        def _read(self, sql: str, params: Sequence[Any] = ()) -> list[Row]: ...
+
+        @contextmanager
+        def _write(self) -> Iterator[Database]: ...
 
 
 class Database(ABC):

@@ -33,7 +33,7 @@ _MILLI = 1000
 #     create's admission and settling in one round trip each); nothing new in SQLite
 # 11: snapshot_reservations.owner (copies in flight: reserved before they are made, owned by
 #     a live process) and .in_ram (fork layers: host memory, counted in max_memory_mb too)
-_SCHEMA_VERSION = 11
+_SCHEMA_VERSION = 12
 _REVOKED = "revoked:"  # prefix of a revoked principal's token_hash: no SHA-256 hex matches it
 
 _SCHEMA = (
@@ -159,6 +159,14 @@ _SCHEMA = (
         name TEXT PRIMARY KEY,
         owner TEXT NOT NULL,
         since REAL NOT NULL
+    )""",
+    """CREATE TABLE IF NOT EXISTS registry_logins (
+        project TEXT NOT NULL,
+        registry TEXT NOT NULL,
+        username TEXT NOT NULL,
+        secret TEXT NOT NULL,
+        updated_at REAL NOT NULL,
+        PRIMARY KEY (project, registry)
     )""",
 )
 

@@ -53,6 +53,7 @@ from dsec.errors import AuthError, Conflict, Forbidden, InvalidRequest, NotFound
 from dsec.iam.admission import PG_FUNCTIONS, Admission
 from dsec.iam.capacity import CapacityStore
 from dsec.iam.db import LEASE_S, Database, Row, Schema, open_database
+from dsec.iam.registries import RegistryLogins
 from dsec.iam.schema import (
     _ADDED_COLUMNS,
     _ANCESTORS_SQL,
@@ -79,7 +80,7 @@ from dsec.models.iam import Principal, Project, Quota, Usage
 __all__ = ["IAM", "Principal", "Project", "Quota", "Usage"]
 
 
-class IAM(Admission, ShippedTrajectories, CapacityStore):
+class IAM(Admission, ShippedTrajectories, CapacityStore, RegistryLogins):
     """Projects, principals, tokens and quota admission stored in one SQLite database."""
 
     def __init__(

@@ -5,13 +5,11 @@ database; what it uses of the rest of IAM is declared at the top."""
 from __future__ import annotations
 
 import json
-import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
-from dsec.iam.db import Database, Row
+from dsec.iam.db import Part, Row
 
 COLUMNS = (
     "sandbox_id, seq, seq_end, kind, action, observation, timings, trajectory, step, action_hash, "
@@ -49,17 +47,7 @@ def _entry(r: Row) -> dict[str, Any]:
     }
 
 
-class ShippedTrajectories:
-    _lock: threading.Lock
-    _db: Database
-
-    if TYPE_CHECKING:
-
-        def _read(self, sql: str, params: Sequence[Any] = ()) -> list[Row]: ...
-
-        @contextmanager
-        def _write(self) -> Iterator[Database]: ...
-
+class ShippedTrajectories(Part):
     def store_trajectories(
         self, edge: str, rows: Sequence[Sequence[Any]], stats: dict[str, dict[str, int]]
     ) -> int:

@@ -38,7 +38,8 @@ ID_RANGE = 65536
 """How many uids/gids a container's user namespace maps."""
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
-_IMAGE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}$")
+# An image name; `<project>/<name>`: a project's own (seen and used by its members only).
+_IMAGE_RE = re.compile(r"^(?:[a-z0-9][a-z0-9-]{0,62}/)?[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}$")
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$")
 _CHUNK = 1 << 20
 _SKIP_XATTRS = frozenset({"security.selinux"})
@@ -115,9 +116,10 @@ class Image(BaseModel):
         return _check_name("image name", v, _IMAGE_RE)
 
     def usable_by(self, project: str) -> bool:
-        """A snapshot belongs to its project; any other image, and the platform's own
-        projects (``_``-prefixed: pools, fncall workers), are usable by all."""
-        owner = self.source.get("project")
+        """A snapshot, or an image named `<project>/...`, belongs to its project; any other
+        image, and the platform's own projects (``_``-prefixed: pools, fncall workers), are
+        usable by all."""
+        owner = self.source.get("project") or (self.name.split("/")[0] if "/" in self.name else None)
         return owner is None or owner == project or project.startswith("_")
 
 
@@ -530,7 +532,7 @@ class LayerStore:
             _check_name("image name", name, _IMAGE_RE)
         except ValueError as e:
             raise errors.InvalidRequest(str(e)) from None
-        return self.root / "images" / f"{name}.json"
+        return self.root / "images" / f"{name.replace('/', '%')}.json"  # ('%' is in no name)
 
     def get_image(self, name: str) -> Image:
         path = self._image_file(name)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from dsec.models.iam import Quota
 from dsec.models.pools import PoolSpec
@@ -64,3 +64,53 @@ class PoolPrewarm(BaseModel):
     project: str | None = Field(
         None, description="the project the burst is for: a snapshot image must be its (None: an admin's)"
     )
+
+
+class PullRequest(BaseModel):
+    """`POST /v1/images/pull`: an image by reference from an OCI registry (Registry API v2)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reference: str = Field(
+        min_length=1, max_length=700, description="[registry[:port]/]repository[:tag][@sha256:...]"
+    )
+    name: str | None = Field(
+        None,
+        max_length=128,
+        description="the image's name here (default: the reference's last path part and its tag); "
+        "in a project: `<project>/<name>`",
+    )
+    project: str | None = Field(
+        None,
+        max_length=63,
+        description="pull into this project's images (named `<project>/<name>`, seen and used by "
+        "its members only), with its registry logins; admins may leave it out: an image for all",
+    )
+
+
+class EdgePull(BaseModel):
+    """A pull as the apiserver asks it of an edge: the name decided, the login looked up."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reference: str = Field(max_length=700)
+    name: str = Field(max_length=200)
+    project: str | None = None
+    username: str | None = Field(None, max_length=255)
+    password: SecretStr | None = Field(None, max_length=8192)
+
+    def wire(self) -> dict[str, Any]:
+        """The JSON an edge receives (the password in clear: the cluster's channel only)."""
+        out = self.model_dump(mode="json", exclude={"password"})
+        out["password"] = None if self.password is None else self.password.get_secret_value()
+        return out
+
+
+class RegistryLogin(BaseModel):
+    """`PUT /v1/projects/{project}/registries/{registry}`: the project's login to a registry;
+    read back without its password."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    username: str = Field(min_length=1, max_length=255)
+    password: SecretStr = Field(min_length=1, max_length=8192, description="a password or access token")

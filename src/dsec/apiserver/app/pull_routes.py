@@ -1,0 +1,91 @@
+"""Images pulled by reference (`POST /v1/images/pull`) and the projects' registry logins.
+
+A member of a project pulls into the project's own images (`<project>/<name>`: its members
+see and use them, no one else can, and no name of another project or of the shared images
+can be taken); an admin may pull a shared image (no project). The login the pull presents is
+the project's for that registry, looked up here and sent to the edges with the pull; it is
+never returned (`GET .../registries` lists registries and user names only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+
+from dsec import errors
+from dsec.apiserver.app.state import ApiServerState, _PrincipalFn
+from dsec.iam.registries import check_registry_name
+from dsec.layers.pull import Reference
+from dsec.models import EdgePull, PullRequest, RegistryLogin
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}$")
+
+
+def image_name(ref: Reference, name: str | None, project: str | None) -> str:
+    """The name a pull stores its image under: `name`, else the reference's last path part
+    and its tag (or the digest's first 12 hex digits); in a project, `<project>/<that>`."""
+    if name is None:
+        base = ref.repository.rsplit("/", 1)[-1]
+        name = f"{base}:{ref.tag}" if ref.tag is not None else f"{base}-{(ref.digest or '')[7:19]}"
+    if project is not None and name.startswith(f"{project}/"):
+        name = name[len(project) + 1 :]
+    if not _NAME.match(name):
+        raise errors.InvalidRequest(
+            f"image name {name[:140]!r} is invalid: use letters, digits and '._:+-' (up to 128), "
+            "without a project prefix other than the pull's own",
+            reason="bad_name",
+        )
+    return name if project is None else f"{project}/{name}"
+
+
+def _install_pull_routes(app: FastAPI, st: ApiServerState, principal: _PrincipalFn) -> None:
+    iam, directory = st.iam, st.directory
+
+    def member(request: Request, project: str) -> None:
+        p = principal(request)
+        iam.get_project(project)  # 404 for no such project
+        iam.authorize(p, project)
+
+    @app.post("/v1/images/pull")
+    async def pull(body: PullRequest, request: Request) -> dict[str, Any]:
+        p = principal(request)
+        if body.project is None and not p.admin:
+            raise errors.InvalidRequest(
+                "give the project to pull into (its members' own image); only admins pull shared images",
+                reason="project_required",
+            )
+        if body.project is not None:
+            member(request, body.project)
+        ref = Reference.parse(body.reference)
+        name = image_name(ref, body.name, body.project)
+        login = iam.registry_login(body.project, ref.registry) if body.project is not None else None
+        req = EdgePull(
+            reference=str(ref), name=name, project=body.project,
+            username=login[0] if login else None, password=login[1] if login else None,  # type: ignore[arg-type]
+        )  # fmt: skip
+        edges = directory.all()
+        if not edges:
+            raise errors.Unavailable("no edge is registered to pull the image", reason="no_edges")
+        results = await asyncio.gather(*(e.pull_image(req) for e in edges))
+        await directory.poll_once()
+        return {**results[0], "edges": [e.name for e in edges]}
+
+    @app.put("/v1/projects/{project}/registries/{registry}", status_code=204)
+    async def set_login(project: str, registry: str, body: RegistryLogin, request: Request) -> Response:
+        member(request, project)
+        iam.set_registry_login(project, registry, body.username, body.password.get_secret_value())
+        return Response(status_code=204)
+
+    @app.get("/v1/projects/{project}/registries")
+    async def logins(project: str, request: Request) -> dict[str, Any]:
+        member(request, project)
+        return {"registries": iam.registry_logins(project)}
+
+    @app.delete("/v1/projects/{project}/registries/{registry}", status_code=204)
+    async def delete_login(project: str, registry: str, request: Request) -> Response:
+        member(request, project)
+        iam.delete_registry_login(project, check_registry_name(registry))
+        return Response(status_code=204)
