@@ -381,15 +381,17 @@ def image_push(
         )
 
 
+PulledName = Annotated[
+    str | None, typer.Option(help="the image's name (default: the reference's last part and tag)")
+]
+PullProject = Annotated[str | None, typer.Option(help="pull into this project's images, with its logins")]
+
+
 @image_app.command("pull")
 def image_pull(
     reference: str,
-    name: Annotated[
-        str | None, typer.Option(help="the image's name (default: the reference's last part and tag)")
-    ] = None,
-    project: Annotated[
-        str | None, typer.Option(help="pull into this project's images, with its registry logins")
-    ] = None,
+    name: PulledName = None,
+    project: PullProject = None,
     as_json: JsonOut = False,
 ) -> None:
     """Pull an image by reference from an OCI registry onto every edge, through the service
