@@ -204,7 +204,8 @@ def test_docker_save_then_oci_layout_share_layers_and_stack_in_overlay(dsec_dir:
     assert {r.version for r in img.layers} == {"1"}
     assert img.source["type"] == "docker-archive"
     assert img.source["created_layers"] == [str(r) for r in img.layers]
-    assert img.source["config"]["WorkingDir"] == "/work"
+    assert img.config.workdir == "/work" and img.config.env == {"PATH": "/usr/bin:/bin"}
+    assert img.config.cmd == ["/bin/sh"] and "config" not in img.source  # kept once: Image.config
     assert store.get_image("dsectest") == img
 
     # the same layers, gzip-compressed in an OCI layout (directory, then tarred): stored once

@@ -231,4 +231,9 @@ class LocalEdge(EdgeAPI):
 
 
 def _image_dict(image: Any) -> dict[str, Any]:
-    return {"name": image.name, "layers": [str(r) for r in image.layers], "created_at": image.created_at}
+    return {
+        "name": image.name,
+        "layers": [str(r) for r in image.layers],
+        "created_at": image.created_at,
+        "config": image.config.model_dump(mode="json"),  # what its sandboxes get by default
+    }

@@ -16,8 +16,8 @@ class PoolSpec(BaseModel):
     pids: int = 1024
     disk_mb: int = 2048
     disk_inodes: int = 262144
-    user: str = "root"
-    workdir: str = "/work"
+    user: str | None = None  # (as in SandboxSpec: None is the image's, else root and /work)
+    workdir: str | None = None
     backend: str = Field(
         "container", pattern=r"^[a-z][a-z0-9-]{0,31}$", description="the tier of its sandboxes"
     )
