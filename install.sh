@@ -15,7 +15,8 @@ APT_PACKAGES=(crun runc mmdebstrap bubblewrap gcc libc6-dev iproute2 nftables pr
               bash-static  # bash-static: the trusted shell of bash sessions (/.dsec-tools/bash)
               qemu-system-x86 erofs-utils e2fsprogs  # the microVM tier: QEMU microvm, EROFS layers, ext4 disks
               postgresql  # the cluster's IAM (dsec apiserver --database; dsec cluster up starts its own)
-              docker-registry)  # the OCI distribution server layers travel through (DSEC_EDGE_REGISTRY)
+              docker-registry  # the OCI distribution server layers travel through (DSEC_EDGE_REGISTRY)
+              buildah)  # OCI images from Dockerfiles (the tests build their images with it)
 
 log() { printf '\033[1m[dsec-install]\033[0m %s\n' "$*" >&2; }
 

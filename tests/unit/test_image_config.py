@@ -14,6 +14,7 @@ from dsec import errors
 from dsec.layers.store import Image, LayerRef
 from dsec.layers.userdb import MAX_USERDB_BYTES, Account, read_image_file, resolve_user
 from dsec.models import ImageConfig, PoolSpec, SandboxSpec
+from tests.unit.test_layer_store import make_tree
 
 OCI = {
     "config": {
@@ -149,20 +150,9 @@ def test_a_user_the_image_lacks_is_a_clear_400(user: str, db: dict[str, bytes | 
 # --------------------------------------------------------------------------- the layers' files
 
 
-def layer(root: Path, name: str, entries: dict[str, bytes | str | None]) -> Path:
-    """A layer tree: bytes a file, str a symlink, None a whiteout; a key ending in / a directory."""
-    d = root / name
-    d.mkdir()
-    for rel, what in entries.items():
-        p = d / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        if rel.endswith("/"):
-            p.mkdir(exist_ok=True)
-        elif isinstance(what, bytes):
-            p.write_bytes(what)
-        elif isinstance(what, str):
-            p.symlink_to(what)
-    return d
+def layer(root: Path, name: str, entries: dict[str, bytes | str]) -> Path:
+    """A layer tree (make_tree's: bytes a file, str a symlink, a key ending in / a directory)."""
+    return make_tree(root / name, entries)
 
 
 def test_the_topmost_layer_with_the_file_wins(tmp_path: Path) -> None:
@@ -188,11 +178,11 @@ def test_links_out_of_the_image_are_never_followed(tmp_path: Path) -> None:
 @pytest.mark.skipif(os.geteuid() != 0, reason="whiteouts are character devices 0:0 (mknod needs root)")
 def test_whiteouts_and_opaque_directories_hide_what_is_below(tmp_path: Path) -> None:
     low = layer(tmp_path, "low", {"etc/passwd": b"low\n", "etc/group": b"g\n"})
-    top = layer(tmp_path, "top", {"etc/": None})
+    top = layer(tmp_path, "top", {"etc/": b""})
     os.mknod(top / "etc/passwd", stat.S_IFCHR | 0o000, os.makedev(0, 0))
     assert read_image_file([top, low], "/etc/passwd") is None
     assert read_image_file([top, low], "/etc/group") == b"g\n"
-    opaque = layer(tmp_path, "opaque", {"etc/": None})
+    opaque = layer(tmp_path, "opaque", {"etc/": b""})
     os.setxattr(opaque / "etc", "trusted.overlay.opaque", b"y")
     assert read_image_file([opaque, low], "/etc/group") is None
     etc_file = layer(tmp_path, "file", {"etc": b"not a dir"})
@@ -200,7 +190,7 @@ def test_whiteouts_and_opaque_directories_hide_what_is_below(tmp_path: Path) -> 
 
 
 def test_a_huge_or_special_passwd_is_refused_unread(tmp_path: Path) -> None:
-    top = layer(tmp_path, "top", {"etc/": None})
+    top = layer(tmp_path, "top", {"etc/": b""})
     with open(top / "etc/passwd", "wb") as f:
         f.truncate(1 << 30)  # 1 GiB, sparse: refused by its size, nothing read
     with pytest.raises(errors.InvalidRequest, match=f"larger than {MAX_USERDB_BYTES} bytes"):
