@@ -16,7 +16,8 @@ APT_PACKAGES=(crun runc mmdebstrap bubblewrap gcc libc6-dev iproute2 nftables pr
               qemu-system-x86 erofs-utils e2fsprogs  # the microVM tier: QEMU microvm, EROFS layers, ext4 disks
               postgresql  # the cluster's IAM (dsec apiserver --database; dsec cluster up starts its own)
               docker-registry  # the OCI distribution server layers travel through (DSEC_EDGE_REGISTRY)
-              skopeo)  # image pulls by reference from OCI registries (dsec image pull, layers/pull.py)
+              skopeo  # image pulls by reference from OCI registries (dsec image pull, layers/pull.py)
+              buildah)  # OCI images from Dockerfiles (the tests build their images with it)
 
 log() { printf '\033[1m[dsec-install]\033[0m %s\n' "$*" >&2; }
 

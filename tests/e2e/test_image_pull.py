@@ -62,11 +62,14 @@ def test_a_project_pulls_with_its_login_and_runs_its_image(world: dict[str, Any]
         image = pa.pull_image(ref, project="pa")
         assert image["name"] == "pa/small:1"
         assert image["source"]["digest"] == world["digests"]["small"]
-        assert image["source"]["config"]["WorkingDir"] == "/app"
+        assert image["config"]["workdir"] == "/app" and image["config"]["env"]["JAVA_HOME"] == "/opt/jdk"
         # Its members run it.
         with pa.create("pa/small:1", project="pa", memory_mb=128) as sb:
             r = sb.exec('echo "$(</app/hello.txt)"')  # (its only program: a static bash as /bin/sh)
             assert (r.stdout, r.exit_code) == ("hello\n", 0), r
+            # ... as the image says: its USER (from its own /etc/passwd), WORKDIR and ENV
+            r = sb.exec('echo "$UID $PWD $JAVA_HOME $PATH"')
+            assert r.stdout == "1234 /app /opt/jdk /opt/bin:/usr/bin:/bin\n", r
         # Another project neither sees it, nor uses it, nor pulls into pa, nor takes its name.
         assert "pa/small:1" not in [i["name"] for i in pb.images()]
         assert "pa/small:1" in [i["name"] for i in pa.images()]

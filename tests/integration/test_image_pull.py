@@ -60,8 +60,8 @@ def test_pull_with_credentials_keeps_layers_and_config(
     )  # fmt: skip
     assert image.source["type"] == "pull" and image.source["reference"] == str(ref)
     assert image.source["digest"] == auth_registry.small_digest  # type: ignore[attr-defined]
-    assert image.source["config"]["Env"] == ["PATH=/opt/bin:/usr/bin:/bin", "JAVA_HOME=/opt/jdk"]
-    assert image.source["config"]["WorkingDir"] == "/app" and image.source["config"]["User"] == "app"
+    assert image.config.env == {"PATH": "/opt/bin:/usr/bin:/bin", "JAVA_HOME": "/opt/jdk"}
+    assert image.config.workdir == "/app" and image.config.user == "app"
     (top,) = store.lowerdirs(image)
     assert (top / "app" / "hello.txt").read_bytes() == b"hello\n"
     assert any("Copying blob" in line for line in seen), seen  # progress, from skopeo

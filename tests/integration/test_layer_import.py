@@ -109,8 +109,8 @@ CONFIG = {
 }
 
 
-def docker_save_tar(path: Path) -> Path:
-    cfg = json.dumps(CONFIG).encode()
+def docker_save_tar(path: Path, config: dict[str, Any] = CONFIG) -> Path:
+    cfg = json.dumps(config).encode()
     cfg_name = hashlib.sha256(cfg).hexdigest() + ".json"
     files = {
         cfg_name: cfg,
@@ -204,7 +204,8 @@ def test_docker_save_then_oci_layout_share_layers_and_stack_in_overlay(dsec_dir:
     assert {r.version for r in img.layers} == {"1"}
     assert img.source["type"] == "docker-archive"
     assert img.source["created_layers"] == [str(r) for r in img.layers]
-    assert img.source["config"]["WorkingDir"] == "/work"
+    assert img.config.workdir == "/work" and img.config.env == {"PATH": "/usr/bin:/bin"}
+    assert img.config.cmd == ["/bin/sh"] and "config" not in img.source  # kept once: Image.config
     assert store.get_image("dsectest") == img
 
     # the same layers, gzip-compressed in an OCI layout (directory, then tarred): stored once
@@ -241,6 +242,23 @@ def test_docker_save_then_oci_layout_share_layers_and_stack_in_overlay(dsec_dir:
     assert [tree_digest(p, OFFSET)[0] for p in lowers] == before  # layers untouched
     assert (bottom / "etc/hello").read_bytes() == b"hello\n" and not (bottom / "etc/written").exists()
     assert not os.path.ismount(dsec_dir / "dsec-merged")
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        {"Env": [f"V{i}=" + "x" * 1000 for i in range(1000)]},  # 1 MB of environment
+        {"WorkingDir": "/" + "deep/" * 100},
+        {"User": "a:b:c"},
+        {"Labels": {"k": {"not": "a string"}}},
+    ],
+)
+def test_an_image_config_over_its_bounds_is_refused_before_any_layer(dsec_dir: Path, hostile: Any) -> None:
+    store = LayerStore(dsec_dir / "dsec-store")
+    archive = docker_save_tar(dsec_dir / "dsec-image.tar", {**CONFIG, "config": hostile})
+    with pytest.raises(errors.InvalidRequest, match="the image config"):
+        import_oci_archive(store, "dsectest", archive)
+    assert store.list_layers() == [] and store.list_images() == []
 
 
 def test_tarball_layer_import_and_compressions(dsec_dir: Path) -> None:

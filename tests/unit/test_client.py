@@ -221,7 +221,8 @@ def test_create_exec_files_session_stop(client: Client, fake: FakeDsec) -> None:
     assert isinstance(sb.info, SandboxInfo) and sb.info.spec.cpu == 2.0
     spec = body(fake.calls("POST", "/v1/sandboxes")[0])
     assert spec["image"] == "python" and spec["cpu"] == 2.0 and spec["env"] == {"X": "1"}
-    assert spec["labels"] == {"a": "b"} and spec["memory_mb"] == 1024 and spec["workdir"] == "/work"
+    assert spec["labels"] == {"a": "b"} and spec["memory_mb"] == 1024
+    assert spec["workdir"] is None and spec["user"] is None  # the image's (else /work, root): the edge's call
 
     res = sb.exec(["echo", "hi"], stdin="in", env={"A": "b"}, cwd="/tmp", timeout=5)
     assert isinstance(res, ExecResult) and res.stdout == "hi\n" and res.exit_code == 0

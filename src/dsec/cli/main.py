@@ -428,10 +428,22 @@ def image_ls(data_dir: DataDir = Path("/var/lib/dsec"), as_json: JsonOut = False
     if as_json:
         print(json.dumps([i.model_dump(mode="json") for i in images]))
         return
-    t = Table("image", "layers (bottom first)")
+    t = Table("image", "layers (bottom first)", "workdir", "user", "env")
     for i in images:
-        t.add_row(i.name, ", ".join(str(r) for r in i.layers))
+        c = i.config
+        t.add_row(i.name, ", ".join(str(r) for r in i.layers), c.workdir or "", c.user or "", str(len(c.env)))
     console.print(t)
+
+
+@image_app.command("inspect")
+def image_inspect(name: str, data_dir: DataDir = Path("/var/lib/dsec")) -> None:
+    """An image as JSON: its layers, where it came from, and its config (ENV, WORKDIR, USER,
+    ENTRYPOINT/CMD, exposed ports, labels), which its sandboxes get by default."""
+    try:
+        image = _store(data_dir).get_image(name)
+    except errors.DsecError as e:
+        _fail(e)
+    print(image.model_dump_json(indent=2))
 
 
 # --- sandboxes -----------------------------------------------------------------------------

@@ -54,6 +54,7 @@ from dsec.aio import wait_for
 from dsec.edgeapi import EdgeAPI
 from dsec.iam import Principal
 from dsec.models import (
+    DEFAULT_WORKDIR,
     ExecRequest,
     ExecResult,
     FileWrite,
@@ -324,7 +325,7 @@ async def _absolute(ctx: _Ctx, path: str) -> str:
     if path.startswith("/"):
         return path
     info = await ctx.edge.get(ctx.sid, ctx.projects)
-    return posixpath.join(info.spec.workdir, path)
+    return posixpath.join(info.spec.workdir or DEFAULT_WORKDIR, path)
 
 
 def _argv(cmd: Command) -> list[str]:

@@ -31,6 +31,7 @@ from dsec.edge.sessions import Runner, Session, open_session
 from dsec.edge.telemetry import Telemetry
 from dsec.http.output import HeldReply, StreamText, result_json
 from dsec.isolation.spec import DEFAULT_PATH
+from dsec.layers.userdb import resolve_user
 from dsec.models import (
     ExecRequest,
     ExecResult,
@@ -75,11 +76,14 @@ class EdgeExec(EdgePart):
         return f"dsec-x{self._epoch}-{next(sb.counter)}"
 
     def _env(self, sb: Sandbox, extra: dict[str, str]) -> dict[str, str]:
+        """The platform's defaults, under the image's ENV (its PATH too), under the sandbox
+        spec's env, under the call's."""
         return {
             "PATH": DEFAULT_PATH,
             "HOME": sb.home,
             "LANG": "C.UTF-8",
             "HOSTNAME": sb.id,
+            **sb.image_env,
             **sb.record.spec.env,
             **extra,
         }
@@ -87,7 +91,7 @@ class EdgeExec(EdgePart):
     def _user(self, sb: Sandbox, user: str | None) -> tuple[int, int]:
         if user is None:
             return sb.uid, sb.gid
-        uid, gid, _ = self.life._resolve_user(sb.files, user)
+        uid, gid, _ = resolve_user(user, sb.users)
         return uid, gid
 
     def _run(
@@ -111,7 +115,7 @@ class EdgeExec(EdgePart):
             sb.handle,
             self.cgroups,
             self._group_name(sb),
-            Launch(argv, self._env(sb, req.env), cwd=req.cwd or sb.record.spec.workdir, uid=uid, gid=gid),
+            Launch(argv, self._env(sb, req.env), cwd=req.cwd or sb.workdir, uid=uid, gid=gid),
             stdin=stdin,
             timeout=req.timeout,
             cap=min(req.max_output_bytes, sb.record.spec.max_output_bytes) if cap is None else cap,
@@ -137,7 +141,7 @@ class EdgeExec(EdgePart):
                 dirs,
                 protected or [],
                 ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) else list(req.cmd),
-                trusted.clean_env(req.env),
+                trusted.clean_env(req.env, sb.image_env),
                 cwd=req.cwd or "/",
                 group_name=self._group_name(sb),
                 stdin=req.stdin.encode() if stdin is None and req.stdin is not None else stdin,
@@ -178,7 +182,7 @@ class EdgeExec(EdgePart):
                 self._group_name(sb),
                 sb.root_fd,
                 ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) else list(req.cmd),
-                trusted.clean_env(req.env),
+                trusted.clean_env(req.env, sb.image_env),
                 # Not the workdir: `python3 -m X`, pytest's rootdir/conftest discovery and the like
                 # load modules from their cwd, which would be the agent's files. A caller who
                 # names a cwd in a task dir takes that on knowingly.
@@ -199,7 +203,7 @@ class EdgeExec(EdgePart):
                 f"a trusted exec runs as the platform's own uid {trusted.TRUSTED_UID}, never as a "
                 "sandbox user: drop `user`"
             )
-        return trusted.task_dirs(req.task_dirs, sb.record.spec.workdir)
+        return trusted.task_dirs(req.task_dirs, sb.workdir)
 
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
         return await (await self.exec_reply(sandbox_id, req)).result()
@@ -314,7 +318,7 @@ class EdgeExec(EdgePart):
             req.kind,
             Runner(sb.handle, self.cgroups, uid, gid),
             self._env(sb, req.env),
-            req.cwd or sb.record.spec.workdir,
+            req.cwd or sb.workdir,
         )
         if len(sb.sessions) >= 64 or self.sandboxes.get(sb.id) is not sb:  # changed meanwhile
             session.close()

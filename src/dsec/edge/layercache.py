@@ -141,7 +141,11 @@ class LayerCache(EdgePart):
                 raise r
         source = {**pulled.image.source, "pulled_from": client.url, "manifest": pulled.digest}
         image = Image(
-            name=name, layers=pulled.image.layers, created_at=pulled.image.created_at, source=source
+            name=name,
+            layers=pulled.image.layers,
+            created_at=pulled.image.created_at,
+            source=source,
+            config=pulled.image.config,
         )
         if not self.layers.has_image(name):
             self.layers.put_image(image)

@@ -32,8 +32,12 @@ from dsec.edge.telemetry import Telemetry
 from dsec.isolation.cgroups import PID_RESERVE
 from dsec.isolation.denials import audit_session
 from dsec.isolation.spec import DEFAULT_PATH, Limits
+from dsec.layers import userdb
 from dsec.layers.store import Image
+from dsec.layers.userdb import resolve_user
 from dsec.models import (
+    DEFAULT_USER,
+    DEFAULT_WORKDIR,
     POOL_PROJECT,
     ExecRequest,
     NetworkPolicy,
@@ -128,6 +132,19 @@ class EdgeLifecycle(EdgePart):
     def _image(self, name: str) -> Image:
         return self.layers.get_image(name)
 
+    @staticmethod
+    def _effective(spec: SandboxSpec, image: Image) -> SandboxSpec:
+        """`spec` with the user and workdir it runs with: its own, else the image's USER and
+        WORKDIR, else root and /work (what the record keeps and the sandbox's info shows)."""
+        if spec.user is not None and spec.workdir is not None:
+            return spec
+        return spec.model_copy(
+            update={
+                "user": spec.user or image.config.user or DEFAULT_USER,
+                "workdir": spec.workdir or image.config.workdir or DEFAULT_WORKDIR,
+            }
+        )
+
     async def create(self, spec: SandboxSpec, *, sandbox_id: str | None = None) -> SandboxInfo:
         if spec.network is not None:  # a rule to the platform's addresses: 400 before any work
             await self.net.check(spec.network)
@@ -154,7 +171,7 @@ class EdgeLifecycle(EdgePart):
         if not image.usable_by(spec.project):  # snapshots belong to a project
             raise errors.ImageNotFound(f"there is no snapshot {spec.image!r} in project {spec.project!r}")
         if sandbox_id is None and spec.project != POOL_PROJECT and spec.network is None:
-            pooled = self._claim_pooled(spec, t0)
+            pooled = self._claim_pooled(spec, t0, image)
             if pooled is not None:
                 return pooled
         return await self._create(spec, sandbox_id, t0, image=image)
@@ -167,14 +184,14 @@ class EdgeLifecycle(EdgePart):
         await self._run(self.sandboxes[info.id], ExecRequest(cmd="true", cwd="/", timeout=10))
         return info.id
 
-    def _claim_pooled(self, spec: SandboxSpec, t0: float) -> SandboxInfo | None:
+    def _claim_pooled(self, spec: SandboxSpec, t0: float, image: Image) -> SandboxInfo | None:
         assert self.store is not None
-        while (sid := self.pools.take(spec)) is not None:
+        while (sid := self.pools.take(spec)) is not None:  # (by the spec as given: None matches None)
             sb = self.sandboxes.get(sid)
             if sb is None or sb.stopping or not sb.handle.alive():
                 continue
             now = time.time()
-            sb.record.spec = spec
+            sb.record.spec = self._effective(spec, image)
             sb.record.created_at = sb.record.last_active = now
             self.store.put(sb.record)
             sb.handle.timings_ms = {"pool": (time.perf_counter() - t0) * 1000}
@@ -202,6 +219,7 @@ class EdgeLifecycle(EdgePart):
         if spec.protected_paths:  # refused before anything is made
             backend.require(Capability.TRUSTED_EXEC, "protected paths (only verify reads them)")
         image = image or self._image(spec.image)  # read once per create (a JSON file)
+        spec = self._effective(spec, image)
         self._admit(spec)
         sid = sandbox_id or self._new_id()
         self._creating[sid] = spec
@@ -210,7 +228,7 @@ class EdgeLifecycle(EdgePart):
             lowers = [self.layers.layer_path(r) for r in self._toolkit]
             lowers += [Path(p) for p in _chain(extra_lower)]
             lowers += self.layers.lowerdirs(image)
-            env = {"PATH": DEFAULT_PATH, "HOSTNAME": sid, **spec.env}
+            env = {"PATH": DEFAULT_PATH, "HOSTNAME": sid, **image.config.env, **spec.env}
             limits = Limits(spec.cpu, spec.memory_mb, spec.pids + PID_RESERVE)
             plan = SandboxPlan(
                 sid, lowers, limits, spec.disk_mb, env, spec.disk_inodes, spec.storage, spec.pids,
@@ -248,11 +266,11 @@ class EdgeLifecycle(EdgePart):
                 extra_lower=extra_lower,
             )
             try:
-                sb = self._open_sandbox(record, backend, handle)
+                sb = self._open_sandbox(record, backend, handle, image)
                 if sb.guest is not None:
-                    await sb.guest.mkdirs(spec.workdir)
+                    await sb.guest.mkdirs(sb.workdir)
                 else:
-                    sb.files._mkdirs(spec.workdir)
+                    sb.files._mkdirs(sb.workdir)
                 if spec.network is not None:
                     await self._apply_network(sb, spec.network)
                 self.store.put(record)
@@ -279,7 +297,14 @@ class EdgeLifecycle(EdgePart):
             self.denials.sessions[ses] = sb.id
             sb.audit_session = ses
 
-    def _open_sandbox(self, record: Record, backend: Backend, handle: SandboxHandle) -> Sandbox:
+    def _open_sandbox(
+        self, record: Record, backend: Backend, handle: SandboxHandle, image: Image | None = None
+    ) -> Sandbox:
+        """The live sandbox of a record: its user resolved, its image's env kept (`image`: read
+        from the store when not given, as at an adopt; one gone since gives an empty config)."""
+        if image is None:
+            with contextlib.suppress(errors.DsecError):
+                image = self._image(record.spec.image)
         # A backend without host file access (a microVM's files are in its guest) has no root.
         root_fd = handle.open_root() if backend.host_files else -1
         try:
@@ -291,41 +316,41 @@ class EdgeLifecycle(EdgePart):
                 base,
                 handle.channel,  # charged writes: copied by a child of the sandbox's init
             )
-            uid, gid, home = self._resolve_user(files, record.spec.user)
+            users = self._user_files(files, image)
+            uid, gid, home = resolve_user(record.spec.user or DEFAULT_USER, users)
             files.uid, files.gid = uid + base, gid + base
         except BaseException:
             if root_fd >= 0:
                 os.close(root_fd)
             raise
-        sb = Sandbox(record, backend, handle, root_fd, files, uid, gid, home)
+        env = dict(image.config.env) if image is not None else {}
+        sb = Sandbox(record, backend, handle, root_fd, files, uid, gid, home, image_env=env, users=users)
         if root_fd < 0 and Capability.FILES in backend.capabilities:
             sb.guest = GuestFiles(lambda req, data, cap: self._run(sb, req, stdin=data, cap=cap), uid, gid)
         self._track_denials(sb)
         return sb
 
-    @staticmethod
-    def _resolve_user(files: SandboxFiles, user: str) -> tuple[int, int, str]:
-        """`root`, a name from the image's /etc/passwd, `uid` or `uid:gid`."""
-        if user == "root":
-            return 0, 0, "/root"
-        name, _, group = user.partition(":")
-        if name.isdigit() and (not group or group.isdigit()):
-            uid = int(name)
-            gid = int(group) if group else uid
-            if not (0 <= uid < 65536 and 0 <= gid < 65536):
-                raise errors.InvalidRequest(f"user {user!r}: ids must be below 65536")
-            return uid, gid, "/"
+    def _user_files(self, files: SandboxFiles, image: Image | None) -> userdb.Reader:
+        """Where a sandbox's users are read: its own root as it is now, on the host (openat2
+        inside the root, bounded); where the host cannot reach its files (a microVM), the
+        image's layers as stacked (links refused), so names work on every backend."""
         if files.root_fd < 0:
-            raise errors.InvalidRequest(
-                f"user {user!r}: this sandbox's backend cannot read the image's /etc/passwd from the "
-                "host; give root, a uid or uid:gid"
-            )
-        with contextlib.suppress(errors.DsecError):
-            for line in files.read("/etc/passwd", 1 << 20).decode(errors="replace").splitlines():
-                f = line.split(":")
-                if len(f) >= 6 and f[0] == name:
-                    return int(f[2]), int(f[3]), f[5] or "/"
-        raise errors.InvalidRequest(f"user {user!r} does not exist in the image; use root, a uid, or uid:gid")
+            lowers = self.layers.lowerdirs(image) if image is not None else []
+            return lambda path: userdb.read_image_file(lowers, path)
+
+        def read(path: str) -> bytes | None:
+            try:
+                return files.read(path, userdb.MAX_USERDB_BYTES)
+            except errors.FileNotFound:
+                return None
+            except errors.DsecError as e:  # too large, not a regular file, a link that leaves
+                raise errors.InvalidRequest(
+                    f"the sandbox's {path} cannot be read for its users ({e.message}); give a uid or "
+                    "uid:gid",
+                    reason="unsafe_user_database",
+                ) from None
+
+        return read
 
     def _watch_exit(self, sb: Sandbox) -> None:
         def on_exit(_: asyncio.Future[None]) -> None:

@@ -253,9 +253,14 @@ class LocalEdge(EdgeAPI):
 
 
 _PULL_KEYS = (
-    "type", "reference", "digest", "size_bytes", "project", "config", "created_layers", "reused_layers",
+    "type", "reference", "digest", "size_bytes", "project", "created_layers", "reused_layers",
 )  # fmt: skip
 
 
 def _image_dict(image: Any) -> dict[str, Any]:
-    return {"name": image.name, "layers": [str(r) for r in image.layers], "created_at": image.created_at}
+    return {
+        "name": image.name,
+        "layers": [str(r) for r in image.layers],
+        "created_at": image.created_at,
+        "config": image.config.model_dump(mode="json"),  # what its sandboxes get by default
+    }

@@ -11,7 +11,8 @@ from dsec.edge.files import SandboxFiles
 from dsec.edge.guestfiles import GuestFiles
 from dsec.edge.sessions import Session
 from dsec.edge.store import Record
-from dsec.models import SandboxInfo
+from dsec.layers.userdb import Reader
+from dsec.models import DEFAULT_WORKDIR, SandboxInfo
 
 # A fork stacks its parent's fork layers instead of copying them; beyond this depth the
 # chain is flattened into one layer (overlayfs mount options are limited to a page).
@@ -45,6 +46,14 @@ class Sandbox:
     busy: int = 0  # operations in flight (execs, session runs, file ops): the idle reaper skips it
     # the file API through processes inside, where the host cannot reach the files (root_fd -1)
     guest: GuestFiles | None = None
+    image_env: dict[str, str] = field(default_factory=dict)  # its image's ENV: under the spec's
+    users: Reader = field(default=lambda _path: None)  # its /etc/passwd and /etc/group, for names
+
+    @property
+    def workdir(self) -> str:
+        """The cwd of its execs and sessions (the record holds the effective one, see
+        EdgeLifecycle._effective)."""
+        return self.record.spec.workdir or DEFAULT_WORKDIR
 
     @property
     def id(self) -> str:

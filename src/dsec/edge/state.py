@@ -346,6 +346,7 @@ class EdgeState(EdgePart):
         image = Image(
             name=name,
             layers=[*base.layers, layer.ref],
+            config=base.config,  # a restore runs as its source did: env, workdir, user
             source={
                 "type": "snapshot",
                 "sandbox": sandbox_id,

@@ -381,8 +381,10 @@ class TrustedSpec:
     pids: int
 
 
-def clean_env(extra: dict[str, str]) -> dict[str, str]:
-    return {"PATH": DEFAULT_PATH, "HOME": "/tmp", "LANG": "C.UTF-8", **extra}
+def clean_env(extra: dict[str, str], image_env: dict[str, str] | None = None) -> dict[str, str]:
+    """A trusted command's env: the image's ENV (its toolchain's PATH: a conda or JDK image's
+    grader finds its tools; the image's, never the sandbox's), HOME a scratch dir, the call's."""
+    return {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8", **(image_env or {}), "HOME": "/tmp", **extra}
 
 
 class AgentFreeze:

@@ -4,7 +4,7 @@ On disk, under ``root``::
 
     layers/<name>/<version>/tree         the layer's filesystem tree (an overlayfs lowerdir)
     layers/<name>/<version>/layer.json   its metadata (:class:`Layer`)
-    images/<name>.json                   an image: an ordered list of layer refs (:class:`Image`)
+    images/<name>.json                   an image: its layer refs in order, its config (:class:`Image`)
     staging/                             scratch space for layers being built (same filesystem)
     cache/<key>.json                     build cache: recipe digest -> layer ref
 
@@ -33,6 +33,7 @@ from typing import Any
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from dsec import errors
+from dsec.models.images import ImageConfig
 
 ID_RANGE = 65536
 """How many uids/gids a container's user namespace maps."""
@@ -109,6 +110,9 @@ class Image(BaseModel):
     layers: list[LayerRef]
     created_at: float = Field(default_factory=time.time)
     source: dict[str, Any] = Field(default_factory=dict)
+    # What its sandboxes get by default (an OCI image's ENV, WORKDIR, USER...); empty for a
+    # recipe's image and for one stored before images kept it.
+    config: ImageConfig = Field(default_factory=ImageConfig)
 
     @field_validator("name")
     @classmethod

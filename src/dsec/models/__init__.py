@@ -24,6 +24,7 @@ from dsec.models.iam import (
     Quota,
     Usage,
 )
+from dsec.models.images import ImageConfig
 from dsec.models.network import (
     MAX_RULES,
     NetRule,
@@ -49,6 +50,8 @@ from dsec.models.requests import (
     RegistryLogin,
 )
 from dsec.models.sandbox import (
+    DEFAULT_USER,
+    DEFAULT_WORKDIR,
     IDEMPOTENCY_LABEL,
     MAX_ENV_BYTES,
     MAX_ENV_VARS,
@@ -95,6 +98,8 @@ from dsec.models.trajectory import (
 )
 
 __all__ = [
+    "DEFAULT_USER",
+    "DEFAULT_WORKDIR",
     "IDEMPOTENCY_LABEL",
     "MAX_ENV_BYTES",
     "MAX_ENV_VARS",
@@ -127,6 +132,7 @@ __all__ = [
     "FnCallResult",
     "ForkLayer",
     "ForkRequest",
+    "ImageConfig",
     "JupyterRequest",
     "JupyterResult",
     "LabelDict",

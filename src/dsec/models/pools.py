@@ -19,8 +19,8 @@ class PoolSpec(BaseModel):
     disk_mb: int = 2048
     disk_inodes: int = 262144
     storage: Literal["disk", "memory"] = Field("disk", exclude_if=lambda v: v == "disk")
-    user: str = "root"
-    workdir: str = "/work"
+    user: str | None = None  # (as in SandboxSpec: None is the image's, else root and /work)
+    workdir: str | None = None
     backend: str = Field(
         "container", pattern=r"^[a-z][a-z0-9-]{0,31}$", description="the tier of its sandboxes"
     )

@@ -12,6 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from dsec.models.network import NetworkPolicy
 
 MiB = 1024 * 1024
+# What a sandbox gets when neither its spec nor its image names a user or a workdir.
+DEFAULT_USER = "root"
+DEFAULT_WORKDIR = "/work"
 ShortStr = Annotated[str, Field(max_length=256)]
 LabelDict = Annotated[dict[str, str], Field(max_length=64)]
 # Label keys under this prefix are the platform's (dsec.fork-of, dsec.restored-from, ...): the
@@ -88,9 +91,19 @@ class SandboxSpec(_Model):
     max_output_bytes: int = Field(
         1 * MiB, ge=0, le=64 * MiB, description="ceiling on what any call in this sandbox captures per stream"
     )
-    env: Annotated[dict[str, str], Field(max_length=256)] = Field(default_factory=dict)
-    user: ShortStr = "root"
-    workdir: ShortStr = "/work"
+    env: Annotated[dict[str, str], Field(max_length=256)] = Field(
+        default_factory=dict, description="over the image's env (ImageConfig.env); each call's goes over it"
+    )
+    user: ShortStr | None = Field(
+        None,
+        description="root, a name of the image's /etc/passwd, uid or uid:gid (names may take a "
+        ":group); None: the image's USER, else root. A sandbox's info shows the one it runs as",
+    )
+    workdir: ShortStr | None = Field(
+        None,
+        description="the cwd of its execs and sessions, made at create when missing; None: the "
+        "image's WORKDIR, else /work. A sandbox's info shows the one it has",
+    )
     labels: LabelDict = Field(default_factory=dict)
     ttl_idle_s: float | None = Field(
         None, gt=0, description="stop (or pause) after this long without a request"
@@ -117,8 +130,8 @@ class SandboxSpec(_Model):
 
     @field_validator("workdir")
     @classmethod
-    def _absolute(cls, v: str) -> str:
-        if not v.startswith("/"):
+    def _absolute(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith("/"):
             raise ValueError("workdir must be an absolute path such as /work")
         return v
 

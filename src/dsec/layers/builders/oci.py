@@ -19,6 +19,7 @@ from dsec import errors
 from dsec.layers.builders.common import _CHUNK, _GZIP_MAGIC, _OCI_FORMATS, _ZSTD_MAGIC, Progress, _say
 from dsec.layers.builders.tar import _TAR_ERRORS, _Extractor, _safe_relpath
 from dsec.layers.store import Image, Layer, LayerRef, LayerStore
+from dsec.models.images import ImageConfig
 
 # --------------------------------------------------------------------------- OCI / docker archives
 
@@ -355,14 +356,6 @@ def _import_oci_layer(store: LayerStore, ar: _Archive, spec: _LayerSpec) -> tupl
         return store.commit_layer(tree, ref.name, ref.version, source, shift=True), True
 
 
-def _runtime_config(config: dict[str, Any]) -> dict[str, Any]:
-    inner = config.get("config")
-    if not isinstance(inner, dict):
-        return {}
-    keys = ("Env", "Cmd", "Entrypoint", "WorkingDir", "User")
-    return {k: inner[k] for k in keys if inner.get(k) is not None}
-
-
 def import_oci_archive(
     store: LayerStore, image_name: str, archive: Path, *, progress: Progress | None = None
 ) -> Image:
@@ -370,7 +363,9 @@ def import_oci_archive(
 
     Each image layer becomes the dsec layer ``oci-<first 12 hex of its digest>@1`` (the
     uncompressed diff_id when the config gives it, else the blob digest), so layers shared
-    between images are stored once. OCI whiteouts become overlayfs whiteouts. The returned
+    between images are stored once. OCI whiteouts become overlayfs whiteouts. The image keeps
+    its config (ENV, WORKDIR, USER, ENTRYPOINT/CMD, exposed ports, labels: :class:`ImageConfig`),
+    refused when malformed or over its bounds before any layer is read. The returned
     image's ``source`` says which layers were created and which were already present."""
     try:
         Image(name=image_name, layers=[])
@@ -380,6 +375,7 @@ def import_oci_archive(
     ar = _open_archive(archive)
     try:
         spec = _image_spec(ar, image_name)
+        config = ImageConfig.from_oci(spec.config, ar.label)  # refused before any layer is read
         if not spec.layers:
             raise errors.InvalidRequest(f"{ar.label}: the image has no layers")
         refs: list[LayerRef] = []
@@ -406,9 +402,9 @@ def import_oci_archive(
             "archive": str(archive.absolute()),
             "created_layers": created,
             "reused_layers": reused,
-            "config": _runtime_config(spec.config),
             **spec.extra,
         },
+        config=config,
     )
     store.put_image(image)
     _say(progress, f"image {image_name}: {', '.join(str(r) for r in image.layers)}")
