@@ -141,7 +141,7 @@ class EdgeExec(EdgePart):
                 dirs,
                 protected or [],
                 ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) else list(req.cmd),
-                trusted.clean_env(req.env, sb.image_env),
+                trusted.clean_env(req.env, sb.image_env, dirs),
                 cwd=req.cwd or "/",
                 group_name=self._group_name(sb),
                 stdin=req.stdin.encode() if stdin is None and req.stdin is not None else stdin,
@@ -182,7 +182,7 @@ class EdgeExec(EdgePart):
                 self._group_name(sb),
                 sb.root_fd,
                 ["/bin/sh", "-c", req.cmd] if isinstance(req.cmd, str) else list(req.cmd),
-                trusted.clean_env(req.env, sb.image_env),
+                trusted.clean_env(req.env, sb.image_env, dirs),
                 # Not the workdir: `python3 -m X`, pytest's rootdir/conftest discovery and the like
                 # load modules from their cwd, which would be the agent's files. A caller who
                 # names a cwd in a task dir takes that on knowingly.

@@ -34,6 +34,7 @@ import contextlib
 import errno
 import os
 import posixpath
+import re
 import shutil
 import signal
 import stat
@@ -381,10 +382,51 @@ class TrustedSpec:
     pids: int
 
 
-def clean_env(extra: dict[str, str], image_env: dict[str, str] | None = None) -> dict[str, str]:
+# Variables that make a program load code named in them (a startup file, an agent, options):
+# never taken from the image's ENV for a trusted command (the call may still set them).
+_CODE_LOADING = frozenset({
+    "BASH_ENV", "ENV", "PYTHONSTARTUP", "PYTHONHOME", "NODE_OPTIONS", "JAVA_TOOL_OPTIONS", "_JAVA_OPTIONS",
+    "JDK_JAVA_OPTIONS", "PERL5OPT", "RUBYOPT", "PROMPT_COMMAND", "LD_PRELOAD", "LD_AUDIT", "GCONV_PATH",
+})  # fmt: skip
+# Path lists: of these, an entry in a task directory (the agent's files) or a relative one
+# (the cwd's: the caller's choice, maybe a task directory) is left out, the rest kept.
+_PATH_LISTS = frozenset({
+    "PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "NODE_PATH", "PERL5LIB", "PERLLIB", "RUBYLIB", "CLASSPATH",
+    "GEM_PATH", "GEM_HOME", "GOPATH", "R_LIBS", "R_LIBS_USER", "LUA_PATH", "LUA_CPATH", "MANPATH",
+})  # fmt: skip
+_TOKENS = re.compile(r"[:;,\s=]+")
+
+
+def _agents(path: str, dirs: Sequence[str]) -> bool:
+    """Whether `path` names something the agent may have made: in a task directory, or relative."""
+    if not path.startswith("/"):
+        return True
+    p = posixpath.normpath(path)
+    return any(p == d or p.startswith(d.rstrip("/") + "/") for d in dirs)
+
+
+def clean_env(
+    extra: dict[str, str], image_env: dict[str, str] | None = None, task_dirs: Sequence[str] = ()
+) -> dict[str, str]:
     """A trusted command's env: the image's ENV (its toolchain's PATH: a conda or JDK image's
-    grader finds its tools; the image's, never the sandbox's), HOME a scratch dir, the call's."""
-    return {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8", **(image_env or {}), "HOME": "/tmp", **extra}
+    grader finds its tools; the image's, never the sandbox's), HOME a scratch dir, the call's.
+    Nothing of the image's ENV may lead to the agent's files: path-list entries in `task_dirs`
+    or relative are dropped, a variable naming a path there is dropped, and the variables
+    that load code (`_CODE_LOADING`) are not taken from the image at all (an image's
+    `ENV PATH=/app/node_modules/.bin:$PATH` would otherwise run the agent's `jest`)."""
+    env = {"PATH": DEFAULT_PATH, "LANG": "C.UTF-8"}
+    for key, value in (image_env or {}).items():
+        if key in _CODE_LOADING or (key.startswith("LD_") and key != "LD_LIBRARY_PATH"):
+            continue
+        if key in _PATH_LISTS:
+            kept = [p for p in value.split(":") if p and not _agents(p, task_dirs)]
+            if kept:
+                env[key] = ":".join(kept)
+            continue
+        if any(_agents(t, task_dirs) for t in _TOKENS.split(value) if "/" in t or t.startswith(".")):
+            continue
+        env[key] = value
+    return {**env, "HOME": "/tmp", **extra}
 
 
 class AgentFreeze:
