@@ -220,6 +220,7 @@ class FakeEdge(EdgeAPI):
     snapshot = fork = checkpoint = restore = delete_checkpoint = protect = verify = _not_simulated
     set_network = network = delete_snapshot = trajectory = trajectory_export = _not_simulated
     fncall_run = fncall_jupyter = build_image = import_image = pull_image = _not_simulated
+    delete_image = image = _not_simulated
     exec_stream = download_tar = _not_simulated_stream
 
     def books_bytes(self) -> int:

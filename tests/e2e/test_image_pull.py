@@ -114,3 +114,41 @@ def test_bad_references_and_registries_are_4xx(world: dict[str, Any]) -> None:
         with pytest.raises(Exception) as e:
             pa.set_registry_login("pa", "not a host", "u", "p")
         assert getattr(e.value, "status", None) == 400
+
+
+def test_a_digest_pins_content_and_images_are_managed_over_http(world: dict[str, Any]) -> None:
+    """`name:tag` resolves to a digest, kept by a sandbox; retagging does not change what the
+    pinned `name@digest` gives; a project's members inspect and delete its images, no one else."""
+    reg: RegistryServer = world["reg"]
+    with _client(world, "pa") as pa, _client(world, "pb") as pb:
+        pa.set_registry_login("pa", f"127.0.0.1:{reg.port}", oci_images.USER, oci_images.PASSWORD)
+        first = pa.pull_image(f"127.0.0.1:{reg.port}/team/small:1", project="pa", name="env:1")
+        digest = first["digest"]
+        assert digest.startswith("sha256:") and pa.image("pa/env:1")["digest"] == digest
+        with pa.create("pa/env:1", project="pa", memory_mb=128) as sb:
+            assert sb.info is not None and sb.info.image_digest == digest
+        # The name now given to other content: the pin still gives the first.
+        second = pa.pull_image(f"127.0.0.1:{reg.port}/team/big:1", project="pa", name="env:1")
+        assert second["digest"] != digest and pa.image("pa/env:1")["digest"] == second["digest"]
+        assert pa.image(f"pa/env:1@{digest}")["digest"] == digest
+        with pa.create(f"pa/env:1@{digest}", project="pa", memory_mb=128) as sb:
+            assert sb.exec('echo "$(</app/hello.txt)"').stdout == "hello\n"
+            assert sb.info is not None and sb.info.image_digest == digest
+        with pa.create("pa/env:1", project="pa", memory_mb=128) as sb:
+            assert sb.exec("test -e /app/hello.txt; echo $?").stdout == "1\n"
+        # Another project: not found, not deletable.
+        for call in (lambda: pb.image("pa/env:1"), lambda: pb.image(f"pa/env:1@{digest}")):
+            with pytest.raises(Exception) as e:
+                call()
+            assert getattr(e.value, "status", None) == 404
+        with pytest.raises(Exception) as e:
+            pb.delete_image("pa/env:1")
+        assert getattr(e.value, "status", None) == 403
+        with pytest.raises(Exception) as e:  # and only admins delete shared images
+            pa.delete_image("python")
+        assert getattr(e.value, "status", None) == 403
+        pa.delete_image("pa/env:1")
+        for name in ("pa/env:1", f"pa/env:1@{digest}"):
+            with pytest.raises(Exception) as e:
+                pa.image(name)
+            assert getattr(e.value, "status", None) == 404

@@ -4,6 +4,7 @@ import builtins
 import json
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -349,6 +350,12 @@ class HttpEdge(EdgeAPI):
 
     async def build_image(self, recipe: str) -> dict[str, Any]:
         return dict((await self._call("POST", "/v1/images/build", json_body={"recipe": recipe})).json())
+
+    async def image(self, name: str) -> dict[str, Any]:
+        return dict((await self._call("GET", f"/v1/images/{quote(name, safe='/:@')}")).json())
+
+    async def delete_image(self, name: str) -> None:
+        await self._call("DELETE", f"/v1/images/{quote(name, safe='/:@')}")
 
     async def pull_image(self, req: wire.EdgePull) -> dict[str, Any]:
         return dict((await self._call("POST", "/v1/images/pull", json_body=req.wire())).json())

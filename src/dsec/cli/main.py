@@ -421,29 +421,60 @@ def image_login(
     console.print(f"{project}: login to {registry} as {username} kept")
 
 
+LocalStore = Annotated[
+    Path | None,
+    typer.Option("--data-dir", help="read this machine's layer store instead of asking the service"),
+]
+
+
 @image_app.command("ls")
-def image_ls(data_dir: DataDir = Path("/var/lib/dsec"), as_json: JsonOut = False) -> None:
-    """List images and their layers."""
-    images = _store(data_dir).list_images()
+def image_ls(data_dir: LocalStore = None, as_json: JsonOut = False) -> None:
+    """List the images you may use (through the service: DSEC_URL / DSEC_TOKEN), with their
+    digests and config."""
+    if data_dir is not None:
+        images = [i.model_dump(mode="json") for i in _store(data_dir).list_images()]
+    else:
+        with _client() as c:
+            images = c.images()
     if as_json:
-        print(json.dumps([i.model_dump(mode="json") for i in images]))
+        print(json.dumps(images))
         return
-    t = Table("image", "layers (bottom first)", "workdir", "user", "env")
+    t = Table("image", "digest", "layers", "workdir", "user", "env")
     for i in images:
-        c = i.config
-        t.add_row(i.name, ", ".join(str(r) for r in i.layers), c.workdir or "", c.user or "", str(len(c.env)))
+        c = i.get("config") or {}
+        digest = (i.get("digest") or "")[:19]
+        t.add_row(
+            i["name"],
+            digest,
+            str(len(i["layers"])),
+            c.get("workdir") or "",
+            c.get("user") or "",
+            str(len(c.get("env") or {})),
+        )
     console.print(t)
 
 
 @image_app.command("inspect")
-def image_inspect(name: str, data_dir: DataDir = Path("/var/lib/dsec")) -> None:
-    """An image as JSON: its layers, where it came from, and its config (ENV, WORKDIR, USER,
-    ENTRYPOINT/CMD, exposed ports, labels), which its sandboxes get by default."""
-    try:
-        image = _store(data_dir).get_image(name)
-    except errors.DsecError as e:
-        _fail(e)
-    print(image.model_dump_json(indent=2))
+def image_inspect(name: str, data_dir: LocalStore = None) -> None:
+    """An image as JSON: its digest (`NAME@DIGEST` pins this content), layers, where it came
+    from, and its config (ENV, WORKDIR, USER, ENTRYPOINT/CMD, exposed ports, labels)."""
+    if data_dir is not None:
+        try:
+            print(_store(data_dir).get_image(name).model_dump_json(indent=2))
+        except errors.DsecError as e:
+            _fail(e)
+        return
+    with _client() as c:
+        print(json.dumps(c.image(name), indent=2))
+
+
+@image_app.command("rm")
+def image_rm(name: str) -> None:
+    """Delete an image (a project's `<project>/<name>` by its members, a shared one by admins)
+    on every edge, with its pins; running sandboxes keep theirs."""
+    with _client() as c:
+        c.delete_image(name)
+    console.print(f"deleted {name}")
 
 
 # --- sandboxes -----------------------------------------------------------------------------

@@ -336,6 +336,15 @@ class AsyncClient(_base.AsyncEndsOnExit):
         pre-warmed pool sandboxes are given back."""
         return await self._call(_calls.cancel_capacity(burst_id))
 
+    async def image(self, name: str) -> dict[str, Any]:
+        """One image: its digest (`name@digest` pins this content), layers, config, edges."""
+        return await self._call(_calls.image(name))
+
+    async def delete_image(self, name: str) -> None:
+        """Delete an image (a project's by its members, a shared one by admins) and its pins;
+        running sandboxes keep theirs."""
+        await self._call(_calls.delete_image(name))
+
     async def pull_image(
         self, reference: str, *, name: str | None = None, project: str | None = None
     ) -> dict[str, Any]:

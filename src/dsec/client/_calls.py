@@ -601,6 +601,20 @@ def _edge(name: str) -> str:
     return quote(name, safe="")
 
 
+def _image_path(name: str) -> str:
+    if not name or "\0" in name or len(name) > 300:
+        raise errors.InvalidRequest(f"image {name[:80]!r} must be an image's name (images() lists them)")
+    return quote(name, safe="/:@")
+
+
+def image(name: str) -> Call[dict[str, Any]]:
+    return Call(Request("GET", f"/v1/images/{_image_path(name)}", idempotent=True), _json)
+
+
+def delete_image(name: str) -> Call[None]:
+    return Call(Request("DELETE", f"/v1/images/{_image_path(name)}", idempotent=True), _none)
+
+
 def pull_image(reference: str, name: str | None, project: str | None) -> Call[dict[str, Any]]:
     body = {"reference": reference, "name": name, "project": project}
     # (a second pull of the same reference makes the same image: safe to send again)

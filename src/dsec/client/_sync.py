@@ -287,6 +287,15 @@ class Client(_base.EndsOnExit):
         pre-warmed pool sandboxes are given back."""
         return self._call(_calls.cancel_capacity(burst_id))
 
+    def image(self, name: str) -> dict[str, Any]:
+        """One image: its digest (`name@digest` pins this content), layers, config, edges."""
+        return self._call(_calls.image(name))
+
+    def delete_image(self, name: str) -> None:
+        """Delete an image (a project's by its members, a shared one by admins) and its pins;
+        running sandboxes keep theirs."""
+        self._call(_calls.delete_image(name))
+
     def pull_image(
         self, reference: str, *, name: str | None = None, project: str | None = None
     ) -> dict[str, Any]:

@@ -450,7 +450,7 @@ class Edge:
             by_image=dict(Counter(s.image for s in specs)),
             by_project=dict(Counter(s.project for s in specs)),
             layers=[str(layer.ref) for layer in self.layers.list_layers()],
-            images=[i.name for i in self.layers.list_images()],
+            images=[i.name for i in self.layers.list_images()] + self.layers.pinned_names(),
             fork_layers=self._fork_layer_ids(),
             registry=bool(self.settings.registry),
         )

@@ -264,6 +264,7 @@ class EdgeLifecycle(EdgePart):
                 ts,
                 ts,
                 extra_lower=extra_lower,
+                image_digest=image.digest,
             )
             try:
                 sb = self._open_sandbox(record, backend, handle, image)

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from dsec import errors
 from dsec import models as wire
 from dsec.edge import Edge
 from dsec.edge.edge import encode_content
@@ -233,6 +234,20 @@ class LocalEdge(EdgeAPI):
         return _image_dict(await asyncio.get_running_loop().run_in_executor(None, run))
 
 
+    async def image(self, name: str) -> dict[str, Any]:
+        image = self.edge.layers.get_image(name)
+        return {**_image_dict(image), "source": {k: image.source.get(k) for k in _PULL_KEYS}}
+
+    async def delete_image(self, name: str) -> None:
+        """Forget image `name` and its pins (`name@digest`); running sandboxes keep their layers
+        (mounted), the layers stay in the store. Snapshots go through delete_snapshot."""
+        image = self.edge.layers.get_image(name)
+        if image.source.get("type") == "snapshot":
+            raise errors.InvalidRequest(
+                f"{name} is a snapshot: delete it with DELETE /v1/snapshots/{name}", reason="is_snapshot"
+            )
+        self.edge.layers.delete_image(name)
+
     async def pull_image(self, req: wire.EdgePull) -> dict[str, Any]:
         from dsec.layers.pull import Reference, RegistryAuth, pull_image
 
@@ -262,5 +277,6 @@ def _image_dict(image: Any) -> dict[str, Any]:
         "name": image.name,
         "layers": [str(r) for r in image.layers],
         "created_at": image.created_at,
+        "digest": image.digest,
         "config": image.config.model_dump(mode="json"),  # what its sandboxes get by default
     }

@@ -278,6 +278,15 @@ def _install_image_routes(app: FastAPI, local: LocalEdge) -> None:
     async def build(body: BuildRequest) -> dict[str, Any]:
         return await local.build_image(body.recipe)
 
+    @app.get("/v1/images/{name:path}")
+    async def image(name: str) -> dict[str, Any]:
+        return await local.image(name)
+
+    @app.delete("/v1/images/{name:path}", status_code=204)
+    async def delete_image(name: str) -> Response:
+        await local.delete_image(name)
+        return Response(status_code=204)
+
     @app.post("/v1/images/pull")
     async def pull(body: EdgePull) -> dict[str, Any]:
         return await local.pull_image(body)

@@ -24,7 +24,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     created_at REAL NOT NULL,
     last_active REAL NOT NULL,
     reason TEXT,
-    extra_lower TEXT
+    extra_lower TEXT,
+    image_digest TEXT
 );
 """
 
@@ -40,6 +41,7 @@ class Record:
     last_active: float
     reason: str | None = None
     extra_lower: str | None = None  # a fork's shared layer (a directory), stacked under the toolkit
+    image_digest: str | None = None  # what its image was when it started (Image.digest)
 
     def info(self, edge: str, timings_ms: dict[str, float] | None = None) -> SandboxInfo:
         """The sandbox as the API shows it (`timings_ms`: its start's, while it runs)."""
@@ -52,6 +54,7 @@ class Record:
             last_active=self.last_active,
             reason=self.reason,
             timings_ms=timings_ms or {},
+            image_digest=self.image_digest,
         )
 
 
@@ -69,13 +72,17 @@ class EdgeStore:
         columns = {row[1] for row in self.db.execute("PRAGMA table_info(sandboxes)")}
         if "extra_lower" not in columns:  # a database from before forks
             self.db.execute("ALTER TABLE sandboxes ADD COLUMN extra_lower TEXT")
+        if "image_digest" not in columns:  # ... and before image digests
+            self.db.execute("ALTER TABLE sandboxes ADD COLUMN image_digest TEXT")
 
     def close(self) -> None:
         self.db.close()
 
     def put(self, r: Record) -> None:
         self.db.execute(
-            "INSERT OR REPLACE INTO sandboxes VALUES (?,?,?,?,?,?,?,?,?)",
+            "INSERT OR REPLACE INTO sandboxes"
+            " (id, spec, state, pid, start_time, created_at, last_active, reason, extra_lower, image_digest)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?)",
             (
                 r.id,
                 r.spec.model_dump_json(),
@@ -86,6 +93,7 @@ class EdgeStore:
                 r.last_active,
                 r.reason,
                 r.extra_lower,
+                r.image_digest,
             ),
         )
 
@@ -100,8 +108,8 @@ class EdgeStore:
 
     def all(self) -> list[Record]:
         rows = self.db.execute(
-            "SELECT id, spec, state, pid, start_time, created_at, last_active, reason, extra_lower"
-            " FROM sandboxes"
+            "SELECT id, spec, state, pid, start_time, created_at, last_active, reason, extra_lower,"
+            " image_digest FROM sandboxes"
         ).fetchall()
         return [
             Record(
@@ -114,6 +122,7 @@ class EdgeStore:
                 last_active=row[6],
                 reason=row[7],
                 extra_lower=row[8],
+                image_digest=row[9],
             )
             for row in rows
         ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import hashlib
 import json
 import os
@@ -40,6 +41,7 @@ ID_RANGE = 65536
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
 # An image name; `<project>/<name>`: a project's own (seen and used by its members only).
+_DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 _IMAGE_RE = re.compile(r"^(?:[a-z0-9][a-z0-9-]{0,62}/)?[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}$")
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,199}$")
 _CHUNK = 1 << 20
@@ -113,6 +115,9 @@ class Image(BaseModel):
     # What its sandboxes get by default (an OCI image's ENV, WORKDIR, USER...); empty for a
     # recipe's image and for one stored before images kept it.
     config: ImageConfig = Field(default_factory=ImageConfig)
+    # What it is, whatever its name: sha256 over its layers' tree digests and its config (set
+    # when stored; `name@<digest>` keeps naming this content after the name is given to another).
+    digest: str | None = None
 
     @field_validator("name")
     @classmethod
@@ -532,11 +537,28 @@ class LayerStore:
     # ---- images
 
     def _image_file(self, name: str) -> Path:
+        """The file of image `name`, or of `name@sha256:<hex>` (a pin: what the name was when
+        it had that digest, kept after the name is given to other content)."""
+        name, _, digest = name.partition("@")
         try:
             _check_name("image name", name, _IMAGE_RE)
         except ValueError as e:
             raise errors.InvalidRequest(str(e)) from None
-        return self.root / "images" / f"{name.replace('/', '%')}.json"  # ('%' is in no name)
+        enc = name.replace("/", "%")  # ('%' is in no name)
+        if not digest:
+            return self.root / "images" / f"{enc}.json"
+        if not _DIGEST_RE.match(digest):
+            raise errors.InvalidRequest(f"{digest[:80]!r} is not an image digest: sha256:<64 hex digits>")
+        return self.root / "images" / "pinned" / f"{enc}@{digest[7:]}.json"
+
+    def image_digest(self, image: Image) -> str:
+        """sha256 over the image's layers (their tree digests, bottom first) and its config."""
+        doc = {
+            "layers": [self.get_layer(r).digest for r in image.layers],
+            "config": image.config.model_dump(mode="json"),
+        }
+        raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+        return "sha256:" + hashlib.sha256(raw).hexdigest()
 
     def get_image(self, name: str) -> Image:
         path = self._image_file(name)
@@ -551,11 +573,19 @@ class LayerStore:
                 available=names,
             ) from None
         try:
-            return Image.model_validate_json(data)
+            image = Image.model_validate_json(data)
         except ValidationError as e:
             raise errors.InternalError(
                 f"image {name!r} has a corrupt file {path}: {_first_error(e)}"
             ) from None
+        return self._with_digest(image)
+
+    def _with_digest(self, image: Image) -> Image:
+        """An image stored before images had digests gets its digest (not written back)."""
+        if image.digest is None:
+            with contextlib.suppress(errors.DsecError):
+                image.digest = self.image_digest(image)
+        return image
 
     def put_image(self, image: Image) -> None:
         """Store ``image`` (replacing one of the same name); all its layers must exist."""
@@ -565,7 +595,11 @@ class LayerStore:
         for ref in image.layers:
             if not self.has_layer(ref):
                 raise self._layer_not_found(ref)
-        _atomic_write(path, image.model_dump_json(indent=2).encode())
+        image.digest = self.image_digest(image)
+        data = image.model_dump_json(indent=2).encode()
+        _mkdir(self.root / "images" / "pinned")
+        _atomic_write(self._image_file(f"{image.name}@{image.digest}"), data)  # (before the name)
+        _atomic_write(path, data)
 
     def list_images(self) -> list[Image]:
         out: list[Image] = []
@@ -573,15 +607,30 @@ class LayerStore:
             if p.name.startswith("."):
                 continue
             with contextlib.suppress(FileNotFoundError, ValidationError):
-                out.append(Image.model_validate_json(p.read_bytes()))
+                out.append(self._with_digest(Image.model_validate_json(p.read_bytes())))
+        return out
+
+    def pinned_names(self) -> list[str]:
+        """Every `name@sha256:<hex>` the store can give (an image's content when it had that
+        digest: the current ones and those since renamed)."""
+        out = []
+        for p in sorted((self.root / "images" / "pinned").glob("*@*.json")):
+            enc, _, hexdigest = p.name.removesuffix(".json").rpartition("@")
+            out.append(f"{enc.replace('%', '/')}@sha256:{hexdigest}")
         return out
 
     def delete_image(self, name: str) -> None:
+        """Remove the name and every pin of it (their layers stay until pruned)."""
         path = self._image_file(name)
         if not path.exists():
             self.get_image(name)  # raises ImageNotFound with the available names
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+        if "@" not in name:
+            for pin in (self.root / "images" / "pinned").glob(
+                f"{glob.escape(name.replace('/', '%'))}@*.json"
+            ):
+                pin.unlink(missing_ok=True)
 
     def lowerdirs(self, image: Image) -> list[Path]:
         """The image's layer trees in overlayfs ``lowerdir=`` order: TOP layer first."""

@@ -171,6 +171,12 @@ class SandboxInfo(_Model):
         "not count is left out",
     )
     fork_layer: ForkLayer | None = Field(None, description="the layer a fork made (fork response only)")
+    image_digest: str | None = Field(
+        None,
+        exclude_if=lambda v: v is None,  # (older readers forbid new fields)
+        description="the digest of the image it started from (`spec.image` may name other content "
+        "later; `image@digest` names this content for as long as the edge keeps it)",
+    )
 
 
 class Step(_Model):

@@ -10,12 +10,15 @@ never returned (`GET .../registries` lists registries and user names only).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
 
 from dsec import errors
+from dsec.apiserver.app.control import _visibility
 from dsec.apiserver.app.state import ApiServerState, _PrincipalFn
 from dsec.iam.registries import check_registry_name
 from dsec.layers.pull import Reference
@@ -41,13 +44,20 @@ def image_name(ref: Reference, name: str | None, project: str | None) -> str:
     return name if project is None else f"{project}/{name}"
 
 
-def _install_pull_routes(app: FastAPI, st: ApiServerState, principal: _PrincipalFn) -> None:
-    iam, directory = st.iam, st.directory
+def _member_check(st: ApiServerState, principal: _PrincipalFn) -> Callable[[Request, str], None]:
+    """403 unless the caller may act for `project` (404 for no such project)."""
 
     def member(request: Request, project: str) -> None:
         p = principal(request)
-        iam.get_project(project)  # 404 for no such project
-        iam.authorize(p, project)
+        st.iam.get_project(project)
+        st.iam.authorize(p, project)
+
+    return member
+
+
+def _install_pull_routes(app: FastAPI, st: ApiServerState, principal: _PrincipalFn) -> None:
+    iam, directory = st.iam, st.directory
+    member = _member_check(st, principal)
 
     @app.post("/v1/images/pull")
     async def pull(body: PullRequest, request: Request) -> dict[str, Any]:
@@ -88,4 +98,45 @@ def _install_pull_routes(app: FastAPI, st: ApiServerState, principal: _Principal
     async def delete_login(project: str, registry: str, request: Request) -> Response:
         member(request, project)
         iam.delete_registry_login(project, check_registry_name(registry))
+        return Response(status_code=204)
+
+
+def _install_image_routes(app: FastAPI, st: ApiServerState, principal: _PrincipalFn) -> None:
+    """One image: inspected, deleted."""
+    iam, directory = st.iam, st.directory
+    member = _member_check(st, principal)
+
+    @app.get("/v1/images/{name:path}")
+    async def image(name: str, request: Request) -> dict[str, Any]:
+        """One image as the caller may see it: its digest, layers, config, the edges holding it
+        (a tenant: of another's image nothing, of its source the type, reference and digest)."""
+        vis = await _visibility(st, iam.visible_projects(principal(request)))
+        if not vis.image(name.partition("@")[0]):
+            raise errors.ImageNotFound(f"no image {name!r} that you may see", image=name)
+        found: dict[str, Any] | None = None
+        holders: list[str] = []
+        for e in directory.all():
+            with contextlib.suppress(errors.DsecError):
+                found = found or await e.image(name)
+                holders.append(e.name)
+        if found is None:
+            raise errors.ImageNotFound(f"no edge holds image {name!r}", image=name)
+        return {**found, "edges": holders}
+
+    @app.delete("/v1/images/{name:path}", status_code=204)
+    async def delete_image(name: str, request: Request) -> Response:
+        """A project's image by its members, a shared one by admins; on every edge."""
+        base = name.partition("@")[0]
+        if "/" in base:
+            member(request, base.split("/", 1)[0])
+        elif not principal(request).admin:
+            raise errors.Forbidden("only admins delete shared images; a project's are named <project>/<name>")
+        results = await asyncio.gather(
+            *(e.delete_image(name) for e in directory.all()), return_exceptions=True
+        )
+        await directory.poll_once()
+        done = [r for r in results if not isinstance(r, BaseException)]
+        if not done:
+            first = next((r for r in results if isinstance(r, errors.DsecError)), None)
+            raise first or errors.ImageNotFound(f"no edge holds image {name!r}", image=name)
         return Response(status_code=204)
