@@ -23,14 +23,11 @@ InvalidRequest (reason build_failed; details `step`, `tail`) naming the step
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import re
 import secrets
 import shutil
-import signal
-import subprocess
 import sys
 import tarfile
 import threading
@@ -49,6 +46,7 @@ from dsec.layers.builders.oci import import_oci_archive
 from dsec.layers.dockerfile import prepare
 from dsec.layers.pull import PullPolicy, Reference, fetch_layout
 from dsec.layers.store import Image, LayerStore
+from dsec.layers.tool import run_tool
 
 BUILDAH = "buildah"
 Emit = Callable[[dict[str, Any]], None]
@@ -199,41 +197,12 @@ class _Run:
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise errors.Unavailable("the build ran out of time", reason="build_timeout")
-        proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=env, start_new_session=True, text=True, errors="replace",
-        )  # fmt: skip
-        killed = threading.Event()
-
-        def kill() -> None:
-            killed.set()
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-
-        timer = threading.Timer(left, kill)
-        timer.start()
-        out: list[str] = []
-        try:
-            assert proc.stdout is not None
-            for raw in proc.stdout:
-                line = raw.rstrip("\n")[:2000]
-                out.append(line)
-                del out[:-200]
-                if not quiet:
-                    self._log(line)
-            proc.wait()
-        finally:
-            timer.cancel()
-            if proc.poll() is None:
-                kill()
-                proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
-        if killed.is_set():
+        done = run_tool(argv, env=env, timeout=left, on_line=None if quiet else self._log)
+        if done.timed_out:
             raise errors.Unavailable(
                 f"the build did not finish within {self.limits.timeout_s:.0f} s", reason="build_timeout"
             )
-        return proc.returncode, "\n".join(out)
+        return done.returncode, "\n".join(done.tail)
 
     def _log(self, line: str) -> None:
         m = _STEP.match(line)

@@ -28,17 +28,13 @@ What is ours to decide, and checked here before skopeo runs:
 from __future__ import annotations
 
 import base64
-import contextlib
 import ipaddress
 import json
 import os
 import re
 import shutil
-import signal
 import socket
-import subprocess
 import tempfile
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +43,7 @@ from typing import Any
 from dsec import errors
 from dsec.layers.builders.oci import import_oci_archive
 from dsec.layers.store import Image, LayerStore
+from dsec.layers.tool import run_tool
 
 SKOPEO = "skopeo"
 DOCKER_HUB = "docker.io"
@@ -190,39 +187,16 @@ def _skopeo(args: list[str], *, timeout: float, env: dict[str, str], progress: P
         raise errors.Unavailable(
             "skopeo is not installed on this edge: run ./install.sh (it installs skopeo)"
         )
-    proc = subprocess.Popen(
-        [exe, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        env=env, start_new_session=True, text=True, errors="replace",
-    )  # fmt: skip
-    killed = threading.Event()
 
-    def kill() -> None:  # the deadline: skopeo and anything it started
-        killed.set()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+    def line(text: str) -> None:
+        if progress is not None and text.strip():
+            progress(text[:300])
 
-    watchdog = threading.Timer(timeout, kill)
-    watchdog.start()
-    out: list[str] = []
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            out.append(line)
-            del out[:-200]  # the tail is what an error shows
-            if progress is not None and line.strip():
-                progress(line.rstrip()[:300])
-        proc.wait()
-    finally:
-        watchdog.cancel()
-        if proc.poll() is None:
-            kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
-    if killed.is_set():
+    done = run_tool([exe, *args], env=env, timeout=timeout, on_line=line)
+    if done.timed_out:
         raise errors.Unavailable(f"the pull did not finish within {timeout:.0f} s", reason="pull_timeout")
-    text = "".join(out)
-    if proc.returncode != 0:
+    text = "\n".join(done.tail)
+    if done.returncode != 0:
         raise _pull_error(text)
     return text
 
