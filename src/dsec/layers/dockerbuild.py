@@ -84,22 +84,13 @@ def _check_context(tf: tarfile.TarFile, max_bytes: int) -> list[tuple[str, tarfi
     total = 0
     members = []
     for m in tf:
-        name = member_name(m.name, what)
-        if m.isdir():
-            tree.add(name, "dir")
-        elif m.isfile():
+        name = tree.add_member(m)
+        if m.isreg():
             total += m.size
             if total > max_bytes:
                 raise errors.PayloadTooLarge(
                     f"{what} is over {max_bytes >> 20} MiB", reason="context_too_large"
                 )
-            tree.add(name, "file")
-        elif m.issym():
-            tree.add(name, "link", m.linkname)
-        elif m.islnk():
-            tree.add(name, "file", member_name(m.linkname, what))
-        else:
-            raise errors.InvalidRequest(f"{what}: {name[:200]!r} is a device, fifo or other special file")
         members.append((name, m))
     tree.check_links()
     return members
