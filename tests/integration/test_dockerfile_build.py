@@ -38,8 +38,8 @@ def env() -> Iterator[dict[str, Any]]:
     root = Path(tempfile.mkdtemp(prefix="dsec-build-", dir="/tmp"))
     root.chmod(0o755)
     server = RegistryServer(root / "registry", port=free_port())
-    server.start()
     try:
+        server.start()
         host = f"127.0.0.1:{server.port}"
         oci_images.make_layout(root / "base", files={"etc/secret": b"base\n"})
         oci_images.push(root / "base", f"{host}/t/base:1")
