@@ -17,7 +17,7 @@ APT_PACKAGES=(crun runc mmdebstrap bubblewrap gcc libc6-dev iproute2 nftables pr
               postgresql  # the cluster's IAM (dsec apiserver --database; dsec cluster up starts its own)
               docker-registry  # the OCI distribution server layers travel through (DSEC_EDGE_REGISTRY)
               skopeo  # image pulls by reference from OCI registries (dsec image pull, layers/pull.py)
-              buildah)  # OCI images from Dockerfiles (the tests build their images with it)
+              buildah)  # Dockerfile builds (dsec image build -f: layers/dockerbuild.py); test images
 
 log() { printf '\033[1m[dsec-install]\033[0m %s\n' "$*" >&2; }
 

@@ -20,6 +20,7 @@ in an archive of them is hostile until checked. An archive that passes holds onl
 
 from __future__ import annotations
 
+import tarfile
 import unicodedata
 from collections.abc import Callable
 from typing import Literal
@@ -139,6 +140,28 @@ class ArchiveTree:
                 "before it in the archive"
             )
         self.kinds[name] = kind
+
+    def add_member(self, m: tarfile.TarInfo) -> str:
+        """A tar member (a directory, a regular file, a symbolic link or a hard link; no
+        sparse file, device or FIFO), added by its name; that name, normalised."""
+        w = self.what
+        name = member_name(m.name, w)
+        if m.isdir():
+            self.add(name, "dir")
+        elif m.issparse():
+            raise errors.InvalidRequest(f"{w}: {m.name[:200]!r} is a sparse file; send it as a regular one")
+        elif m.isreg():
+            self.add(name, "file")
+        elif m.issym():
+            self.add(name, "link", m.linkname)
+        elif m.islnk():
+            self.add(name, "file", member_name(m.linkname, w))
+        else:
+            raise errors.InvalidRequest(
+                f"{w}: {m.name[:200]!r} is a device, FIFO or other special file; an archive here holds "
+                "only files, directories and links"
+            )
+        return name
 
     def check_links(self) -> None:
         """Every symbolic link resolves inside the archive root (see the module)."""

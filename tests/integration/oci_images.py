@@ -60,6 +60,7 @@ def make_layout(
         "os": "linux",
         "config": config or {},
         "rootfs": {"type": "layers", "diff_ids": [diff_id]},
+        "history": [{"created_by": "oci_images.make_layout"}],  # one per layer, as builders want
     }
     cfg_desc = _blob(layout, json.dumps(cfg).encode())
     manifest = {

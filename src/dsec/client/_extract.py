@@ -75,24 +75,7 @@ def _checked(members: list[tarfile.TarInfo], root: int, what: str) -> Members:
     tree = ArchiveTree(what, foreign)
     out = []
     for m in members:
-        name = member_name(m.name, what)
-        if m.isdir():
-            tree.add(name, "dir")
-        elif m.issparse():
-            raise errors.InvalidRequest(
-                f"{what}: {m.name[:200]!r} is a sparse file; dsec's edge never sends one"
-            )
-        elif m.isreg():
-            tree.add(name, "file")
-        elif m.issym():
-            tree.add(name, "link", m.linkname)
-        elif m.islnk():
-            tree.add(name, "file", member_name(m.linkname, what))
-        else:
-            raise errors.InvalidRequest(
-                f"{what}: {m.name[:200]!r} is a device, FIFO or other special file; a download holds "
-                "only files, directories and links"
-            )
+        name = tree.add_member(m)
         out.append((name, m))
     _Chain(None, what).cost(*_walks(out))
     tree.check_links()

@@ -237,6 +237,7 @@ class Edge:
             microvm_root=s.microvm_dir,
             disks=self._disks,
         )
+        self.id_ranges = host.id_ranges  # sandboxes' and image builds' (dsec.layers.dockerbuild)
         for name in dict.fromkeys(s.backends):
             try:
                 self.backends[name] = registry.start(name, host)

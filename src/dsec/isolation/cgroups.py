@@ -332,6 +332,21 @@ class CgroupHost:
         dirs = {n: self.v1_mounts[n] / PARENT / sandbox_id for n in ("memory", "cpu", "pids")}
         _limit_v1(dirs, cpu, memory_bytes, pids)
 
+    def create_limited(self, path: str, *, cpu: float, memory_bytes: int, pids: int) -> list[Path]:
+        """A group `path` (relative, e.g. "dsec-build/<id>") with these limits in every
+        hierarchy that has them; its directories, whose cgroup.procs a process writes itself
+        into (an image build: dsec.isolation.buildns). remove_tree() each to end it."""
+        if self.version == 2:
+            d = self.root / path
+            d.mkdir(parents=True)
+            _limit_v2(d, cpu, memory_bytes, pids)
+            return [d]
+        dirs = {n: self.v1_mounts[n] / path for n in _HOST_PROCESS_V1 if n in self.v1_mounts}
+        for d in dirs.values():
+            d.mkdir(parents=True, exist_ok=True)
+        _limit_v1(dirs, cpu, memory_bytes, pids)
+        return list(dirs.values())
+
     def join(self, sandbox_id: str, pid: int) -> None:
         """Move host process `pid` into the sandbox's cgroups (see create_for_process)."""
         dirs = (

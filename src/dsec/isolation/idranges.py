@@ -73,9 +73,16 @@ class IdRanges:
         registry.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(registry, 0o700)
 
-    def claim(self) -> IdRange:
-        """A free range, held by this process until released."""
+    def claim(self, prefer: int | None = None) -> IdRange:
+        """A free range, held by this process until released: range `prefer` (a slot) if it
+        is free (an image build's storage keeps the owner it had)."""
         with self._lock:
+            if prefer is not None and self.first_slot <= prefer < self.end_slot and prefer not in self._held:
+                fd = self._try(prefer)
+                if fd is not None:
+                    self._held.add(prefer)
+                    _write(fd, self._me)
+                    return IdRange(self, prefer, fd)
             for i in range(self.count):
                 slot = self.first_slot + (self._next - self.first_slot + i) % self.count
                 if slot in self._held:

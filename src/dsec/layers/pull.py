@@ -28,17 +28,13 @@ What is ours to decide, and checked here before skopeo runs:
 from __future__ import annotations
 
 import base64
-import contextlib
 import ipaddress
 import json
 import os
 import re
 import shutil
-import signal
 import socket
-import subprocess
 import tempfile
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +43,7 @@ from typing import Any
 from dsec import errors
 from dsec.layers.builders.oci import import_oci_archive
 from dsec.layers.store import Image, LayerStore
+from dsec.layers.tool import run_tool
 
 SKOPEO = "skopeo"
 DOCKER_HUB = "docker.io"
@@ -190,39 +187,16 @@ def _skopeo(args: list[str], *, timeout: float, env: dict[str, str], progress: P
         raise errors.Unavailable(
             "skopeo is not installed on this edge: run ./install.sh (it installs skopeo)"
         )
-    proc = subprocess.Popen(
-        [exe, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        env=env, start_new_session=True, text=True, errors="replace",
-    )  # fmt: skip
-    killed = threading.Event()
 
-    def kill() -> None:  # the deadline: skopeo and anything it started
-        killed.set()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+    def line(text: str) -> None:
+        if progress is not None and text.strip():
+            progress(text[:300])
 
-    watchdog = threading.Timer(timeout, kill)
-    watchdog.start()
-    out: list[str] = []
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            out.append(line)
-            del out[:-200]  # the tail is what an error shows
-            if progress is not None and line.strip():
-                progress(line.rstrip()[:300])
-        proc.wait()
-    finally:
-        watchdog.cancel()
-        if proc.poll() is None:
-            kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
-    if killed.is_set():
+    done = run_tool([exe, *args], env=env, timeout=timeout, on_line=line)
+    if done.timed_out:
         raise errors.Unavailable(f"the pull did not finish within {timeout:.0f} s", reason="pull_timeout")
-    text = "".join(out)
-    if proc.returncode != 0:
+    text = "\n".join(done.tail)
+    if done.returncode != 0:
         raise _pull_error(text)
     return text
 
@@ -283,6 +257,62 @@ def _size(manifest: dict[str, Any]) -> int:
     return total
 
 
+def fetch_layout(
+    ref: Reference,
+    d: Path,
+    *,
+    policy: PullPolicy,
+    auth: RegistryAuth | None = None,
+    progress: Progress | None = None,
+) -> tuple[Path, str, int]:
+    """Copy `ref` (under `policy`, see the module) into an OCI layout `d`/layout (tag
+    `image`); `d` a private directory on disk. The layout, its manifest's digest and size."""
+    local = check_registry(ref, policy)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(d), "TMPDIR": str(d)}
+    src = [f"--src-tls-verify={'false' if local else 'true'}"]
+    authfile = _auth_file(d, ref, auth)
+    if authfile is not None:
+        src.append(f"--src-authfile={authfile}")
+    if progress is not None:
+        progress(f"pulling {ref}")
+    inspect = ["--tls-verify=false"] if local else []
+    if authfile is not None:
+        inspect.append(f"--authfile={authfile}")
+
+    # The manifest first (an index: its linux/amd64 manifest), to refuse an image too
+    # big before any layer is fetched.
+    def manifest(target: str) -> dict[str, Any]:
+        raw = _skopeo(
+            ["--insecure-policy", "inspect", *inspect, "--raw", f"docker://{target}"],
+            timeout=min(policy.timeout_s, 120), env=env, progress=None,
+        )  # fmt: skip
+        return _json(raw)
+
+    doc = manifest(str(ref))
+    if "layers" not in doc:
+        pinned = _amd64(doc)
+        if pinned is None:
+            raise errors.InvalidRequest(f"{ref} has no linux/amd64 image", reason="no_platform")
+        doc = manifest(f"{ref.registry}/{ref.repository}@{pinned}")
+    size = _size(doc)
+    if size > policy.max_bytes:
+        raise errors.QuotaExceeded(
+            f"{ref} is {size >> 20} MiB compressed, over this edge's pull limit of "
+            f"{policy.max_bytes >> 20} MiB (DSEC_EDGE_PULL_MAX_BYTES)",
+            reason="image_too_large",
+        )
+    layout = d / "layout"
+    _skopeo(
+        ["--insecure-policy", "--override-os", "linux", "--override-arch", "amd64", "copy", *src,
+         "--retry-times", "2", f"docker://{ref}", f"oci:{layout}:image"],
+        timeout=policy.timeout_s, env=env, progress=progress,
+    )  # fmt: skip
+    if authfile is not None:
+        authfile.unlink()
+    index = json.loads((layout / "index.json").read_text())
+    return layout, index["manifests"][0]["digest"], size  # (skopeo wrote it: the manifest it verified)
+
+
 def pull_image(
     store: LayerStore,
     ref: Reference,
@@ -296,53 +326,9 @@ def pull_image(
 ) -> Image:
     """Pull `ref` into the store as image `name` (see the module), `project`'s if given.
     `scratch`: a directory on disk for the download (it can be as big as the image)."""
-    local = check_registry(ref, policy)
     scratch.mkdir(mode=0o700, parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="pull-", dir=scratch) as tmp:
-        d = Path(tmp)
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(d), "TMPDIR": str(d)}
-        src = [f"--src-tls-verify={'false' if local else 'true'}"]
-        authfile = _auth_file(d, ref, auth)
-        if authfile is not None:
-            src.append(f"--src-authfile={authfile}")
-        if progress is not None:
-            progress(f"pulling {ref}")
-        inspect = ["--tls-verify=false"] if local else []
-        if authfile is not None:
-            inspect.append(f"--authfile={authfile}")
-
-        # The manifest first (an index: its linux/amd64 manifest), to refuse an image too
-        # big before any layer is fetched.
-        def manifest(target: str) -> dict[str, Any]:
-            raw = _skopeo(
-                ["--insecure-policy", "inspect", *inspect, "--raw", f"docker://{target}"],
-                timeout=min(policy.timeout_s, 120), env=env, progress=None,
-            )  # fmt: skip
-            return _json(raw)
-
-        doc = manifest(str(ref))
-        if "layers" not in doc:
-            pinned = _amd64(doc)
-            if pinned is None:
-                raise errors.InvalidRequest(f"{ref} has no linux/amd64 image", reason="no_platform")
-            doc = manifest(f"{ref.registry}/{ref.repository}@{pinned}")
-        size = _size(doc)
-        if size > policy.max_bytes:
-            raise errors.QuotaExceeded(
-                f"{ref} is {size >> 20} MiB compressed, over this edge's pull limit of "
-                f"{policy.max_bytes >> 20} MiB (DSEC_EDGE_PULL_MAX_BYTES)",
-                reason="image_too_large",
-            )
-        layout = d / "layout"
-        _skopeo(
-            ["--insecure-policy", "--override-os", "linux", "--override-arch", "amd64", "copy", *src,
-             "--retry-times", "2", f"docker://{ref}", f"oci:{layout}:image"],
-            timeout=policy.timeout_s, env=env, progress=progress,
-        )  # fmt: skip
-        if authfile is not None:
-            authfile.unlink()
-        index = json.loads((layout / "index.json").read_text())
-        digest = index["manifests"][0]["digest"]  # (skopeo wrote it: the manifest it verified)
+        layout, digest, size = fetch_layout(ref, Path(tmp), policy=policy, auth=auth, progress=progress)
         image = import_oci_archive(store, name, layout, progress=progress)
     image.source.update({"type": "pull", "reference": str(ref), "digest": digest, "size_bytes": size})
     if project is not None:
