@@ -66,6 +66,10 @@ class EdgeSettings(BaseSettings):
     # are on a loopback/private address or speak plain HTTP (the cluster's own, a LAN mirror);
     # the largest image (compressed layers) and the longest pull.
     pull_local_registries: list[str] = []
+    # Dockerfile builds (layers/dockerbuild.py): their storage, per edge (`<builds_dir>/<name>`).
+    # Not under data_dir: buildah runs as an unprivileged id range, which must reach it, and the
+    # data dir is root's alone (0700).
+    builds_dir: Path = Path("/var/lib/dsec-builds")
     pull_max_bytes: int = 32 << 30
     pull_timeout_s: float = 1800.0
     # The platform's addresses on other hosts (apiservers, other edges, databases): IPs, CIDRs,

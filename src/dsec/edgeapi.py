@@ -181,6 +181,10 @@ class EdgeAPI(ABC):
     async def delete_image(self, name: str) -> None: ...
     @abstractmethod
     async def image(self, name: str) -> dict[str, Any]: ...
+    @abstractmethod
+    def build_dockerfile(self, req: wire.EdgeBuild, context: bytes) -> AsyncIterator[bytes]:
+        """A Dockerfile build's events as NDJSON lines: {"type": "log", "line"} as it runs,
+        then {"type": "result", "image"} or {"type": "error", "error": <the wire error>}."""
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook
         pass

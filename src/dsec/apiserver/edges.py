@@ -351,6 +351,17 @@ class HttpEdge(EdgeAPI):
     async def build_image(self, recipe: str) -> dict[str, Any]:
         return dict((await self._call("POST", "/v1/images/build", json_body={"recipe": recipe})).json())
 
+    async def build_dockerfile(self, req: wire.EdgeBuild, context: bytes) -> AsyncIterator[bytes]:
+        params = {"spec": json.dumps(req.model_dump(mode="json"))}
+        async with self.http.stream(
+            "POST", "/v1/images/dockerbuild", params=params, content=context, timeout=None
+        ) as r:
+            if r.status_code >= 400:
+                await r.aread()
+                raise errors.error_from_wire(r.status_code, r.json())
+            async for chunk in r.aiter_raw():  # the edge's NDJSON events as they are
+                yield chunk
+
     async def image(self, name: str) -> dict[str, Any]:
         return dict((await self._call("GET", f"/v1/images/{quote(name, safe='/:@')}")).json())
 

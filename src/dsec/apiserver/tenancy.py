@@ -36,7 +36,7 @@ Scope = set[str] | None  # a principal's visible projects; None: all (an admin)
 
 OPEN_PATHS = frozenset({"/v1/health", "/v1/version", "/v1/ping"})
 _ADMIN_ONLY = re.compile(
-    r"^(?:POST /v1/(?:projects|principals|pools|pools/prewarm|images/build|images/import"
+    r"^(?:POST /v1/(?:projects|principals|pools|pools/prewarm|images/import"
     r"|principals/[^/]+/(?:rotate|revoke)|edges/[^/]+/(?:drain|undrain))"
     r"|GET /v1/principals)$"
 )

@@ -289,32 +289,64 @@ def _store(data_dir: Path) -> Any:
     return LayerStore(EdgeSettings(data_dir=data_dir).layer_root)
 
 
+PulledName = Annotated[
+    str | None, typer.Option(help="the image's name (default: the reference's last part and tag)")
+]
+PullProject = Annotated[str | None, typer.Option(help="pull into this project's images, with its logins")]
+
+
 @image_app.command("build")
 def image_build(
-    recipe: str,
+    recipe: Annotated[
+        str, typer.Argument(help="a Debian recipe (code, python), or with -t a build context directory")
+    ],
+    tag: Annotated[
+        str | None, typer.Option("-t", "--tag", help="build a Dockerfile, through the service, as this image")
+    ] = None,
+    file: Annotated[
+        str, typer.Option("-f", "--file", help="the Dockerfile's path in the context")
+    ] = "Dockerfile",
+    project: PullProject = None,
+    build_arg: Annotated[list[str], typer.Option("--build-arg", help="ARG=value")] = [],  # noqa: B006
+    target: Annotated[str | None, typer.Option(help="the stage to build")] = None,
     data_dir: DataDir = Path("/var/lib/dsec"),
     quiet: bool = False,
     as_json: JsonOut = False,
 ) -> None:
-    """Build an image from a Debian recipe (cached by recipe digest)."""
+    """Build an image: `dsec image build -t NAME[:TAG] [-f Dockerfile] [--project P] CONTEXT` builds
+    a Dockerfile through the service (the context directory is uploaded; its log streams
+    here); `dsec image build RECIPE` a Debian recipe into this machine's layer store (cached
+    by recipe digest)."""
+    if tag is not None:
+        args = dict(a.partition("=")[::2] for a in build_arg)
+        with _client() as c:
+            image = c.build_image(
+                recipe, tag, project=project, dockerfile=file, target=target, build_args=args,
+                on_log=None if quiet or as_json else err_console.print,
+            )  # fmt: skip
+        if as_json:
+            print(json.dumps(image))
+        elif not quiet:
+            console.print(f"image [bold]{image['name']}[/bold] ({image.get('digest')})")
+        return
     from dsec.layers import build_recipe_image
 
     store = _store(data_dir)
     try:
         if quiet or as_json:
-            image = build_recipe_image(store, recipe)
+            image_ = build_recipe_image(store, recipe)
         else:
             with Progress(SpinnerColumn(), TextColumn("{task.description}"), console=err_console) as bar:
                 task = bar.add_task(f"building {recipe}", total=None)
-                image = build_recipe_image(
+                image_ = build_recipe_image(
                     store, recipe, progress=lambda m: bar.update(task, description=f"{recipe}: {m}")
                 )
     except errors.DsecError as e:
         _fail(e)
     if as_json:
-        print(image.model_dump_json())
+        print(image_.model_dump_json())
     elif not quiet:
-        console.print(f"image [bold]{image.name}[/bold]: {', '.join(str(r) for r in image.layers)}")
+        console.print(f"image [bold]{image_.name}[/bold]: {', '.join(str(r) for r in image_.layers)}")
 
 
 @image_app.command("import")
@@ -379,12 +411,6 @@ def image_push(
             f"pushed {name} to {registry} as {tag} ({digest}): {len(image.layers)} layers, "
             f"{counts.get('PUT blob', 0)} blobs uploaded"
         )
-
-
-PulledName = Annotated[
-    str | None, typer.Option(help="the image's name (default: the reference's last part and tag)")
-]
-PullProject = Annotated[str | None, typer.Option(help="pull into this project's images, with its logins")]
 
 
 @image_app.command("pull")

@@ -6,7 +6,7 @@ import asyncio
 import builtins
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, Unpack
 
@@ -344,6 +344,37 @@ class AsyncClient(_base.AsyncEndsOnExit):
         """Delete an image (a project's by its members, a shared one by admins) and its pins;
         running sandboxes keep theirs."""
         await self._call(_calls.delete_image(name))
+
+    async def build_image(
+        self,
+        context: str | Path,
+        name: str,
+        *,
+        project: str | None = None,
+        dockerfile: str = "Dockerfile",
+        target: str | None = None,
+        build_args: dict[str, str] | None = None,
+        on_log: Callable[[str], None] | None = None,
+    ) -> dict[str, Any]:
+        """Build an image from a Dockerfile: `context` a local directory (uploaded; the server
+        never reads the client's files), `dockerfile` its path in it, `name` the image's
+        (``<project>/<name>`` in a project: its members' own; admins may leave `project` out).
+        Each line of the build's log goes to `on_log` as it comes; the image is returned, or a
+        failing step raises InvalidRequest (``details["reason"] == "build_failed"``, the
+        step named, its output's tail)."""
+        req = _calls.build_image(_base.tar_context(context), name, project, dockerfile, target, build_args)
+        used, response = await self._send(req, stream=True)
+        image = None
+        try:
+            async for line in response.aiter_lines():  # (each event as it comes)
+                image = image or _base.build_events([line], on_log)
+        except httpx.TransportError as exc:
+            raise self._base._lost(exc, used) from exc
+        finally:
+            await response.aclose()
+        if image is None:
+            raise errors.Unavailable("the build's stream ended before its result", reason="stream_ended")
+        return image
 
     async def pull_image(
         self, reference: str, *, name: str | None = None, project: str | None = None

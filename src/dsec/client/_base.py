@@ -12,10 +12,11 @@ between retries).
 from __future__ import annotations
 
 import io
+import json
 import random
 import tarfile
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -106,6 +107,36 @@ def tar_local(local_path: str | Path) -> bytes:
     with tarfile.open(fileobj=buf, mode="w") as tf:
         tf.add(src, arcname=src.resolve().name or ".", recursive=True)
     return buf.getvalue()
+
+
+def tar_context(local_dir: str | Path) -> bytes:
+    """A build context: the tar (in memory) of a local directory's contents, names relative
+    to it, links kept as links (the server refuses one that leads out)."""
+    src = Path(local_dir)
+    if not src.is_dir():
+        raise FileNotFoundError(f"build context {src} is not a directory")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for child in sorted(src.iterdir()):
+            tf.add(child, arcname=child.name, recursive=True)
+    return buf.getvalue()
+
+
+def build_events(lines: Iterable[str], on_log: Callable[[str], None] | None) -> dict[str, Any] | None:
+    """A Dockerfile build's NDJSON events: each log line to `on_log`; the image once the
+    result comes (None before it); its error raised."""
+    for raw in lines:
+        if not raw.strip():
+            continue
+        event = json.loads(raw)
+        if event.get("type") == "log":
+            if on_log is not None:
+                on_log(str(event.get("line", "")))
+        elif event.get("type") == "result":
+            return dict(event["image"])
+        elif event.get("type") == "error":
+            raise errors.error_from_wire(400, event.get("error"))
+    return None
 
 
 def untar_local(data: bytes, local_dir: str | Path) -> None:

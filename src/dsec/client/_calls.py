@@ -615,6 +615,24 @@ def delete_image(name: str) -> Call[None]:
     return Call(Request("DELETE", f"/v1/images/{_image_path(name)}", idempotent=True), _none)
 
 
+def build_image(
+    context: bytes,
+    name: str,
+    project: str | None,
+    dockerfile: str,
+    target: str | None,
+    build_args: dict[str, str] | None,
+) -> Request:
+    params = [("name", name), ("dockerfile", dockerfile)]
+    params += [("project", project)] if project is not None else []
+    params += [("target", target)] if target is not None else []
+    params += [("build_arg", f"{k}={v}") for k, v in (build_args or {}).items()]
+    return Request(
+        "POST", "/v1/images/build", params=params, content=context,
+        headers={"Content-Type": "application/x-tar", "Accept": "application/x-ndjson"}, op_timeout=1800.0,
+    )  # fmt: skip
+
+
 def pull_image(reference: str, name: str | None, project: str | None) -> Call[dict[str, Any]]:
     body = {"reference": reference, "name": name, "project": project}
     # (a second pull of the same reference makes the same image: safe to send again)

@@ -6,7 +6,7 @@ import builtins
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Unpack
@@ -295,6 +295,35 @@ class Client(_base.EndsOnExit):
         """Delete an image (a project's by its members, a shared one by admins) and its pins;
         running sandboxes keep theirs."""
         self._call(_calls.delete_image(name))
+
+    def build_image(
+        self,
+        context: str | Path,
+        name: str,
+        *,
+        project: str | None = None,
+        dockerfile: str = "Dockerfile",
+        target: str | None = None,
+        build_args: dict[str, str] | None = None,
+        on_log: Callable[[str], None] | None = None,
+    ) -> dict[str, Any]:
+        """Build an image from a Dockerfile: `context` a local directory (uploaded; the server
+        never reads the client's files), `dockerfile` its path in it, `name` the image's
+        (``<project>/<name>`` in a project: its members' own; admins may leave `project` out).
+        Each line of the build's log goes to `on_log` as it comes; the image is returned, or a
+        failing step raises InvalidRequest (``details["reason"] == "build_failed"``, the
+        step named, its output's tail)."""
+        req = _calls.build_image(_base.tar_context(context), name, project, dockerfile, target, build_args)
+        used, response = self._send(req, stream=True)
+        try:
+            image = _base.build_events(response.iter_lines(), on_log)
+        except httpx.TransportError as exc:
+            raise self._base._lost(exc, used) from exc
+        finally:
+            response.close()
+        if image is None:
+            raise errors.Unavailable("the build's stream ended before its result", reason="stream_ended")
+        return image
 
     def pull_image(
         self, reference: str, *, name: str | None = None, project: str | None = None

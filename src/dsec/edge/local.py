@@ -4,6 +4,7 @@ import asyncio
 import builtins
 import contextlib
 import hashlib
+import json
 import logging
 import tempfile
 from collections.abc import AsyncIterator
@@ -16,6 +17,8 @@ from dsec.edge import Edge
 from dsec.edge.edge import encode_content
 from dsec.edge.files import off_loop
 from dsec.edgeapi import EdgeAPI, ExecReply, Projects, decode_write
+from dsec.layers import Image
+from dsec.layers.dockerbuild import Builder
 
 log = logging.getLogger("dsec.edge")
 
@@ -29,6 +32,7 @@ class LocalEdge(EdgeAPI):
         self.edge = edge
         self.name = edge.name
         self.url = url
+        self._builder: Builder | None = None  # Dockerfile builds, made at the first
 
     def _check(self, sid: str, projects: Projects) -> None:
         self.edge.check_access(sid, projects)
@@ -234,9 +238,52 @@ class LocalEdge(EdgeAPI):
         return _image_dict(await asyncio.get_running_loop().run_in_executor(None, run))
 
 
+    async def build_dockerfile(self, req: wire.EdgeBuild, context: bytes) -> AsyncIterator[bytes]:
+        """A Dockerfile build on this edge (dsec.layers.dockerbuild), its events as NDJSON."""
+        from dsec.layers.dockerbuild import BuildSpec
+
+        if self._builder is None:
+            s = self.edge.settings
+            self._builder = Builder(
+                self.edge.layers, s.builds_dir / s.name, ranges=self.edge.id_ranges,
+                cgroups=self.edge.cgroups, policy=s.pull_policy(),
+            )  # fmt: skip
+        builder = self._builder
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+
+        def emit(event: dict[str, Any]) -> None:  # (from the build's thread)
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        def line(event: dict[str, Any]) -> bytes:
+            return (json.dumps(event) + "\n").encode()
+
+        spec = BuildSpec(req.name, req.project, req.dockerfile, dict(req.build_args), req.target)
+        uploads = self.edge.settings.data_dir / "build-uploads"
+        uploads.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(prefix="context-", suffix=".tar", dir=uploads) as f:
+            await loop.run_in_executor(None, f.write, context)
+            await loop.run_in_executor(None, f.flush)
+            del context
+            job: asyncio.Future[Image] = loop.run_in_executor(None, builder.build, spec, Path(f.name), emit)
+            while not (job.done() and events.empty()):
+                getter: asyncio.Future[dict[str, Any]] = asyncio.ensure_future(events.get())
+                either: set[asyncio.Future[Any]] = {getter, job}
+                await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+                if getter.done():
+                    yield line(getter.result())
+                else:
+                    getter.cancel()
+            try:
+                image = job.result()
+            except errors.DsecError as e:
+                yield line({"type": "error", "error": e.to_wire()})
+                return
+        yield line({"type": "result", "image": {**_image_dict(image), "source": _source(image)}})
+
     async def image(self, name: str) -> dict[str, Any]:
         image = self.edge.layers.get_image(name)
-        return {**_image_dict(image), "source": {k: image.source.get(k) for k in _PULL_KEYS}}
+        return {**_image_dict(image), "source": _source(image)}
 
     async def delete_image(self, name: str) -> None:
         """Forget image `name` and its pins (`name@digest`); running sandboxes keep their layers
@@ -264,12 +311,17 @@ class LocalEdge(EdgeAPI):
                     auth=auth, project=req.project, progress=lambda line: log.info("pull %s: %s", ref, line),
                 ),
             )  # fmt: skip
-        return {**_image_dict(image), "source": {k: image.source.get(k) for k in _PULL_KEYS}}
+        return {**_image_dict(image), "source": _source(image)}
 
 
 _PULL_KEYS = (
     "type", "reference", "digest", "size_bytes", "project", "created_layers", "reused_layers",
 )  # fmt: skip
+
+
+def _source(image: Any) -> dict[str, Any]:
+    """What an image's source says that anyone who may see the image may know."""
+    return {k: image.source.get(k) for k in _PULL_KEYS}
 
 
 def _image_dict(image: Any) -> dict[str, Any]:

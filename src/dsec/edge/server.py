@@ -23,6 +23,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 from fastapi import FastAPI, Query, Request, Response
+from fastapi.responses import StreamingResponse
 
 from dsec import __version__, errors
 from dsec.config import EdgeSettings
@@ -40,6 +41,7 @@ from dsec.http.routes import (
 )
 from dsec.models import (
     BuildRequest,
+    EdgeBuild,
     EdgePull,
     EdgeStatus,
     FnCallRequest,
@@ -277,6 +279,13 @@ def _install_image_routes(app: FastAPI, local: LocalEdge) -> None:
     @app.post("/v1/images/build")
     async def build(body: BuildRequest) -> dict[str, Any]:
         return await local.build_image(body.recipe)
+
+    @app.post("/v1/images/dockerbuild")
+    async def dockerbuild(spec: str, request: Request) -> StreamingResponse:
+        req = EdgeBuild.model_validate_json(spec)
+        return StreamingResponse(
+            local.build_dockerfile(req, await request.body()), media_type="application/x-ndjson"
+        )
 
     @app.get("/v1/images/{name:path}")
     async def image(name: str) -> dict[str, Any]:

@@ -321,9 +321,12 @@ _LARGE_BODY = re.compile(
 )
 
 
+_UPLOADS = frozenset({"/v1/images/import", "/v1/images/build", "/v1/images/dockerbuild"})  # archives
+
+
 def body_cap(method: str, path: str, limit: int) -> int:
     """The most bytes a request body to `path` may carry."""
-    if path.endswith("/archive") or path == "/v1/images/import":
+    if path.endswith("/archive") or path in _UPLOADS:
         return max(MAX_ARCHIVE, limit)
     if _LARGE_BODY.match(path):
         return limit

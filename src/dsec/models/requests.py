@@ -114,3 +114,16 @@ class RegistryLogin(BaseModel):
 
     username: str = Field(min_length=1, max_length=255)
     password: SecretStr = Field(min_length=1, max_length=8192, description="a password or access token")
+
+
+class EdgeBuild(BaseModel):
+    """A Dockerfile build as the apiserver asks it of an edge (the context tar is the body):
+    the image's name decided (`<project>/...` for a project's)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(max_length=200)
+    project: str | None = Field(None, max_length=63)
+    dockerfile: str = Field("Dockerfile", min_length=1, max_length=1024)
+    target: str | None = Field(None, max_length=128)
+    build_args: dict[str, str] = Field(default_factory=dict, max_length=256)

@@ -24,7 +24,6 @@ from dsec.apiserver.tenancy import (
 )
 from dsec.models import (
     BackendInfo,
-    BuildRequest,
     PoolInfo,
     PoolSpec,
     PrewarmRequest,
@@ -74,13 +73,6 @@ def _install_image_pool_routes(
                     elif vis.layer(ref):
                         seen.setdefault(ref, tenant_layer(layer))
         return {"layers": list(seen.values())}
-
-    @app.post("/v1/images/build")
-    async def build(body: BuildRequest, request: Request) -> dict[str, Any]:
-        require_admin(request)
-        results = await asyncio.gather(*(e.build_image(body.recipe) for e in directory.all()))
-        await directory.poll_once()
-        return results[0] if results else {}
 
     @app.post("/v1/images/import")
     async def import_(name: str, request: Request) -> dict[str, Any]:

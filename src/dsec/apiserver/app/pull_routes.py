@@ -12,17 +12,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Query, Request, Response
+from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
 
 from dsec import errors
 from dsec.apiserver.app.control import _visibility
 from dsec.apiserver.app.state import ApiServerState, _PrincipalFn
 from dsec.iam.registries import check_registry_name
 from dsec.layers.pull import Reference
-from dsec.models import EdgePull, PullRequest, RegistryLogin
+from dsec.models import BuildRequest, EdgeBuild, EdgePull, PullRequest, RegistryLogin
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:+-]{0,127}$")
 
@@ -33,6 +35,12 @@ def image_name(ref: Reference, name: str | None, project: str | None) -> str:
     if name is None:
         base = ref.repository.rsplit("/", 1)[-1]
         name = f"{base}:{ref.tag}" if ref.tag is not None else f"{base}-{(ref.digest or '')[7:19]}"
+    return project_name(name, project)
+
+
+def project_name(name: str, project: str | None) -> str:
+    """`name` as stored: `<project>/<name>` for a project's image (a `<project>/` prefix the
+    caller gave is its own), the name itself for a shared one."""
     if project is not None and name.startswith(f"{project}/"):
         name = name[len(project) + 1 :]
     if not _NAME.match(name):
@@ -140,3 +148,60 @@ def _install_image_routes(app: FastAPI, st: ApiServerState, principal: _Principa
             first = next((r for r in results if isinstance(r, errors.DsecError)), None)
             raise first or errors.ImageNotFound(f"no edge holds image {name!r}", image=name)
         return Response(status_code=204)
+
+
+def _install_build_routes(
+    app: FastAPI, st: ApiServerState, principal: _PrincipalFn, require_admin: _PrincipalFn
+) -> None:
+    """`POST /v1/images/build`: a JSON {"recipe"} builds a Debian recipe on every edge (admins);
+    a tar body is a Dockerfile build's context (a project's members into its images, admins a
+    shared one), built on one edge, its log streamed as NDJSON events."""
+    directory = st.directory
+    member = _member_check(st, principal)
+
+    @app.post("/v1/images/build", response_model=None)
+    async def build(
+        request: Request,
+        name: str | None = None,
+        project: str | None = None,
+        dockerfile: str = "Dockerfile",
+        target: str | None = None,
+        build_arg: Annotated[list[str] | None, Query()] = None,
+    ) -> dict[str, Any] | StreamingResponse:
+        if request.headers.get("content-type", "").startswith("application/json"):
+            require_admin(request)
+            try:
+                recipe = BuildRequest.model_validate_json(await request.body()).recipe
+            except ValidationError as e:
+                why = e.errors()[0]["msg"]
+                raise errors.InvalidRequest(f'a recipe build takes {{"recipe": NAME}}: {why}') from e
+            results = await asyncio.gather(*(e.build_image(recipe) for e in directory.all()))
+            await directory.poll_once()
+            return results[0] if results else {}
+        if name is None:
+            raise errors.InvalidRequest(
+                "a Dockerfile build needs the image's name (?name=NAME[:TAG]) and its context as a tar body",
+                reason="name_required",
+            )
+        if project is None:
+            require_admin(request)
+        else:
+            member(request, project)
+        args = {k: v for k, _, v in (a.partition("=") for a in build_arg or [])}
+        req = EdgeBuild(
+            name=project_name(name, project), project=project, dockerfile=dockerfile, target=target,
+            build_args=args,
+        )  # fmt: skip
+        views = [v for v in directory.views.values() if v.healthy]
+        if not views:
+            raise errors.Unavailable("no edge is up to build the image", reason="no_edges")
+        events = views[0].api.build_dockerfile(req, await request.body())
+        first = await anext(events)  # (errors before the build starts are the response's own)
+
+        async def stream() -> AsyncIterator[bytes]:
+            yield first
+            async for chunk in events:
+                yield chunk
+            await directory.poll_once()  # (placement finds the image on its edge at once)
+
+        return StreamingResponse(stream(), media_type="application/x-ndjson")

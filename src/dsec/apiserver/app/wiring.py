@@ -28,7 +28,7 @@ from dsec.apiserver.app.control import (
     _visibility,
     watch_node_loss,
 )
-from dsec.apiserver.app.pull_routes import _install_image_routes, _install_pull_routes
+from dsec.apiserver.app.pull_routes import _install_build_routes, _install_image_routes, _install_pull_routes
 from dsec.apiserver.app.sandbox_routes import (
     _install_checkpoint_routes,
     _install_sandbox_routes,
@@ -181,6 +181,7 @@ def create_api_app(
     _install_image_pool_routes(app, st, principal, require_admin)
     _install_pull_routes(app, st, principal)
     _install_image_routes(app, st, principal)
+    _install_build_routes(app, st, principal, require_admin)
     _install_pool_routes(app, st, principal, require_admin)
     _install_edge_routes(app, st, principal)
     _install_iam_routes(app, st, principal, require_admin)
