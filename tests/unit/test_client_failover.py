@@ -122,6 +122,7 @@ CALLS: list[tuple[str, Op, bool]] = [
     ("Client.cancel_capacity", lambda c, sb, se, d: c.cancel_capacity("b1"), True),
     ("Client.image", lambda c, sb, se, d: c.image("p/x:1"), True),
     ("Client.delete_image", lambda c, sb, se, d: c.delete_image("p/x:1"), True),
+    ("Client.build_image", lambda c, sb, se, d: c.build_image(FAKE.parent, "x:1", project="p"), False),
     ("Client.pull_image", lambda c, sb, se, d: c.pull_image("docker.io/library/x:1", project="p"), True),
     ("Client.set_registry_login", lambda c, sb, se, d: c.set_registry_login("p", "ghcr.io", "u", "pw"), True),
     ("Client.registry_logins", lambda c, sb, se, d: c.registry_logins("p"), True),
