@@ -135,7 +135,7 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("POST", "/v1/edges/[^/]+/(drain|undrain)", {"draining": True}),
     ("GET", "/v1/images/.+", {"name": "p/x:1", "layers": [], "created_at": 0.0}),
     ("DELETE", "/v1/images/.+", None),
-    ("POST", "/v1/images/build", b'{"type": "log", "line": "STEP 1/1"}\n{"type": "result", "image": {"name": "p/x:1"}}\n'),
+    ("POST", "/v1/images/build", b'{"type": "log", "line": "1/1"}\n{"type": "result", "image": {"name": "x"}}\n'),
     ("POST", "/v1/images/pull", {"name": "p/x:1", "layers": [], "created_at": 0.0}),
     ("PUT", "/v1/projects/[^/]+/registries/[^/]+", None),
     ("GET", "/v1/projects/[^/]+/registries", {"registries": []}),
