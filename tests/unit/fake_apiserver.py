@@ -91,6 +91,7 @@ def _tar() -> bytes:
 
 
 # (method, path pattern, answer): the first that matches answers; None is 204.
+BUILD_EVENTS = b'{"type": "log", "line": "1/1"}\n{"type": "result", "image": {"name": "x"}}\n'
 ROUTES: list[tuple[str, str, Any]] = [
     ("POST", "/v1/sandboxes", INFO),
     ("POST", "/v1/sandboxes/batch", lambda body: {"sandboxes": [INFO] * body["count"], "errors": []}),
@@ -135,7 +136,7 @@ ROUTES: list[tuple[str, str, Any]] = [
     ("POST", "/v1/edges/[^/]+/(drain|undrain)", {"draining": True}),
     ("GET", "/v1/images/.+", {"name": "p/x:1", "layers": [], "created_at": 0.0}),
     ("DELETE", "/v1/images/.+", None),
-    ("POST", "/v1/images/build", b'{"type": "log", "line": "1/1"}\n{"type": "result", "image": {"name": "x"}}\n'),
+    ("POST", "/v1/images/build", BUILD_EVENTS),
     ("POST", "/v1/images/pull", {"name": "p/x:1", "layers": [], "created_at": 0.0}),
     ("PUT", "/v1/projects/[^/]+/registries/[^/]+", None),
     ("GET", "/v1/projects/[^/]+/registries", {"registries": []}),
