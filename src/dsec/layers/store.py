@@ -573,12 +573,10 @@ class LayerStore:
                 available=names,
             ) from None
         try:
-            image = Image.model_validate_json(data)
+            return self._with_digest(Image.model_validate_json(data))
         except ValidationError as e:
-            raise errors.InternalError(
-                f"image {name!r} has a corrupt file {path}: {_first_error(e)}"
-            ) from None
-        return self._with_digest(image)
+            why = _first_error(e)
+            raise errors.InternalError(f"image {name!r} has a corrupt file {path}: {why}") from None
 
     def _with_digest(self, image: Image) -> Image:
         """An image stored before images had digests gets its digest (not written back)."""
