@@ -31,9 +31,11 @@ async def run(edge, sid, cmd, **kw):
 
 
 async def test_file_writes_are_charged_to_the_sandbox_memory(edge):
-    """A 64 MiB sandbox with a big disk: writes through the API land in its tmpfs, so they
-    must count against its memory, as its own processes' writes do (before: 768 MiB held)."""
-    sb = await edge.create(SandboxSpec(image="python", memory_mb=64, disk_mb=2048))
+    """A 64 MiB sandbox with a big disk in memory (storage="memory": a tmpfs): writes through
+    the API land in its tmpfs, so they must count against its memory, as its own processes'
+    writes do (before: 768 MiB held). (On disk, the default, they are the disk's: ENOSPC at
+    disk_mb, tests/integration/test_disk_storage.py.)"""
+    sb = await edge.create(SandboxSpec(image="python", memory_mb=64, disk_mb=2048, storage="memory"))
     chunk = b"\xa5" * (8 * MiB)
     written = 0
     with pytest.raises(errors.QuotaExceeded) as ei:
@@ -55,7 +57,7 @@ async def test_file_writes_are_charged_to_the_sandbox_memory(edge):
 async def test_charged_write_never_kills_the_sandbox_processes(edge):
     """A process inside holds most of the memory; a large API write must fail on its own
     (the copier offers itself to the OOM killer first), not take that process down."""
-    sb = await edge.create(SandboxSpec(image="python", memory_mb=96, disk_mb=2048))
+    sb = await edge.create(SandboxSpec(image="python", memory_mb=96, disk_mb=2048, storage="memory"))
     hold = "import time; b = bytearray(60 << 20); b[::4096] = b'x' * len(b[::4096]); open('/tmp/ready','w').close(); time.sleep(120)"  # noqa: E501
     await run(edge, sb.id, ["sh", "-c", f'nohup python3 -c "{hold}" >/dev/null 2>&1 &'])
     for _ in range(100):
