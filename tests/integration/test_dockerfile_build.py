@@ -171,3 +171,21 @@ def test_from_scratch(env: dict[str, Any]) -> None:
         env, {"Dockerfile": 'FROM scratch\nCOPY hello.txt /\nCMD ["/hello.txt"]\n', "hello.txt": "x"}
     )
     assert image.config.cmd == ["/hello.txt"] and len(image.layers) == 1
+
+
+def test_a_build_that_would_fill_the_edges_disk_is_stopped(env: dict[str, Any]) -> None:
+    """No disk quota for builds yet: the builder keeps the disk it writes to from filling (here
+    a floor above the disk's size, so the first command is stopped at once)."""
+    import os
+
+    st = os.statvfs(env["root"])
+    b: Builder = env["builder"]
+    full = Builder(
+        b.store, b.root, ranges=b.ranges, cgroups=b.cgroups, policy=b.policy,
+        limits=BuildLimits(timeout_s=120, min_free_bytes=st.f_blocks * st.f_frsize + 1),
+    )  # fmt: skip
+    tar = env["root"] / "ctx-full.tar"
+    tar.write_bytes(_tar({"Dockerfile": "FROM scratch\nCOPY a /\n", "a": "x"}))
+    with pytest.raises(errors.QuotaExceeded) as e:
+        full.build(BuildSpec(name="p/full:1", project="p"), tar, lambda ev: None)
+    assert e.value.details["reason"] == "build_disk"

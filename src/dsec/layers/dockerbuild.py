@@ -65,6 +65,9 @@ class BuildLimits:
     timeout_s: float = 1800.0
     max_context_bytes: int = 2 << 30
     max_log_bytes: int = 4 << 20
+    # the disk the builds' storage is on keeps this much free: a build that takes it below is
+    # stopped (no quota on disk yet: this keeps a build from filling the edge's disk)
+    min_free_bytes: int = 4 << 30
 
 
 @dataclass
@@ -188,12 +191,22 @@ class _Run:
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise errors.Unavailable("the build ran out of time", reason="build_timeout")
-        done = run_tool(argv, env=env, timeout=left, on_line=None if quiet else self._log)
+        done = run_tool(argv, env=env, timeout=left, on_line=None if quiet else self._log, check=self._room)
+        if done.stopped:
+            raise errors.QuotaExceeded(
+                f"the build was stopped: it left the edge's disk less than "
+                f"{self.limits.min_free_bytes >> 20} MiB free (what a build may write is bounded by it)",
+                reason="build_disk",
+            )
         if done.timed_out:
             raise errors.Unavailable(
                 f"the build did not finish within {self.limits.timeout_s:.0f} s", reason="build_timeout"
             )
         return done.returncode, "\n".join(done.tail)
+
+    def _room(self) -> bool:
+        st = os.statvfs(self.home)
+        return st.f_bavail * st.f_frsize >= self.limits.min_free_bytes
 
     def _log(self, line: str) -> None:
         m = _STEP.match(line)
