@@ -384,7 +384,10 @@ async def test_an_agent_that_used_up_its_sandbox_cannot_keep_a_grader_from_runni
     # (gVisor's memory limit is its sentry's: an agent that fills it ends its own sandbox)
     memory = 256 if backend == "gvisor" else 64
     sb = await edge.create(
-        SandboxSpec(image="python", backend=backend, disk_mb=32, disk_inodes=1024, memory_mb=memory, pids=32)
+        SandboxSpec(
+            image="python", backend=backend, disk_mb=32, disk_inodes=1024, memory_mb=memory, pids=32,
+            storage="memory",  # (the tmpfs upper: its pages charged to the agent's memory)
+        )
     )
     await edge.write_file(sb.id, "/work/tests/check.py", FAIL_PY.encode())
     assert await edge.protect(sb.id, ["/work/tests"]) == ["/work/tests"]
