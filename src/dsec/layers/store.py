@@ -329,6 +329,7 @@ class LayerStore:
             raise errors.InvalidRequest(f"uid_offset must be >= 0, got {uid_offset}")
         self.root = Path(root).absolute()
         self.uid_offset = uid_offset
+        self._old_digests: dict[tuple[str, tuple[str, ...], str], str] = {}  # see _with_digest
         for sub in ("layers", "images", "staging", "cache"):
             _mkdir(self.root / sub)
         # Root's only at the top: layer trees are owned by sandbox ids (shifted), and a file
@@ -579,10 +580,15 @@ class LayerStore:
             raise errors.InternalError(f"image {name!r} has a corrupt file {path}: {why}") from None
 
     def _with_digest(self, image: Image) -> Image:
-        """An image stored before images had digests gets its digest (not written back)."""
+        """An image stored before images had digests gets its digest (not written back: a
+        write could race a newer image of that name), computed once per process: creates and
+        status reads call this, and the layers' files are not read each time."""
         if image.digest is None:
-            with contextlib.suppress(errors.DsecError):
-                image.digest = self.image_digest(image)
+            key = (image.name, tuple(str(r) for r in image.layers), image.config.model_dump_json())
+            image.digest = self._old_digests.get(key)
+            if image.digest is None:
+                with contextlib.suppress(errors.DsecError):
+                    image.digest = self._old_digests[key] = self.image_digest(image)
         return image
 
     def put_image(self, image: Image) -> None:
