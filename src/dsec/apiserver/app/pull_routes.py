@@ -53,12 +53,13 @@ def project_name(name: str, project: str | None) -> str:
 
 
 def _member_check(st: ApiServerState, principal: _PrincipalFn) -> Callable[[Request, str], None]:
-    """403 unless the caller may act for `project` (404 for no such project)."""
+    """403 unless the caller may act for `project` (then 404 for no such project: a tenant
+    learns nothing of projects not its own)."""
 
     def member(request: Request, project: str) -> None:
         p = principal(request)
-        st.iam.get_project(project)
         st.iam.authorize(p, project)
+        st.iam.get_project(project)
 
     return member
 
