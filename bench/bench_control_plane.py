@@ -221,7 +221,7 @@ class FakeEdge(EdgeAPI):
     set_network = network = delete_snapshot = trajectory = trajectory_export = _not_simulated
     fncall_run = fncall_jupyter = build_image = import_image = pull_image = _not_simulated
     delete_image = image = _not_simulated
-    exec_stream = download_tar = _not_simulated_stream
+    exec_stream = download_tar = build_dockerfile = _not_simulated_stream
 
     def books_bytes(self) -> int:
         """A rough size of this fake's books (ids, tuples, dict slots): what the simulation
