@@ -170,14 +170,18 @@ async def test_no_token_no_body_read(env: Env, path: str, query: str, headers: d
         ("POST", "/v1/pools"),
         ("POST", "/v1/projects"),
         ("POST", "/v1/principals"),
-        ("POST", "/v1/images/build"),
+        ("POST", "/v1/images/build"),  # (a recipe, or a shared image's Dockerfile build)
+        ("POST", "/v1/images/build?name=x:1"),
+        ("POST", "/v1/images/build?name=x:1&project=not-mine"),  # (a project not its own)
         ("POST", "/v1/images/import"),
         ("POST", "/v1/principals/admin/rotate"),
         ("POST", "/v1/principals/admin/revoke"),
     ],
 )
 async def test_tenants_refused_admin_calls_before_the_body(env: Env, method: str, path: str) -> None:
-    r = await call(env.app, method, path, chunks=endless(b'{"spec": {"image": "'), headers=bearer(env.tenant))
+    path, _, query = path.partition("?")
+    body = endless(b'{"spec": {"image": "')
+    r = await call(env.app, method, path, chunks=body, headers=bearer(env.tenant), query=query)
     assert (r.status, r.code, r.consumed) == (403, "forbidden", 0), r.body[:300]
 
 

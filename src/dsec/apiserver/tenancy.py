@@ -163,6 +163,16 @@ class _Guard:
             raise errors.Forbidden(
                 f"{scope['method']} {path} needs an admin token; principal {p.name!r} is not an admin"
             )
+        if not p.admin and scope["method"] == "POST" and path == "/v1/images/build":
+            # A tenant builds a Dockerfile into a project of its own; anything else (a recipe,
+            # a shared image) is an admin's: refused here, before the upload is read.
+            project = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("project")
+            if not project:
+                raise errors.Forbidden(
+                    "a recipe build, or a shared image's, needs an admin token; a project's members "
+                    "build a Dockerfile into it with ?project=NAME&name=IMAGE"
+                )
+            self.iam.authorize(p, project[0])
 
     def metrics(self, scope: dict[str, Any]) -> None:
         presented = bearer(scope)
