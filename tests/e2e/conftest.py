@@ -169,3 +169,15 @@ def cluster_up(d: Path, apiservers: int = 2, edges: int = 2) -> dict[str, Any]:
     )  # fmt: skip
     assert up.returncode == 0, up.stderr[-3000:]
     return dict(json.loads(up.stdout))
+
+
+def tenants(svc: Service, *projects: str) -> dict[str, str]:
+    """Make each project with a principal of its own (`<project>-user`); their tokens."""
+    tokens = {}
+    with httpx.Client(base_url=svc.url, headers={"Authorization": f"Bearer {svc.token}"}) as admin:
+        for project in projects:
+            assert admin.post("/v1/projects", json={"name": project}).status_code == 200
+            r = admin.post("/v1/principals", json={"name": f"{project}-user", "projects": [project]})
+            assert r.status_code == 200, r.text
+            tokens[project] = r.json()["token"]
+    return tokens

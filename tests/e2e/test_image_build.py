@@ -13,14 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from dsec import errors
 from dsec.client import Client
 
 from ..integration import oci_images
-from .conftest import DSEC, dsec_up
+from .conftest import DSEC, dsec_up, tenants
 
 pytestmark = [pytest.mark.root, pytest.mark.e2e, pytest.mark.slow]
 
@@ -56,12 +55,7 @@ def world(
     }
     with contextlib.ExitStack() as done, dsec_up(tmp, extra) as svc:
         done.callback(shutil.rmtree, builds, ignore_errors=True)
-        tokens = {}
-        with httpx.Client(base_url=svc.url, headers={"Authorization": f"Bearer {svc.token}"}) as admin:
-            for project in ("pa", "pb"):
-                assert admin.post("/v1/projects", json={"name": project}).status_code == 200
-                r = admin.post("/v1/principals", json={"name": f"{project}-user", "projects": [project]})
-                tokens[project] = r.json()["token"]
+        tokens = tenants(svc, "pa", "pb")
         yield {"svc": svc, "base": f"{host}/t/base:1", "tokens": tokens, "tmp": tmp}
 
 

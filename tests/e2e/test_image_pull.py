@@ -8,14 +8,13 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 
 from dsec.client import Client
 from dsec.cluster.registry import RegistryServer
 
 from ..integration import oci_images
-from .conftest import Service, dsec_up
+from .conftest import Service, dsec_up, tenants
 
 pytestmark = [pytest.mark.root, pytest.mark.e2e, pytest.mark.slow]
 
@@ -27,12 +26,7 @@ def world(tmp_path_factory: pytest.TempPathFactory, python_image: str) -> Iterat
         local = json.dumps([f"127.0.0.1:{reg.port}"])
         extra = {"DSEC_EDGE_PULL_LOCAL_REGISTRIES": local, "DSEC_EDGE_FNCALL_IMAGE": ""}
         with dsec_up(tmp_path_factory.mktemp("dsec-pull"), extra) as svc:
-            tokens = {}
-            with httpx.Client(base_url=svc.url, headers={"Authorization": f"Bearer {svc.token}"}) as admin:
-                for project in ("pa", "pb"):
-                    assert admin.post("/v1/projects", json={"name": project}).status_code == 200
-                    r = admin.post("/v1/principals", json={"name": f"{project}-user", "projects": [project]})
-                    tokens[project] = r.json()["token"]
+            tokens = tenants(svc, "pa", "pb")
             yield {"svc": svc, "reg": reg, "digests": digests, "tokens": tokens}
 
 
