@@ -23,6 +23,7 @@ InvalidRequest (reason build_failed; details `step`, `tail`) naming the step
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
@@ -303,6 +304,8 @@ class Builder:
         finally:
             for d in cg:
                 remove_tree(d)
+                with contextlib.suppress(OSError):  # the dsec-build parent, once no build uses it
+                    d.parent.rmdir()
             ids.release()
             shutil.rmtree(work, ignore_errors=True)
         image.source.update({"type": "build", "dockerfile": spec.dockerfile, "steps": df.steps})
