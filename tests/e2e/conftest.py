@@ -67,6 +67,9 @@ def _env(tmp: Path, run_name: str) -> dict[str, str]:
         DSEC_EDGE_RECONCILE_INTERVAL_S="3600",
         DSEC_EDGE_NAME="e" + secrets.token_hex(4),
         DSEC_EDGE_FNCALL_WORKERS="2",
+        # builds' storage: its own, removed with the service (dsec_up), where the builds'
+        # unprivileged ids reach it (not under pytest's 0700 tmp)
+        DSEC_EDGE_BUILDS_DIR=f"/tmp/dsec-builds-{run_name}",
     )
     return env
 
@@ -128,6 +131,7 @@ def dsec_up(tmp: Path, extra_env: dict[str, str] | None = None) -> Iterator[Serv
         if m == run_dir or m.startswith(f"{run_dir}/"):
             unmount_all(Path(m))
     shutil.rmtree(run_dir, ignore_errors=True)
+    shutil.rmtree(env["DSEC_EDGE_BUILDS_DIR"], ignore_errors=True)
     # uvicorn re-raises the signal after a graceful shutdown
     assert proc.returncode in (0, -15), (tmp / "up.log").read_text()[-3000:]
 

@@ -3,12 +3,10 @@ the log streamed, the image its project's own, a failing step named, the CLI's -
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,15 +44,8 @@ def world(
     host = registry_server.url.removeprefix("http://")
     oci_images.make_layout(tmp / "base")
     oci_images.push(tmp / "base", f"{host}/t/base:1")
-    builds = Path(tempfile.mkdtemp(prefix="dsec-builds-", dir="/tmp"))  # (reachable by the builds' ids)
-    builds.chmod(0o711)
-    extra = {
-        "DSEC_EDGE_PULL_LOCAL_REGISTRIES": json.dumps([host]),
-        "DSEC_EDGE_FNCALL_IMAGE": "",
-        "DSEC_EDGE_BUILDS_DIR": str(builds),
-    }
-    with contextlib.ExitStack() as done, dsec_up(tmp, extra) as svc:
-        done.callback(shutil.rmtree, builds, ignore_errors=True)
+    extra = {"DSEC_EDGE_PULL_LOCAL_REGISTRIES": json.dumps([host]), "DSEC_EDGE_FNCALL_IMAGE": ""}
+    with dsec_up(tmp, extra) as svc:
         tokens = tenants(svc, "pa", "pb")
         yield {"svc": svc, "base": f"{host}/t/base:1", "tokens": tokens, "tmp": tmp}
 
