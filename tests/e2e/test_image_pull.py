@@ -135,6 +135,9 @@ def test_a_digest_pins_content_and_images_are_managed_over_http(world: dict[str,
             with pytest.raises(Exception) as e:
                 call()
             assert getattr(e.value, "status", None) == 404
+        with pytest.raises(Exception) as e:  # nor runs it pinned by its digest
+            pb.create(f"pa/env:1@{digest}", project="pb", memory_mb=128)
+        assert getattr(e.value, "status", None) in (403, 404), e.value
         with pytest.raises(Exception) as e:
             pb.delete_image("pa/env:1")
         assert getattr(e.value, "status", None) == 403
